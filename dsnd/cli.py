@@ -1,0 +1,102 @@
+"""``dsnd``: train | launch | env.
+
+User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
+before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+from dsnd import __version__
+from dsnd.errors import UserError
+
+log = logging.getLogger("dsnd")
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Drop ``--local_rank=N`` / ``--local_rank N`` that DeepSpeed's launcher appends (dsnd reads
+    LOCAL_RANK from the environment instead)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif re.fullmatch(r"--local[_-]rank=\d+", arg):
+            pass
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="run YAML (default: the packaged llama-tiny config)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run key, or a DeepSpeed key as ds.KEY=VALUE (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsnd", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dsnd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("env", help="versions, accelerator and backend")
+
+    train = sub.add_parser("train", help="train in the world this process's launcher describes")
+    _add_config_args(train)
+
+    launch = sub.add_parser("launch", help="check the config, then start every rank")
+    _add_config_args(launch)
+    where = launch.add_mutually_exclusive_group(required=True)
+    where.add_argument("--nprocs", type=int, help="ranks on this machine (deepspeed --num_gpus)")
+    where.add_argument("--hostfile", help="DeepSpeed hostfile: 'HOST slots=N' per line")
+    launch.add_argument("--launcher", choices=("pdsh", "openmpi", "mpich"), default="pdsh")
+    launch.add_argument("--include", help="DeepSpeed resource filter, e.g. host1@host2:0,1")
+    launch.add_argument("--exclude", help="DeepSpeed resource filter")
+    launch.add_argument("--master-addr", help="rendezvous address (default: the first host)")
+    launch.add_argument("--master-port", type=int, default=29500)
+    launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    launch.add_argument("--json", action="store_true", help="with --dry-run: machine-readable")
+    return parser
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 talks (INFO); other ranks only warn. DeepSpeed's INFO chatter is silenced."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(
+        level=level, format=f"[r{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(strip_local_rank(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.command == "env":
+            from dsnd.commands.env import run_env
+
+            return run_env()
+        if args.command == "train":
+            from dsnd.commands.train import run_train
+
+            return run_train(args.config, args.sets, setup_logging)
+        from dsnd.commands.launch import run_launch
+
+        return run_launch(args)
+    except UserError as e:
+        print(f"dsnd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

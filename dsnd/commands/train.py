@@ -1,0 +1,28 @@
+"""``dsnd train``: join the world this process's launcher describes and train."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from dsnd.config.load import load
+from dsnd.config.resolve import require_trainable, resolve
+from dsnd.dist.init import init_world, shutdown, world_info
+
+
+def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None]) -> int:
+    info = world_info(dict(os.environ))
+    setup_logging(info.rank)
+    # every check runs before the process group starts
+    res = resolve(load(config, sets), info.world_size)
+    require_trainable(res)
+
+    from dsnd.dist.groups import build_groups
+    from dsnd.trainer import train
+
+    init_world(info, res.run.dist.timeout_s, res.run.dist.backend)
+    try:
+        train(res, build_groups(res.topology))
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,92 @@
+"""Load a run: the YAML, its DeepSpeed JSON, and the ``--set`` overrides, all checked strictly.
+
+``--set KEY=VALUE``: VALUE is parsed as JSON, else taken as a string, then coerced to the field's
+type. ``--set ds.a.b=v`` deep-merges into the DeepSpeed JSON (``null`` deletes). A ``deepspeed:``
+path is relative to the YAML that names it, or to the current directory when given by ``--set``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from dsnd.config import deepspeed_json, strict
+from dsnd.config.schema import RunConfig
+from dsnd.config.yaml_lines import load_yaml
+from dsnd.errors import UserError
+
+
+@dataclass
+class LoadedConfig:
+    """A run config as the user wrote it (DeepSpeed batch keys not yet derived)."""
+
+    run: RunConfig
+    ds: dict[str, Any]
+    yaml_path: str
+    ds_path: str
+    sets: list[str] = field(default_factory=list)
+
+
+def default_config_path() -> str:
+    """The packaged default YAML (installed as package data)."""
+    return str(resources.files("dsnd") / "configs" / "default.yaml")
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (KEY, value parsed as JSON, else the raw string)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {item}: expected KEY=VALUE")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _assign(data: dict[str, Any], dotted: str, value: Any, label: str) -> None:
+    *parents, last = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"{label}: '{part}' is not a section")
+        node = child
+    node[last] = value
+
+
+def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig:
+    """Read and check a run config; raises UserError on any problem."""
+    sets = list(sets or [])
+    yaml_path = config_path or default_config_path()
+    data, lines = load_yaml(yaml_path)
+    where = {key: f"{yaml_path}:{line}" for key, line in lines.items()}
+
+    known = strict.schema_keys(RunConfig)
+    ds_sets: list[tuple[str, Any, str]] = []
+    ds_from_cli = False
+    for item in sets:
+        key, value = parse_set(item)
+        label = f"--set {item}"
+        if key.startswith("ds."):
+            ds_sets.append((key[3:], value, label))
+            continue
+        if key not in known:
+            raise UserError(f"{label}: unknown key '{key}'" + strict.did_you_mean(key, known))
+        _assign(data, key, value, label)
+        where[key] = label
+        ds_from_cli |= key == "deepspeed"
+
+    run = strict.build(RunConfig, data, where, yaml_path)
+    base = os.getcwd() if ds_from_cli else os.path.dirname(os.path.abspath(yaml_path))
+    ds_path = os.path.normpath(os.path.join(base, run.deepspeed))
+    ds = deepspeed_json.load_json(ds_path)
+    for dotted, value, label in ds_sets:
+        if not dotted:
+            raise UserError(f"{label}: expected ds.KEY=VALUE")
+        deepspeed_json.merge_override(ds, dotted, value)
+    deepspeed_json.check_keys(ds, ds_path)
+    return LoadedConfig(run=run, ds=ds, yaml_path=yaml_path, ds_path=ds_path, sets=sets)

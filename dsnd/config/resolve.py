@@ -1,0 +1,130 @@
+"""From a loaded config and a world size to everything a run needs, checked before any process
+group starts: the topology, the model's shape, the batch numbers and the final DeepSpeed dict."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dsnd.config.batch import GAS, MICRO, TRAIN, Batch, resolve_batch
+from dsnd.config.deepspeed_json import check_with_deepspeed
+from dsnd.config.load import LoadedConfig
+from dsnd.config.presets import PRESETS, ModelDims, with_overrides
+from dsnd.config.schema import RunConfig
+from dsnd.errors import UserError
+from dsnd.topology import Topology
+
+
+@dataclass
+class Resolved:
+    """A run, fully determined for one world size."""
+
+    run: RunConfig
+    ds: dict[str, Any]  # the DeepSpeed dict handed to deepspeed.initialize
+    dims: ModelDims
+    topology: Topology
+    batch: Batch
+    yaml_path: str
+    ds_path: str
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch.train * self.run.model.seq_len
+
+
+def model_dims(run: RunConfig) -> ModelDims:
+    m = run.model
+    dims = with_overrides(
+        PRESETS[m.preset],
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+    )
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+        if getattr(dims, name) < 1:
+            raise UserError(f"model.{name} must be >= 1, got {getattr(dims, name)}")
+    if dims.hidden_size % dims.num_heads:
+        raise UserError(
+            f"model.hidden_size={dims.hidden_size} is not divisible by "
+            f"model.num_heads={dims.num_heads}"
+        )
+    if dims.num_heads % dims.num_kv_heads:
+        raise UserError(
+            f"model.num_heads={dims.num_heads} is not divisible by "
+            f"model.num_kv_heads={dims.num_kv_heads}"
+        )
+    if not 1 <= m.seq_len <= dims.max_seq_len:
+        raise UserError(f"model.seq_len={m.seq_len} must be in 1..{dims.max_seq_len}")
+    return dims
+
+
+def check_tp(dims: ModelDims, tp: int) -> None:
+    """Megatron splits heads (and hence hidden) across tp ranks: every count must divide."""
+    for name in ("hidden_size", "num_heads", "num_kv_heads"):
+        value = getattr(dims, name)
+        if value % tp:
+            raise UserError(f"model.{name}={value} is not divisible by parallel.tp={tp}")
+
+
+def scale_lr(ds: dict[str, Any], factor: float) -> None:
+    """Multiply the optimizer's lr and every scheduler ``*_lr`` parameter by `factor`."""
+    params = ds.get("optimizer", {}).get("params", {})
+    if "lr" in params:
+        params["lr"] *= factor
+    for key, value in ds.get("scheduler", {}).get("params", {}).items():
+        if key.endswith("_lr") and isinstance(value, (int, float)):
+            ds["scheduler"]["params"][key] = value * factor
+
+
+def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
+    """Check composition rules and derive the DeepSpeed dict for `world_size` ranks."""
+    run = loaded.run
+    par = run.parallel
+    topology = Topology.from_world(world_size, par.pp, par.tp)
+    dims = model_dims(run)
+    check_tp(dims, par.tp)
+    if par.pp > dims.num_layers:
+        raise UserError(f"parallel.pp={par.pp} exceeds model.num_layers={dims.num_layers}")
+    for key in ("train.steps", "checkpoint.every"):
+        section, name = key.split(".")
+        if getattr(getattr(run, section), name) < 0:
+            raise UserError(f"{key} must be >= 0")
+    if run.train.lr_reference_batch < 1:
+        raise UserError("train.lr_reference_batch must be >= 1")
+    if run.dist.timeout_s <= 0:
+        raise UserError(f"dist.timeout_s must be > 0, got {run.dist.timeout_s}")
+
+    ds = copy.deepcopy(loaded.ds)
+    batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), topology.dp, loaded.ds_path)
+    ds[TRAIN], ds[MICRO], ds[GAS] = batch
+    if "optimizer" not in ds:
+        raise UserError(
+            f"{loaded.ds_path}: no 'optimizer' section (dsnd takes the optimizer from the "
+            "DeepSpeed JSON)"
+        )
+    if run.train.lr_scaling != "none":
+        ratio = batch.train / run.train.lr_reference_batch
+        scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
+    check_with_deepspeed(ds, loaded.ds_path)
+    return Resolved(
+        run=run,
+        ds=ds,
+        dims=dims,
+        topology=topology,
+        batch=batch,
+        yaml_path=loaded.yaml_path,
+        ds_path=loaded.ds_path,
+    )
+
+
+def require_trainable(res: Resolved) -> None:
+    """Refuse layouts this version cannot train yet (it can still plan and print them)."""
+    if res.topology.pp > 1 or res.topology.tp > 1:
+        raise UserError(
+            f"parallel.pp={res.topology.pp} parallel.tp={res.topology.tp}: this dsnd version "
+            "trains data parallel only (pp=1, tp=1); pipeline and tensor parallelism are not "
+            "implemented yet"
+        )

@@ -1,0 +1,99 @@
+"""The run config: one YAML file, one dataclass per section, one docstring per field.
+
+Batch sizes, optimizer, LR schedule, ZeRO, precision and clipping are NOT here: they live in the
+DeepSpeed JSON named by the top-level `deepspeed:` key, which stays DeepSpeed-native.
+Each field's ``doc`` metadata is the text of the config reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def doc(text: str, default: Any) -> Any:
+    """A dataclass field with a default and a line of documentation."""
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = doc("Model preset: llama-tiny or gpt2-tiny.", "llama-tiny")
+    seq_len: int = doc("Tokens per training sample (<= the preset's max_seq_len).", 64)
+    hidden_size: int | None = doc("Override the preset's hidden size.", None)
+    num_layers: int | None = doc("Override the preset's number of transformer blocks.", None)
+    num_heads: int | None = doc("Override the preset's number of attention heads.", None)
+    num_kv_heads: int | None = doc("Override the preset's key/value heads (Llama GQA).", None)
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = doc("Pipeline-parallel stages. dp = world_size / (pp * tp).", 1)
+    tp: int = doc("Tensor-parallel ranks per stage (Megatron-style).", 1)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = doc(
+        "Text or JSONL file to train on; null = the Python standard library's own source.", None
+    )
+    format: str = doc("auto (by extension), text or jsonl.", "auto")
+    text_field: str = doc("JSONL field holding each document's text.", "text")
+    max_bytes: int = doc("Read at most this many bytes of the corpus.", 4_000_000)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = doc("Optimizer steps to train (counted from the start of training).", 20)
+    seed: int = doc("Seed of weights and sample order; the layout never changes either.", 1234)
+    lr_scaling: str = doc(
+        "Scale the JSON's learning rates by global batch / lr_reference_batch: none, linear "
+        "or sqrt.",
+        "none",
+    )
+    lr_reference_batch: int = doc("Global batch the JSON's learning rates were tuned for.", 16)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = doc("Checkpoint root directory (must be visible to every host).", "checkpoints")
+    every: int = doc("Steps between checkpoints; 0 = only at the end of training.", 0)
+
+
+@dataclass
+class LogConfig:
+    dir: str = doc(
+        "Run directory: metrics.jsonl, the resolved configs, per-rank logs.", "runs/dsnd"
+    )
+    every: int = doc("Print a progress line every this many steps (rank 0).", 1)
+
+
+@dataclass
+class DistConfig:
+    timeout_s: float = doc("Collective timeout in seconds: a dead peer ends the job.", 300.0)
+    backend: str = doc("auto (gloo on CPU, nccl on CUDA), gloo or nccl.", "auto")
+
+
+@dataclass
+class RunConfig:
+    deepspeed: str = doc("DeepSpeed JSON, relative to this YAML file.", "zero0.json")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "The model."})
+    parallel: ParallelConfig = field(
+        default_factory=ParallelConfig, metadata={"doc": "The parallel layout."}
+    )
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Training data."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training loop."})
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."}
+    )
+    log: LogConfig = field(default_factory=LogConfig, metadata={"doc": "Logging."})
+    dist: DistConfig = field(default_factory=DistConfig, metadata={"doc": "Process groups."})
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.preset": ("llama-tiny", "gpt2-tiny"),
+    "data.format": ("auto", "text", "jsonl"),
+    "train.lr_scaling": ("none", "linear", "sqrt"),
+    "dist.backend": ("auto", "gloo", "nccl"),
+}
+"""Fields that take one of a fixed set of strings."""

@@ -1,0 +1,107 @@
+"""Strict conversion of plain data (YAML, --set) into the schema dataclasses.
+
+Every key must exist (else: did-you-mean), every value must have the field's type after a small,
+predictable coercion. Errors name where the value came from: ``file.yaml:12`` or ``--set k=v``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+from dsnd.config.schema import CHOICES
+from dsnd.errors import UserError
+
+
+def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest option, or an empty string."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a dataclass (the schema uses postponed annotations)."""
+    return typing.get_type_hints(cls)
+
+
+def schema_keys(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of a dataclass tree, dotted, mapped to its type."""
+    out: dict[str, Any] = {}
+    for name, tp in field_types(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            out.update(schema_keys(tp, key + "."))
+        else:
+            out[key] = tp
+    return out
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return True, args[0]
+    return False, tp
+
+
+def _a(tp: type) -> str:
+    name = {"str": "string", "dict": "mapping"}.get(tp.__name__, tp.__name__)
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """`value` as type `tp`, or a UserError naming `key` at `where`.
+
+    Allowed conversions: int -> float, and number/bool -> str (so ``--set log.dir=2024`` is the
+    directory "2024"). Nothing else is guessed: "3" for an int in YAML is an error.
+    """
+    optional, base = _is_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{where}: {key} must be {_a(base)}, got null")
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is str and isinstance(value, (int, float, bool)):
+        return str(value)
+    if base is int and isinstance(value, bool):
+        raise UserError(f"{where}: {key} must be an int, got bool {value!r}")
+    if not isinstance(value, base):
+        raise UserError(f"{where}: {key} must be {_a(base)}, got {type(value).__name__} {value!r}")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise UserError(
+            f"{where}: {key} must be one of {', '.join(CHOICES[key])}, got {value!r}"
+            + did_you_mean(value, CHOICES[key])
+        )
+    return value
+
+
+def build(cls: type, data: Any, where: dict[str, str], default_where: str, prefix: str = ""):
+    """An instance of dataclass `cls` from `data`, checked key by key.
+
+    `where` maps dotted keys to the place they were written (``file:line`` or ``--set ...``).
+    """
+    section = prefix.rstrip(".") or "top level"
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{where.get(prefix.rstrip('.'), default_where)}: {section} must be a mapping, "
+            f"got {type(data).__name__}"
+        )
+    hints = field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        at = where.get(dotted, default_where)
+        if key not in hints:
+            hint = did_you_mean(str(key), hints)
+            if not hint and not prefix:
+                hint = " (DeepSpeed settings belong in the JSON named by 'deepspeed:')"
+            raise UserError(f"{at}: unknown key '{dotted}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build(tp, value, where, default_where, dotted + ".")
+        else:
+            kwargs[key] = coerce(value, tp, dotted, at)
+    return cls(**kwargs)

@@ -1,0 +1,40 @@
+"""Optimizer parameter groups: weight decay on matrices, none on norms, biases and embeddings."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+# Whole modules whose parameters are never decayed. Decaying an embedding shrinks the rows of rare
+# tokens towards zero between their updates; norms' gains and all biases are 1-D anyway.
+NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    LlamaRMSNorm,
+)
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """`[{"params": decayed}, {"params": not_decayed, "weight_decay": 0.0}]` for trainable params.
+
+    A parameter is not decayed when its owning module is in `NO_DECAY_MODULES` or it has fewer than
+    two dimensions (biases, norm gains). A tied parameter appears once (in the group of its first
+    owner). Empty groups are left out, e.g. for a pipeline stage holding only an untied head.
+    """
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            if isinstance(module, NO_DECAY_MODULES) or param.ndim < 2:
+                no_decay.append(param)
+            else:
+                decay.append(param)
+    groups: list[dict] = []
+    if decay:
+        groups.append({"params": decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups

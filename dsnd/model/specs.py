@@ -1,0 +1,166 @@
+"""The model as a flat list of DeepSpeed layer specs, and the module that builds any subset of it.
+
+Global layer index i: 0 = embedding, 1..num_layers = blocks, num_layers+1 = final norm,
+num_layers+2 = head. With tied embeddings the embedding and the head are `TiedLayerSpec`s with one
+key, as in DeepSpeed's GPT-NeoX/Megatron examples: one module is built, the head calls its
+`logits` through `forward_fn`.
+
+Initial weights depend only on (seed, global layer index, parameter name) — never on the rank,
+stage or the order layers are built in — so every layout starts from the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.pytorch_utils import Conv1D
+
+from dsnd.config.presets import ModelDims
+from dsnd.model.hf_config import hf_config
+from dsnd.model.layers import (
+    GPT2BlockLayer,
+    GPT2Embedding,
+    GPT2FinalNorm,
+    LlamaBlock,
+    LlamaEmbedding,
+    LlamaFinalNorm,
+    LMHead,
+    tied_logits,
+)
+
+TIED_EMBED_KEY = "embed"
+
+_NORMS = (nn.LayerNorm, nn.RMSNorm, LlamaRMSNorm)
+_MATRICES = (nn.Linear, Conv1D, nn.Embedding)
+
+
+def layer_specs(dims: ModelDims) -> list[LayerSpec]:
+    """Embedding, `num_layers` blocks, final norm, head: `num_layers + 3` specs."""
+    config = hf_config(dims)
+    if dims.family == "llama":
+        embed, block, final_norm = LlamaEmbedding, LlamaBlock, LlamaFinalNorm
+    else:
+        embed, block, final_norm = GPT2Embedding, GPT2BlockLayer, GPT2FinalNorm
+    blocks = [LayerSpec(block, config, i) for i in range(dims.num_layers)]
+    if not dims.tie_embeddings:
+        return [
+            LayerSpec(embed, config),
+            *blocks,
+            LayerSpec(final_norm, config),
+            LayerSpec(LMHead, config),
+        ]
+    attr = embed.tied_weight_attr
+    return [
+        TiedLayerSpec(TIED_EMBED_KEY, embed, config, tied_weight_attr=attr),
+        *blocks,
+        LayerSpec(final_norm, config),
+        TiedLayerSpec(TIED_EMBED_KEY, embed, config, forward_fn=tied_logits, tied_weight_attr=attr),
+    ]
+
+
+def _generator(seed: int, layer_index: int, name: str) -> torch.Generator:
+    # hashlib, not hash(): Python salts str hashes per process.
+    digest = hashlib.sha256(f"{seed}/{layer_index}/{name}".encode()).digest()
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return gen
+
+
+def _initial_value(
+    owner: nn.Module, attr: str, param: torch.Tensor, std: float, gen: torch.Generator
+) -> torch.Tensor:
+    shape = tuple(param.shape)
+    if isinstance(owner, _NORMS):
+        return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
+    if attr == "bias":
+        return torch.zeros(shape)
+    if isinstance(owner, _MATRICES) or param.ndim >= 2:
+        return torch.empty(shape).normal_(0.0, std, generator=gen)
+    raise ValueError(f"init_layer: no rule for {type(owner).__name__}.{attr} {shape}")
+
+
+@torch.no_grad()
+def init_layer(module: nn.Module, seed: int, layer_index: int, std: float) -> None:
+    """Initialise every parameter of `module` from (seed, layer_index, its name in `module`).
+
+    Linear/Conv1D/embedding weights ~ N(0, std), norm weights 1, biases 0. Values are drawn in
+    fp32 on the CPU and copied, so they do not depend on the parameter's device or dtype.
+    """
+    for mod_name, mod in module.named_modules():
+        for attr, param in mod.named_parameters(recurse=False):
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            value = _initial_value(mod, attr, param, std, _generator(seed, layer_index, name))
+            param.copy_(value)
+
+
+class LayerStack(nn.Module):
+    """The layers `layer_indices` (global, ascending; default all) of `specs`, run in order.
+
+    Parameter names carry the GLOBAL layer index, as in DeepSpeed's `PipelineModule`, so a name
+    means the same tensor on every pipeline layout: `layers.<i>.<name in layer>` for plain specs,
+    `tied_modules.<key>.<name>` for a tied module, which is built once per stack (at the first of
+    its indices here) and initialised with the index of the key's first spec in `specs`.
+    `init_std` defaults to each layer's own `init_std` attribute.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        seed: int,
+        layer_indices: Sequence[int] | None = None,
+        init_std: float | None = None,
+    ) -> None:
+        super().__init__()
+        indices = list(range(len(specs))) if layer_indices is None else list(layer_indices)
+        if any(i < 0 or i >= len(specs) for i in indices) or indices != sorted(set(indices)):
+            raise ValueError(f"layer_indices must be ascending, unique, < {len(specs)}: {indices}")
+        self.global_indices: tuple[int, ...] = tuple(indices)
+        # tied_modules first so a tied embedding leads the parameter order, as it runs first.
+        self.tied_modules = nn.ModuleDict()
+        self.layers = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self._forward_funcs: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        first_tied_index: dict[str, int] = {}
+        for i, spec in enumerate(specs):
+            if isinstance(spec, TiedLayerSpec):
+                first_tied_index.setdefault(spec.key, i)
+
+        for index in indices:
+            spec = specs[index]
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    module = spec.build()
+                    _init(module, seed, first_tied_index[spec.key], init_std)
+                    self.tied_modules[spec.key] = module
+                    self.tied_weight_attrs[spec.key] = list(spec.tied_weight_attr)
+                module = self.tied_modules[spec.key]
+                fn = module if spec.forward_fn is None else partial(spec.forward_fn, module)
+                self._forward_funcs.append(fn)
+            else:
+                module = spec.build()
+                _init(module, seed, index, init_std)
+                self.layers[str(index)] = module
+                self._forward_funcs.append(module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fn in self._forward_funcs:
+            x = fn(x)
+        return x
+
+
+def _init(module: nn.Module, seed: int, index: int, init_std: float | None) -> None:
+    std = init_std if init_std is not None else getattr(module, "init_std", None)
+    if std is None:
+        raise ValueError(f"{type(module).__name__} has no init_std; pass LayerStack(init_std=...)")
+    init_layer(module, seed, index, std)
+
+
+def build_model(dims: ModelDims, seed: int) -> LayerStack:
+    """All layers of `dims`, initialised from `seed`."""
+    return LayerStack(layer_specs(dims), seed)

@@ -1,0 +1,46 @@
+"""Build a DeepSpeed engine (ZeRO 0-3) over dsnd's own data-parallel group."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import deepspeed
+import torch
+from torch import nn
+
+from dsnd.dist.groups import ProcessGroups
+from dsnd.dist.mpu import Mpu
+from dsnd.model import param_groups
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(model: nn.Module, ds_config: dict[str, Any], groups: ProcessGroups):
+    """`deepspeed.initialize` with no-decay parameter groups and dsnd's mpu."""
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config=ds_config,
+        mpu=Mpu(groups),
+        dist_init_required=False,
+    )
+    return engine
+
+
+def zero_stage(engine) -> int:
+    return engine.zero_optimization_stage()
+
+
+def local_grad_norm(engine) -> float:
+    """L2 norm of the full gradients held on this rank (ZeRO-0: already all-reduced).
+
+    DeepSpeed's ZeRO-0 fp32 path clips without keeping the norm, so dsnd measures it at the
+    accumulation boundary, before the optimizer step, as ZeRO 1-3 report it (pre-clipping).
+    """
+    norms = [
+        p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None
+    ]
+    if not norms:
+        return 0.0
+    return torch.linalg.vector_norm(torch.stack(norms)).item()

@@ -1,0 +1,109 @@
+"""Topology rank math against golden tables and DeepSpeed's PipeModelDataParallelTopology."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsnd.errors import UserError
+from dsnd.topology import Coord, Topology
+
+LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2), (4, 1, 2), (1, 4, 2)]
+
+# rank -> (pp, dp, tp): tensor-parallel peers adjacent, pipeline stages outermost.
+GOLDEN_COORDS = {
+    (2, 2, 2): [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)],
+    (4, 1, 2): [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1),
+                (2, 0, 0), (2, 0, 1), (3, 0, 0), (3, 0, 1)],
+    (1, 4, 2): [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                (0, 2, 0), (0, 2, 1), (0, 3, 0), (0, 3, 1)],
+    (2, 2, 1): [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)],
+}  # fmt: skip
+
+GOLDEN_GROUPS = {
+    (2, 2, 2): {
+        "pipe": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "model": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    },
+    (4, 1, 2): {
+        "pipe": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "data": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "model": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    },
+    (1, 4, 2): {
+        "pipe": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "data": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "model": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    },
+    (2, 2, 1): {
+        "pipe": [[0, 2], [1, 3]],
+        "data": [[0, 1], [2, 3]],
+        "model": [[0], [1], [2], [3]],
+    },
+}
+
+
+@pytest.mark.parametrize("layout", sorted(GOLDEN_COORDS))
+def test_coords_golden(layout):
+    topo = Topology(*layout)
+    assert [tuple(topo.coord(r)) for r in range(topo.world_size)] == GOLDEN_COORDS[layout]
+    for rank, c in enumerate(GOLDEN_COORDS[layout]):
+        assert topo.rank(*c) == rank
+        assert topo.coord(rank) == Coord(*c)
+
+
+@pytest.mark.parametrize("layout", sorted(GOLDEN_GROUPS))
+def test_groups_golden(layout):
+    topo = Topology(*layout)
+    for axis, groups in GOLDEN_GROUPS[layout].items():
+        assert topo.groups(axis) == groups, axis
+        for group in groups:
+            for rank in group:
+                assert topo.group_of(rank, axis) == group
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_groups_partition_world_and_vary_one_axis(layout):
+    topo = Topology(*layout)
+    sizes = {"pipe": topo.pp, "data": topo.dp, "model": topo.tp}
+    fields = {"pipe": "pp", "data": "dp", "model": "tp"}
+    for axis in ("pipe", "data", "model"):
+        groups = topo.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(topo.world_size))
+        for group in groups:
+            assert len(group) == sizes[axis]
+            coords = [topo.coord(r) for r in group]
+            assert [getattr(c, fields[axis]) for c in coords] == list(range(sizes[axis]))
+            for other in set(fields) - {axis}:
+                assert len({getattr(c, fields[other]) for c in coords}) == 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_groups_equal_deepspeed(layout):
+    ds_topology = pytest.importorskip("deepspeed.runtime.pipe.topology")
+    pp, dp, tp = layout
+    theirs = ds_topology.PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    topo = Topology(pp, dp, tp)
+    for axis in ("pipe", "data", "model"):
+        assert topo.groups(axis) == theirs.get_axis_comm_lists(axis), axis
+    for rank in range(topo.world_size):
+        c = theirs.get_coord(rank)
+        assert topo.coord(rank) == Coord(c.pipe, c.data, c.model)
+
+
+def test_model_parallel_groups_hold_one_replica():
+    assert Topology(2, 2, 2).model_parallel_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert Topology(1, 4, 1).model_parallel_groups() == [[0], [1], [2], [3]]
+
+
+def test_from_world_and_errors():
+    assert Topology.from_world(8, pp=2, tp=2) == Topology(2, 2, 2)
+    with pytest.raises(UserError, match=r"world size 6 is not divisible .* = 4"):
+        Topology.from_world(6, pp=2, tp=2)
+    with pytest.raises(UserError, match="parallel.dp must be >= 1, got 0"):
+        Topology(1, 0, 1)
+    with pytest.raises(ValueError, match="rank 8 outside world of 8"):
+        Topology(2, 2, 2).coord(8)
+    with pytest.raises(ValueError, match="unknown axis"):
+        Topology(1, 1, 1).groups("tensor")
