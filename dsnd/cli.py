@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 
@@ -79,8 +80,18 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
+def pin_accelerator() -> None:
+    """Name DeepSpeed's accelerator explicitly: its auto-detection prints a warning on every
+    CPU-only import, which would break the one-line error contract."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(strip_local_rank(sys.argv[1:] if argv is None else argv))
+    pin_accelerator()
     try:
         if args.command == "env":
             from dsnd.commands.env import run_env

@@ -84,7 +84,7 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
     rows = []
     try:
         for step in range(run.train.steps):
-            lr = engine.get_lr()[0]
+            lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
             start = time.perf_counter()
             micro = batch_for_step(
                 samples, run.train.seed, step, res.batch.train, groups.coord.dp,

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,8 @@ def init_world(info: WorldInfo, timeout_s: float, backend: str = "auto") -> None
         MASTER_ADDR=info.master_addr,
         MASTER_PORT=str(info.master_port),
     )
+    # DeepSpeed 0.19.8 calls torch.distributed names torch 2.13 deprecates, warning per call
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     backend = resolve_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)

@@ -83,18 +83,6 @@ class LlamaFinalNorm(nn.Module):
         return self.norm(hidden)
 
 
-class LMHead(nn.Module):
-    """Untied output projection hidden → vocab logits (Llama, or GPT-2 without tying)."""
-
-    def __init__(self, config: LlamaConfig | GPT2Config) -> None:
-        super().__init__()
-        self.init_std = config.initializer_range
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-
 # --- GPT-2 -----------------------------------------------------------------------------------
 
 
@@ -138,6 +126,21 @@ class GPT2FinalNorm(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ln_f(hidden)
+
+
+# --- heads -----------------------------------------------------------------------------------
+
+
+class LMHead(nn.Module):
+    """Untied output projection hidden → vocab logits (Llama, or GPT-2 without tying)."""
+
+    def __init__(self, config: LlamaConfig | GPT2Config) -> None:
+        super().__init__()
+        self.init_std = config.initializer_range
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
 def tied_logits(embedding: LlamaEmbedding | GPT2Embedding, hidden: torch.Tensor) -> torch.Tensor:

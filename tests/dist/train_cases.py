@@ -1,0 +1,49 @@
+"""Rank program for multi-process tests: train several configs in one set of ranks.
+
+Usage (every rank): python tests/dist/train_cases.py OUT.json CASES.json
+CASES.json: [{"name": ..., "config": path-or-null, "sets": [...], "reference": bool}]
+Rank 0 writes {name: metric rows}. Starting ranks costs seconds, so cases share one world.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from dsnd.config.load import load  # noqa: E402
+from dsnd.config.resolve import resolve  # noqa: E402
+from dsnd.dist.groups import build_groups  # noqa: E402
+from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.trainer import train  # noqa: E402
+
+
+def main(out_path: str, cases_path: str) -> None:
+    torch.set_num_threads(1)
+    with open(cases_path) as f:
+        cases = json.load(f)
+    info = world_info(dict(os.environ))
+    resolved = [resolve(load(c.get("config"), c["sets"]), info.world_size) for c in cases]
+    init_world(info, timeout_s=120)
+    results = {}
+    try:
+        for case, res in zip(cases, resolved):
+            if case.get("reference"):
+                from tests.reference import reference_rows
+
+                results[case["name"]] = reference_rows(res)
+            else:
+                results[case["name"]] = train(res, build_groups(res.topology))
+    finally:
+        shutdown()
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
