@@ -46,8 +46,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is a UserError (one line, exit 2) like every other input
+    error, instead of the usage block followed by ``dsnd launch: error: ...``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(f"{message} (see '{self.prog} --help')")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsnd", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="dsnd", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"dsnd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -90,9 +98,9 @@ def pin_accelerator() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(strip_local_rank(sys.argv[1:] if argv is None else argv))
-    pin_accelerator()
     try:
+        args = build_parser().parse_args(strip_local_rank(sys.argv[1:] if argv is None else argv))
+        pin_accelerator()
         if args.command == "env":
             from dsnd.commands.env import run_env
 

@@ -27,6 +27,8 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONUNBUFFERED="1")  # fmt: skip
+    # ranks import the checkout under test, whatever else is installed
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
 

@@ -36,6 +36,12 @@ def _tool(name: str) -> str:
     return here if os.access(here, os.X_OK) else name
 
 
+def _only_this_machine(slots: dict[str, list[int]]) -> bool:
+    """DeepSpeed runs a single selected host with its local launcher, even a remote one; dsnd
+    forces the multi-node path unless that host really is this machine."""
+    return len(slots) == 1 and next(iter(slots)) in ("localhost", LOCALHOST)
+
+
 def _train_args(config: str | None, sets: list[str]) -> list[str]:
     args = ["--config", os.path.abspath(config)] if config else []
     for item in sets:
@@ -65,7 +71,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], dict[str, list[int]], dic
     if args.launcher == "pdsh":
         argv = commands.deepspeed_hostfile_argv(
             hostfile, "pdsh", addr, args.master_port, args.include, args.exclude, train_args,
-            force_multi=True,  # a single selected host may be remote: never run it here
+            force_multi=not _only_this_machine(slots),
         )  # fmt: skip
         return [_tool("deepspeed"), *argv[1:]], slots, extra_env
     argv = commands.mpirun_argv(

@@ -84,6 +84,30 @@ OPTIMIZER_PARAMS = {
     "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
     "foreach", "fused", "maximize", "capturable", "differentiable",
 }  # fmt: skip
+_NUMBER_PARAMS = {"lr", "eps", "weight_decay"}
+_BOOL_PARAMS = OPTIMIZER_PARAMS - _NUMBER_PARAMS - {"betas"}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _params(section: dict, where: str) -> dict[str, Any]:
+    """``section["params"]`` as a dict ({} when absent), or a UserError."""
+    params = section.get("params")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise UserError(f"{where}.params must be an object, got {params!r}")
+    return params
+
+
+def _check_param_type(where: str, key: str, value: Any, like: Any) -> None:
+    """Refuse `value` unless it has the type of `like` (a default: number, bool or string)."""
+    if _is_number(like) and not _is_number(value):
+        raise UserError(f"{where}.{key} must be a number, got {value!r}")
+    if isinstance(like, (bool, str)) and not isinstance(value, type(like)):
+        raise UserError(f"{where}.{key} must be {type(like).__name__}, got {value!r}")
 
 
 def load_json(path: str) -> dict[str, Any]:
@@ -179,7 +203,17 @@ def _check_optimizer(opt: Any, path: str) -> None:
         raise UserError(
             f"{path}: optimizer.type '{kind}' is not supported by dsnd (supported: Adam, AdamW)"
         )
-    _check_keys(opt.get("params") or {}, OPTIMIZER_PARAMS, {}, f"{path}: optimizer.params")
+    params = _params(opt, f"{path}: optimizer")
+    _check_keys(params, OPTIMIZER_PARAMS, {}, f"{path}: optimizer.params")
+    for key, value in params.items():
+        if key in _NUMBER_PARAMS:
+            _check_param_type(f"{path}: optimizer.params", key, value, 0.0)
+        elif key in _BOOL_PARAMS and value is not None and not isinstance(value, bool):
+            raise UserError(f"{path}: optimizer.params.{key} must be bool, got {value!r}")
+        elif key == "betas" and not (
+            isinstance(value, list) and len(value) == 2 and all(map(_is_number, value))
+        ):
+            raise UserError(f"{path}: optimizer.params.betas must be [beta1, beta2], got {value!r}")
 
 
 def _check_scheduler(sched: Any, path: str) -> None:
@@ -197,9 +231,23 @@ def _check_scheduler(sched: Any, path: str) -> None:
             + did_you_mean(kind, lr_schedules.VALID_LR_SCHEDULES)
             + f" (one of {', '.join(lr_schedules.VALID_LR_SCHEDULES)})"
         )
-    params = set(inspect.signature(getattr(lr_schedules, kind).__init__).parameters)
-    known = params - {"self", "optimizer", "last_batch_iteration"}
-    _check_keys(sched.get("params") or {}, known, {}, f"{path}: scheduler.params")
+    signature = inspect.signature(getattr(lr_schedules, kind).__init__).parameters
+    known = set(signature) - {"self", "optimizer", "last_batch_iteration"}
+    params = _params(sched, f"{path}: scheduler")
+    _check_keys(params, known, {}, f"{path}: scheduler.params")
+    for key in sorted(known):
+        default = signature[key].default
+        if key not in params:
+            if default is inspect.Parameter.empty:
+                raise UserError(f"{path}: scheduler.params.{key} is required by {kind}")
+            continue
+        # the default's type; a `*_lr` without one (required, or None = "the optimizer's") is a
+        # number too, and train.lr_scaling multiplies it
+        like = default if default not in (inspect.Parameter.empty, None) else None
+        if like is None and key.endswith("_lr"):
+            like = 0.0
+        if like is not None:
+            _check_param_type(f"{path}: scheduler.params", key, params[key], like)
 
 
 def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -47,6 +49,12 @@ def parse_set(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _is_str_field(tp: Any) -> bool:
+    return tp is str or (
+        typing.get_origin(tp) in (types.UnionType, typing.Union) and str in typing.get_args(tp)
+    )
+
+
 def _assign(data: dict[str, Any], dotted: str, value: Any, label: str) -> None:
     *parents, last = dotted.split(".")
     node = data
@@ -76,6 +84,8 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
             continue
         if key not in known:
             raise UserError(f"{label}: unknown key '{key}'" + strict.did_you_mean(key, known))
+        if _is_str_field(known[key]) and isinstance(value, (int, float, bool)):
+            value = item.partition("=")[2].strip()  # log.dir=1e3 is "1e3", not "1000.0"
         _assign(data, key, value, label)
         where[key] = label
         ds_from_cli |= key == "deepspeed"

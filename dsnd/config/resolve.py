@@ -71,12 +71,13 @@ def check_tp(dims: ModelDims, tp: int) -> None:
 
 def scale_lr(ds: dict[str, Any], factor: float) -> None:
     """Multiply the optimizer's lr and every scheduler ``*_lr`` parameter by `factor`."""
-    params = ds.get("optimizer", {}).get("params", {})
+    params = (ds.get("optimizer") or {}).get("params") or {}
     if "lr" in params:
         params["lr"] *= factor
-    for key, value in ds.get("scheduler", {}).get("params", {}).items():
+    sched_params = (ds.get("scheduler") or {}).get("params") or {}
+    for key, value in sched_params.items():
         if key.endswith("_lr") and isinstance(value, (int, float)):
-            ds["scheduler"]["params"][key] = value * factor
+            sched_params[key] = value * factor
 
 
 def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
@@ -94,8 +95,10 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
             raise UserError(f"{key} must be >= 0")
     if run.train.lr_reference_batch < 1:
         raise UserError("train.lr_reference_batch must be >= 1")
-    if run.dist.timeout_s <= 0:
-        raise UserError(f"dist.timeout_s must be > 0, got {run.dist.timeout_s}")
+    if not math.isfinite(run.dist.timeout_s) or run.dist.timeout_s <= 0:
+        raise UserError(f"dist.timeout_s must be a finite number > 0, got {run.dist.timeout_s}")
+    if run.data.max_bytes < 1:
+        raise UserError(f"data.max_bytes must be >= 1, got {run.data.max_bytes}")
 
     ds = copy.deepcopy(loaded.ds)
     batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), topology.dp, loaded.ds_path)

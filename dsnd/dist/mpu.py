@@ -1,9 +1,11 @@
 """The model-parallel unit ("mpu") DeepSpeed expects, answered from dsnd's own groups.
 
 DeepSpeed reads the data-parallel group from it (ZeRO shards and reduces over it) and the
-model-parallel group (gradient norms of tensor-split parameters are summed over it). As in
-DeepSpeed's `PipelineParallelGrid`, "model parallel" here means the tensor-parallel slice of one
-stage; pipeline stages are joined by dsnd's executor, not by DeepSpeed.
+model-parallel group (gradient norms of tensor-split parameters are summed over it). Here "model
+parallel" means the tensor-parallel slice of one stage, what DeepSpeed's `PipelineParallelGrid`
+calls "slice". The grid's own get_model_parallel_* span pipe x tensor, and DeepSpeed's norm code
+(ZeRO-0 clipping, ZeRO-3) counts replicated parameters only on model-parallel rank 0, which would
+drop every later stage's gradients; pipeline stages are joined by dsnd's executor, not DeepSpeed.
 """
 
 from __future__ import annotations

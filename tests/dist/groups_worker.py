@@ -1,0 +1,109 @@
+"""Rank program: dsnd's process groups and mpu against DeepSpeed's PipelineParallelGrid.
+
+Usage (every rank): python tests/dist/groups_worker.py OUT.json
+For each (pp, tp) layout of the world, every rank builds dsnd's groups and then DeepSpeed's grid
+(both call `new_group` for every group, in the same order on every rank), reads back the member
+ranks of each group with `get_process_group_ranks`, and runs one all_reduce over dsnd's data
+group. Rank 0 gathers every rank's findings and writes {"pp,tp": [finding per rank]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch.distributed as dist  # noqa: E402
+
+from dsnd.dist.groups import build_groups  # noqa: E402
+from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.dist.mpu import Mpu  # noqa: E402
+from dsnd.topology import Topology  # noqa: E402
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
+
+
+def ranks_of(group) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def check_layout(pp: int, tp: int) -> dict:
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    topo = Topology.from_world(dist.get_world_size(), pp, tp)
+    groups = build_groups(topo)
+    grid = PipelineParallelGrid(topology=topo.to_deepspeed())
+    mpu = Mpu(groups)
+
+    # one real collective over dsnd's data group: each member contributes its global rank
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total, group=groups.data)
+
+    return {
+        "rank": dist.get_rank(),
+        "coord": list(groups.coord),
+        "dsnd": {
+            "data": ranks_of(groups.data),
+            "tensor": ranks_of(groups.tensor),
+            "pipe": ranks_of(groups.pipe),
+            "model": ranks_of(groups.model),
+            "mpu_data": ranks_of(mpu.get_data_parallel_group()),
+            "mpu_model": ranks_of(mpu.get_model_parallel_group()),
+            "mpu_pipe": ranks_of(mpu.get_pipe_parallel_group()),
+        },
+        "grid": {
+            "data": ranks_of(grid.get_data_parallel_group()),
+            "slice": ranks_of(grid.get_slice_parallel_group()),
+            "pipe": ranks_of(grid.get_pipe_parallel_group()),
+            "model": ranks_of(grid.get_model_parallel_group()),
+            "data_list": list(grid.get_data_parallel_group_ranks()),
+        },
+        "mpu_answers": {
+            "data_rank": mpu.get_data_parallel_rank(),
+            "data_size": mpu.get_data_parallel_world_size(),
+            "model_rank": mpu.get_model_parallel_rank(),
+            "model_size": mpu.get_model_parallel_world_size(),
+            "tensor_rank": mpu.get_tensor_model_parallel_rank(),
+            "tensor_size": mpu.get_tensor_model_parallel_world_size(),
+            "tensor_src": mpu.get_tensor_model_parallel_src_rank(),
+            "pipe_rank": mpu.get_pipe_parallel_rank(),
+            "pipe_size": mpu.get_pipe_parallel_world_size(),
+        },
+        "grid_answers": {
+            "data_rank": grid.get_data_parallel_rank(),
+            "data_size": grid.get_data_parallel_world_size(),
+            "slice_rank": grid.get_slice_parallel_rank(),
+            "slice_size": grid.get_slice_parallel_world_size(),
+            "model_rank": grid.get_model_parallel_rank(),
+            "model_size": grid.get_model_parallel_world_size(),
+            "pipe_rank": grid.get_pipe_parallel_rank(),
+            "pipe_size": grid.get_pipe_parallel_world_size(),
+        },
+        "data_sum": total.item(),
+    }
+
+
+def main(out_path: str) -> None:
+    torch.set_num_threads(1)
+    info = world_info(dict(os.environ))
+    init_world(info, timeout_s=60)
+    results = {}
+    try:
+        for pp, tp in LAYOUTS:
+            mine = check_layout(pp, tp)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            results[f"{pp},{tp}"] = everyone
+    finally:
+        shutdown()
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

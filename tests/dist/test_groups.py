@@ -1,0 +1,125 @@
+"""dsnd's process groups and mpu on 4 real gloo ranks, against golden rank tables and against
+DeepSpeed's own `PipelineParallelGrid` built from the same topology.
+
+One set of ranks (tests/dist/groups_worker.py) checks every (pp, tp) layout of the world.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.procs import run_ranks
+
+WORLD = 4
+
+# (pp, tp) -> the rank groups along each axis (rank = pp_index * dp * tp + dp_index * tp + tp_index)
+# "model" is one full replica: every pipe x tensor rank of one data-parallel index.
+GOLDEN = {
+    (1, 1): {"data": [[0, 1, 2, 3]], "tensor": [[0], [1], [2], [3]],
+             "pipe": [[0], [1], [2], [3]], "model": [[0], [1], [2], [3]]},
+    (2, 1): {"data": [[0, 1], [2, 3]], "tensor": [[0], [1], [2], [3]],
+             "pipe": [[0, 2], [1, 3]], "model": [[0, 2], [1, 3]]},
+    (1, 2): {"data": [[0, 2], [1, 3]], "tensor": [[0, 1], [2, 3]],
+             "pipe": [[0], [1], [2], [3]], "model": [[0, 1], [2, 3]]},
+    (2, 2): {"data": [[0], [1], [2], [3]], "tensor": [[0, 1], [2, 3]],
+             "pipe": [[0, 2], [1, 3]], "model": [[0, 1, 2, 3]]},
+    (4, 1): {"data": [[0], [1], [2], [3]], "tensor": [[0], [1], [2], [3]],
+             "pipe": [[0, 1, 2, 3]], "model": [[0, 1, 2, 3]]},
+    (1, 4): {"data": [[0], [1], [2], [3]], "tensor": [[0, 1, 2, 3]],
+             "pipe": [[0], [1], [2], [3]], "model": [[0, 1, 2, 3]]},
+}  # fmt: skip
+
+LAYOUTS = list(GOLDEN)
+IDS = [f"pp{pp}-tp{tp}" for pp, tp in LAYOUTS]
+
+
+def group_of(layout: tuple[int, int], axis: str, rank: int) -> list[int]:
+    (group,) = [g for g in GOLDEN[layout][axis] if rank in g]
+    return group
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("groups") / "out.json"
+    run_ranks(WORLD, ["tests/dist/groups_worker.py", str(out)], timeout=120)
+    raw = json.loads(out.read_text())
+    return {tuple(int(x) for x in key.split(",")): rows for key, rows in raw.items()}
+
+
+@pytest.mark.dist
+def test_every_layout_reported_by_every_rank(found):
+    assert sorted(found) == sorted(LAYOUTS)
+    for layout, rows in found.items():
+        assert [row["rank"] for row in rows] == list(range(WORLD)), layout
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_dsnd_groups_match_golden_tables(found, layout):
+    for rank, row in enumerate(found[layout]):
+        want = {axis: group_of(layout, axis, rank) for axis in ("data", "tensor", "pipe", "model")}
+        got = row["dsnd"]
+        assert {axis: got[axis] for axis in want} == want, (layout, rank)
+        # the mpu hands DeepSpeed exactly these groups
+        assert got["mpu_data"] == want["data"], (layout, rank)
+        assert got["mpu_model"] == want["tensor"], (layout, rank)
+        assert got["mpu_pipe"] == want["pipe"], (layout, rank)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_dsnd_groups_equal_deepspeed_grid_groups(found, layout):
+    for rank, row in enumerate(found[layout]):
+        dsnd, grid = row["dsnd"], row["grid"]
+        assert dsnd["data"] == grid["data"] == grid["data_list"], (layout, rank)
+        assert dsnd["tensor"] == grid["slice"], (layout, rank)
+        assert dsnd["pipe"] == grid["pipe"], (layout, rank)
+        # the grid's "model parallel" group is a whole replica (pipe x tensor), dsnd's `model`
+        assert dsnd["model"] == grid["model"], (layout, rank)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_mpu_answers_match_grid_and_groups(found, layout):
+    pp, tp = layout
+    dp = WORLD // (pp * tp)
+    for rank, row in enumerate(found[layout]):
+        mpu, grid = row["mpu_answers"], row["grid_answers"]
+        data, tensor, pipe = (group_of(layout, a, rank) for a in ("data", "tensor", "pipe"))
+        assert row["coord"] == [pipe.index(rank), data.index(rank), tensor.index(rank)]
+        assert (mpu["data_rank"], mpu["data_size"]) == (data.index(rank), dp), (layout, rank)
+        assert (mpu["model_rank"], mpu["model_size"]) == (tensor.index(rank), tp), (layout, rank)
+        assert (mpu["tensor_rank"], mpu["tensor_size"]) == (tensor.index(rank), tp)
+        assert mpu["tensor_src"] == tensor[0], (layout, rank)
+        assert (mpu["pipe_rank"], mpu["pipe_size"]) == (pipe.index(rank), pp), (layout, rank)
+
+        assert (mpu["data_rank"], mpu["data_size"]) == (grid["data_rank"], grid["data_size"])
+        assert (mpu["pipe_rank"], mpu["pipe_size"]) == (grid["pipe_rank"], grid["pipe_size"])
+        # dsnd's mpu means the tensor slice by "model parallel", which the grid calls "slice"
+        assert (mpu["model_rank"], mpu["model_size"]) == (grid["slice_rank"], grid["slice_size"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [(2, 1), (2, 2), (4, 1)], ids=["pp2-tp1", "pp2-tp2", "pp4-tp1"])
+def test_grid_model_parallel_spans_pipeline_stages_but_dsnd_mpu_does_not(found, layout):
+    """With pp > 1 DeepSpeed's grid answers get_model_parallel_rank/world_size over pipe x tensor.
+
+    dsnd runs one DeepSpeedEngine per stage and passes its mpu to it; DeepSpeed's gradient-norm
+    code (ZeRO-0 clipping, ZeRO-3) counts a replicated parameter only where the model-parallel
+    rank is 0, so the grid's meaning would drop the gradients of every stage but the first.
+    dsnd's mpu answers the tensor slice instead (see dsnd/dist/mpu.py)."""
+    pp, tp = layout
+    for rank, row in enumerate(found[layout]):
+        replica = group_of(layout, "model", rank)
+        grid = row["grid_answers"]
+        assert (grid["model_rank"], grid["model_size"]) == (replica.index(rank), pp * tp)
+        assert row["mpu_answers"]["model_size"] == tp
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_all_reduce_over_dsnd_data_group_sums_its_members(found, layout):
+    for rank, row in enumerate(found[layout]):
+        assert row["data_sum"] == sum(group_of(layout, "data", rank)), (layout, rank)

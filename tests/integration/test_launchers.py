@@ -1,0 +1,90 @@
+"""Real launches: `dsnd launch --nprocs`, `mpirun -np 4 dsnd train`, `deepspeed --num_gpus 4
+launch/train.py`. Every launcher trains the same global batch, so all give the same losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.procs import ROOT, free_port, rank_env, run_cli
+
+BIN = os.path.dirname(sys.executable)
+TIMEOUT = 400
+
+
+def metrics(log_dir) -> list[dict]:
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_rows(rows: list[dict], steps: int) -> None:
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(r)
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["grad_norm"] > 0
+
+
+def tool(name: str) -> str:
+    path = os.path.join(BIN, name)
+    found = path if os.access(path, os.X_OK) else shutil.which(name)
+    assert found, f"{name} is not installed (pip install '.[mpi]' provides mpirun)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def nprocs2_zero3(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("launch") / "log"
+    proc = run_cli(["launch", "--nprocs", "2", "--master-port", str(free_port()),
+                    "--set", "train.steps=20", "--set", "ds.zero_optimization.stage=3",
+                    "--set", f"log.dir={log_dir}"], timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return metrics(log_dir)
+
+
+@pytest.mark.launch
+def test_dsnd_launch_two_ranks_zero3_trains(nprocs2_zero3):
+    check_rows(nprocs2_zero3, 20)
+    first, last = nprocs2_zero3[0]["loss"], nprocs2_zero3[-1]["loss"]
+    assert last < first - 0.5, f"loss did not fall: {first} -> {last}"
+
+
+@pytest.mark.launch
+def test_mpirun_four_ranks_matches_dsnd_launch(tmp_path, nprocs2_zero3):
+    log_dir = tmp_path / "log"
+    argv = [tool("mpirun"), "-np", "4", "--oversubscribe", "-x", "MASTER_ADDR=127.0.0.1",
+            "-x", f"MASTER_PORT={free_port()}", "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONPATH",
+            "-x", "DS_ACCELERATOR"]  # fmt: skip
+    if os.geteuid() == 0:
+        argv.append("--allow-run-as-root")
+    argv += [sys.executable, "-m", "dsnd", "train", "--set", "train.steps=3",
+             "--set", f"log.dir={log_dir}"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(log_dir)
+    check_rows(rows, 3)
+    for got, want in zip(rows, nprocs2_zero3[:3]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+
+
+@pytest.mark.launch
+def test_deepspeed_launcher_four_ranks_runs_launch_script(tmp_path, nprocs2_zero3):
+    log_dir = tmp_path / "log"
+    argv = [tool("deepspeed"), "--num_gpus", "4", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), "launch/train.py",
+            "--set", "train.steps=3", "--set", f"log.dir={log_dir}"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(log_dir)
+    check_rows(rows, 3)
+    for got, want in zip(rows, nprocs2_zero3[:3]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    assert (log_dir / "config.yaml").is_file() and (log_dir / "deepspeed.json").is_file()
+    saved = json.loads((log_dir / "deepspeed.json").read_text())
+    assert saved["gradient_accumulation_steps"] == 2  # 16 = 2 micro x 2 accumulation x 4 ranks
