@@ -33,7 +33,9 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_ranks(world: int, argv: list[str], timeout: float = 300, cwd: str | None = None) -> list[str]:
+def run_ranks(
+    world: int, argv: list[str], timeout: float = 300, cwd: str | None = None
+) -> list[str]:
     """Run `python <argv>` as `world` ranks; returns each rank's output. The first rank to fail
     (or the deadline) kills the others, and every rank's output goes into the error."""
     port = free_port()
@@ -63,14 +65,17 @@ def run_ranks(world: int, argv: list[str], timeout: float = 300, cwd: str | None
         outputs.append(log.read())
         log.close()
     if problem or any(p.returncode != 0 for p in procs):
-        report = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n{o[-4000:]}"
-                           for r, (p, o) in enumerate(zip(procs, outputs)))  # fmt: skip
+        report = "\n".join(
+            f"--- rank {r} (rc {p.returncode}) ---\n{o[-4000:]}"
+            for r, (p, o) in enumerate(zip(procs, outputs, strict=True))
+        )
         raise AssertionError(f"ranks failed ({problem or 'non-zero exit'}):\n{report}")
     return outputs
 
 
-def run_cli(args: list[str], timeout: float = 600, cwd: str | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], timeout: float = 600, cwd: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python -m dsnd <args>` as a real subprocess."""
     return subprocess.run([sys.executable, "-m", "dsnd", *args], cwd=cwd or ROOT,
                           env=rank_env(env), capture_output=True, text=True,

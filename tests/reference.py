@@ -30,7 +30,9 @@ def reference_rows(res: Resolved) -> list[dict]:
     rows = []
     for step in range(run.train.steps):
         lr = opt.param_groups[0]["lr"]
-        micro = batch_for_step(samples, run.train.seed, step, res.batch.train, 0, 1, res.batch.micro)
+        micro = batch_for_step(
+            samples, run.train.seed, step, res.batch.train, 0, 1, res.batch.micro
+        )
         total = 0.0
         for x, y in micro:
             loss = lm_loss(model(x), y)

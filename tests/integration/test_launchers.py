@@ -68,7 +68,7 @@ def test_mpirun_four_ranks_matches_dsnd_launch(tmp_path, nprocs2_zero3):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = metrics(log_dir)
     check_rows(rows, 3)
-    for got, want in zip(rows, nprocs2_zero3[:3]):
+    for got, want in zip(rows, nprocs2_zero3[:3], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
 
 
@@ -83,7 +83,7 @@ def test_deepspeed_launcher_four_ranks_runs_launch_script(tmp_path, nprocs2_zero
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = metrics(log_dir)
     check_rows(rows, 3)
-    for got, want in zip(rows, nprocs2_zero3[:3]):
+    for got, want in zip(rows, nprocs2_zero3[:3], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
     assert (log_dir / "config.yaml").is_file() and (log_dir / "deepspeed.json").is_file()
     saved = json.loads((log_dir / "deepspeed.json").read_text())
