@@ -132,6 +132,8 @@ def merge_override(ds: dict[str, Any], dotted: str, value: Any) -> None:
     node = ds
     for i, part in enumerate(parents):
         child = node.get(part)
+        if child is None and value is None:
+            return  # deleting below a missing key: nothing to delete, nothing to create
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):

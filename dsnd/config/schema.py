@@ -24,6 +24,7 @@ class ModelConfig:
     num_layers: int | None = doc("Override the preset's number of transformer blocks.", None)
     num_heads: int | None = doc("Override the preset's number of attention heads.", None)
     num_kv_heads: int | None = doc("Override the preset's key/value heads (Llama GQA).", None)
+    ffn_size: int | None = doc("Override the preset's MLP hidden size.", None)
 
 
 @dataclass
