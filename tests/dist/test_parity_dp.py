@@ -40,13 +40,21 @@ def assert_same(rows: list[dict], ref: list[dict], label: str) -> None:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """One rank: the plain-torch references and dsnd at ZeRO 0 and 3."""
-    return run_cases(tmp_path_factory.mktemp("w1"), 1, [
+    """One rank: the plain-torch references, dsnd at ZeRO 0 and 3, and a user's JSONL corpus."""
+    tmp = tmp_path_factory.mktemp("w1")
+    corpus = tmp / "docs.jsonl"
+    docs = [{"text": f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs. " * 4}
+            for i in range(200)]  # fmt: skip
+    corpus.write_text("\n".join(json.dumps(d) for d in docs))
+    jsonl = case("w1-jsonl", 0)
+    jsonl["sets"].append(f"data.path={corpus}")
+    return run_cases(tmp, 1, [
         case("ref-llama", None, reference=True),
         case("ref-gpt2", None, "gpt2-tiny", reference=True),
         case("w1-z0", 0),
         case("w1-z3", 3),
         case("w1-gpt2-z0", 0, "gpt2-tiny"),
+        jsonl,
     ])  # fmt: skip
 
 
@@ -55,6 +63,15 @@ def test_single_rank_matches_plain_pytorch(single):
     assert_same(single["w1-z0"], single["ref-llama"], "llama z0 world 1")
     assert_same(single["w1-z3"], single["ref-llama"], "llama z3 world 1")
     assert_same(single["w1-gpt2-z0"], single["ref-gpt2"], "gpt2 z0 world 1")
+
+
+@pytest.mark.dist
+def test_trains_on_a_jsonl_corpus(single):
+    rows = single["w1-jsonl"]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # a repetitive corpus is learnt fast, and it is not the default corpus
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
+    assert rows[1]["loss"] != pytest.approx(single["w1-z0"][1]["loss"], rel=1e-3)
 
 
 @pytest.mark.dist
