@@ -92,14 +92,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _params(section: dict, where: str) -> dict[str, Any]:
-    """``section["params"]`` as a dict ({} when absent), or a UserError."""
+def _type_and_params(section: Any, name: str, path: str) -> tuple[str, dict[str, Any]] | None:
+    """An ``{"type": ..., "params": {...}}`` section (optimizer, scheduler) as (type, params),
+    None when absent, or a UserError."""
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise UserError(f"{path}: {name} must be an object with 'type' and 'params'")
+    _check_keys(section, {"type", "params"}, {}, f"{path}: {name}")
     params = section.get("params")
     if params is None:
-        return {}
+        params = {}
     if not isinstance(params, dict):
-        raise UserError(f"{where}.params must be an object, got {params!r}")
-    return params
+        raise UserError(f"{path}: {name}.params must be an object, got {params!r}")
+    return str(section.get("type", "")), params
 
 
 def _check_param_type(where: str, key: str, value: Any, like: Any) -> None:
@@ -195,17 +201,14 @@ def check_keys(ds: dict[str, Any], path: str) -> None:
 
 
 def _check_optimizer(opt: Any, path: str) -> None:
-    if opt is None:
+    section = _type_and_params(opt, "optimizer", path)
+    if section is None:
         return
-    if not isinstance(opt, dict):
-        raise UserError(f"{path}: optimizer must be an object with 'type' and 'params'")
-    _check_keys(opt, {"type", "params"}, {}, f"{path}: optimizer")
-    kind = str(opt.get("type", ""))
+    kind, params = section
     if kind.lower() not in OPTIMIZERS:
         raise UserError(
             f"{path}: optimizer.type '{kind}' is not supported by dsnd (supported: Adam, AdamW)"
         )
-    params = _params(opt, f"{path}: optimizer")
     _check_keys(params, OPTIMIZER_PARAMS, {}, f"{path}: optimizer.params")
     for key, value in params.items():
         if key in _NUMBER_PARAMS:
@@ -219,14 +222,12 @@ def _check_optimizer(opt: Any, path: str) -> None:
 
 
 def _check_scheduler(sched: Any, path: str) -> None:
-    if sched is None:
+    section = _type_and_params(sched, "scheduler", path)
+    if section is None:
         return
-    if not isinstance(sched, dict):
-        raise UserError(f"{path}: scheduler must be an object with 'type' and 'params'")
-    _check_keys(sched, {"type", "params"}, {}, f"{path}: scheduler")
+    kind, params = section
     from deepspeed.runtime import lr_schedules
 
-    kind = str(sched.get("type", ""))
     if kind not in lr_schedules.VALID_LR_SCHEDULES:
         raise UserError(
             f"{path}: scheduler.type '{kind}' is not a DeepSpeed scheduler"
@@ -235,7 +236,6 @@ def _check_scheduler(sched: Any, path: str) -> None:
         )
     signature = inspect.signature(getattr(lr_schedules, kind).__init__).parameters
     known = set(signature) - {"self", "optimizer", "last_batch_iteration"}
-    params = _params(sched, f"{path}: scheduler")
     _check_keys(params, known, {}, f"{path}: scheduler.params")
     for key in sorted(known):
         default = signature[key].default

@@ -36,6 +36,19 @@ def tool(name: str) -> str:
     return found
 
 
+def train_three_steps_like(argv: list[str], log_dir, reference: list[dict]) -> None:
+    """Run a launcher command training 3 steps into `log_dir`; its losses must equal
+    `reference`'s first three (same global batch, whatever the launcher and rank count)."""
+    argv = [*argv, "--set", "train.steps=3", "--set", f"log.dir={log_dir}"]
+    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(log_dir)
+    check_rows(rows, 3)
+    for got, want in zip(rows, reference[:3], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def nprocs2_zero3(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("launch") / "log"
@@ -61,30 +74,16 @@ def test_mpirun_four_ranks_matches_dsnd_launch(tmp_path, nprocs2_zero3):
             "-x", "DS_ACCELERATOR"]  # fmt: skip
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
-    argv += [sys.executable, "-m", "dsnd", "train", "--set", "train.steps=3",
-             "--set", f"log.dir={log_dir}"]  # fmt: skip
-    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = metrics(log_dir)
-    check_rows(rows, 3)
-    for got, want in zip(rows, nprocs2_zero3[:3], strict=True):
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    argv += [sys.executable, "-m", "dsnd", "train"]
+    train_three_steps_like(argv, log_dir, nprocs2_zero3)
 
 
 @pytest.mark.launch
 def test_deepspeed_launcher_four_ranks_runs_launch_script(tmp_path, nprocs2_zero3):
     log_dir = tmp_path / "log"
     argv = [tool("deepspeed"), "--num_gpus", "4", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), "launch/train.py",
-            "--set", "train.steps=3", "--set", f"log.dir={log_dir}"]  # fmt: skip
-    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = metrics(log_dir)
-    check_rows(rows, 3)
-    for got, want in zip(rows, nprocs2_zero3[:3], strict=True):
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+            "--master_port", str(free_port()), "launch/train.py"]  # fmt: skip
+    train_three_steps_like(argv, log_dir, nprocs2_zero3)
     assert (log_dir / "config.yaml").is_file() and (log_dir / "deepspeed.json").is_file()
     saved = json.loads((log_dir / "deepspeed.json").read_text())
     assert saved["gradient_accumulation_steps"] == 2  # 16 = 2 micro x 2 accumulation x 4 ranks
