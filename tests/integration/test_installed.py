@@ -1,0 +1,31 @@
+"""The installed package works from any directory: packaged default YAML and DeepSpeed JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.procs import rank_env
+
+DSND = os.path.join(os.path.dirname(sys.executable), "dsnd")
+
+
+def installed_env() -> dict[str, str]:
+    env = rank_env()
+    env.pop("PYTHONPATH")  # the installed copy, not the checkout
+    return env
+
+
+def test_console_script_trains_from_an_empty_directory(tmp_path):
+    assert os.access(DSND, os.X_OK), "install the project first: pip install '.[test,mpi]'"
+    proc = subprocess.run([DSND, "train", "--set", "train.steps=2", "--set", "log.dir=out"],
+                          cwd=tmp_path, env=installed_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    resolved = json.loads((tmp_path / "out" / "deepspeed.json").read_text())
+    assert resolved["train_batch_size"] == 16 and resolved["train_micro_batch_size_per_gpu"] == 2
+    assert resolved["zero_optimization"]["stage"] == 0
