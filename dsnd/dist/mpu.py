@@ -1,11 +1,16 @@
 """The model-parallel unit ("mpu") DeepSpeed expects, answered from dsnd's own groups.
 
-DeepSpeed reads the data-parallel group from it (ZeRO shards and reduces over it) and the
-model-parallel group (gradient norms of tensor-split parameters are summed over it). Here "model
-parallel" means the tensor-parallel slice of one stage, what DeepSpeed's `PipelineParallelGrid`
-calls "slice". The grid's own get_model_parallel_* span pipe x tensor, and DeepSpeed's norm code
-(ZeRO-0 clipping, ZeRO-3) counts replicated parameters only on model-parallel rank 0, which would
-drop every later stage's gradients; pipeline stages are joined by dsnd's executor, not DeepSpeed.
+DeepSpeed reads two things from it:
+- the data-parallel group: ZeRO shards and reduces over it (the stage's own replicas);
+- the model-parallel group and rank, used by every gradient-norm path (ZeRO-0 clipping, ZeRO 1-3):
+  each rank sums the squared norms of its parameters, counting a parameter that is not
+  tensor-split only where the model-parallel rank is 0, then all-reduces over the group.
+
+So that the norm (and clipping) covers ALL pipeline stages, dsnd's model-parallel group is one
+whole model replica (pipe x tensor: `ProcessGroups.model`), while the model-parallel rank is the
+tensor-parallel rank: a replicated parameter is counted once per stage, never dropped. DeepSpeed's
+own `PipelineParallelGrid` answers the grid's pipe x tensor rank instead, which counts replicated
+parameters on stage 0 only (DESIGN.md: norm 0.648 reported where the true norm was 1.446).
 """
 
 from __future__ import annotations
@@ -29,22 +34,29 @@ class Mpu:
     def get_data_parallel_world_size(self) -> int:
         return self.groups.topology.dp
 
-    # tensor ("model", "slice") parallel
+    # model parallel: one replica (pipe x tensor) for norms; rank = tensor rank (see above)
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.tensor
+        return self.groups.model
 
     def get_model_parallel_rank(self) -> int:
         return self.groups.coord.tp
 
     def get_model_parallel_world_size(self) -> int:
+        return self.groups.topology.pp * self.groups.topology.tp
+
+    # tensor ("slice") parallel
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.tensor
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.groups.coord.tp
+
+    def get_tensor_model_parallel_world_size(self) -> int:
         return self.groups.topology.tp
 
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_slice_parallel_group = get_model_parallel_group
-    get_slice_parallel_rank = get_model_parallel_rank
-    get_slice_parallel_world_size = get_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
 
     def get_tensor_model_parallel_src_rank(self) -> int:
         return dist.get_process_group_ranks(self.groups.tensor)[0]

@@ -64,7 +64,7 @@ def test_dsnd_groups_match_golden_tables(found, layout):
         assert {axis: got[axis] for axis in want} == want, (layout, rank)
         # the mpu hands DeepSpeed exactly these groups
         assert got["mpu_data"] == want["data"], (layout, rank)
-        assert got["mpu_model"] == want["tensor"], (layout, rank)
+        assert got["mpu_model"] == want["model"], (layout, rank)
         assert got["mpu_pipe"] == want["pipe"], (layout, rank)
 
 
@@ -90,32 +90,38 @@ def test_mpu_answers_match_grid_and_groups(found, layout):
         data, tensor, pipe = (group_of(layout, a, rank) for a in ("data", "tensor", "pipe"))
         assert row["coord"] == [pipe.index(rank), data.index(rank), tensor.index(rank)]
         assert (mpu["data_rank"], mpu["data_size"]) == (data.index(rank), dp), (layout, rank)
-        assert (mpu["model_rank"], mpu["model_size"]) == (tensor.index(rank), tp), (layout, rank)
+        assert (mpu["model_rank"], mpu["model_size"]) == (tensor.index(rank), pp * tp), (
+            layout,
+            rank,
+        )
         assert (mpu["tensor_rank"], mpu["tensor_size"]) == (tensor.index(rank), tp)
         assert mpu["tensor_src"] == tensor[0], (layout, rank)
         assert (mpu["pipe_rank"], mpu["pipe_size"]) == (pipe.index(rank), pp), (layout, rank)
 
         assert (mpu["data_rank"], mpu["data_size"]) == (grid["data_rank"], grid["data_size"])
         assert (mpu["pipe_rank"], mpu["pipe_size"]) == (grid["pipe_rank"], grid["pipe_size"])
-        # dsnd's mpu means the tensor slice by "model parallel", which the grid calls "slice"
-        assert (mpu["model_rank"], mpu["model_size"]) == (grid["slice_rank"], grid["slice_size"])
+        # the norm's model-parallel rank is the tensor rank, which the grid calls "slice"
+        assert mpu["model_rank"] == grid["slice_rank"]
+        assert mpu["model_size"] == grid["model_size"]
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [(2, 1), (2, 2), (4, 1)], ids=["pp2-tp1", "pp2-tp2", "pp4-tp1"])
-def test_grid_model_parallel_spans_pipeline_stages_but_dsnd_mpu_does_not(found, layout):
-    """With pp > 1 DeepSpeed's grid answers get_model_parallel_rank/world_size over pipe x tensor.
+def test_model_parallel_rank_is_the_tensor_rank_not_the_replica_rank(found, layout):
+    """With pp > 1 DeepSpeed's grid answers get_model_parallel_rank over pipe x tensor.
 
     dsnd runs one DeepSpeedEngine per stage and passes its mpu to it; DeepSpeed's gradient-norm
-    code (ZeRO-0 clipping, ZeRO-3) counts a replicated parameter only where the model-parallel
-    rank is 0, so the grid's meaning would drop the gradients of every stage but the first.
-    dsnd's mpu answers the tensor slice instead (see dsnd/dist/mpu.py)."""
+    code counts a replicated parameter only where the model-parallel rank is 0, so the grid's
+    rank would drop every stage's gradients but the first. dsnd's mpu sums norms over the whole
+    replica but answers the tensor rank (see dsnd/dist/mpu.py)."""
     pp, tp = layout
     for rank, row in enumerate(found[layout]):
         replica = group_of(layout, "model", rank)
+        tensor = group_of(layout, "tensor", rank)
         grid = row["grid_answers"]
         assert (grid["model_rank"], grid["model_size"]) == (replica.index(rank), pp * tp)
-        assert row["mpu_answers"]["model_size"] == tp
+        assert row["mpu_answers"]["model_rank"] == tensor.index(rank)
+        assert row["dsnd"]["mpu_model"] == replica
 
 
 @pytest.mark.dist
