@@ -1,9 +1,10 @@
 """The training loop: an orchestrator over data, model, engine and metrics, not an engine itself.
 
-One optimizer step = `gas` micro-batches per data-parallel rank, each forward/backward through
-DeepSpeed (which accumulates, reduces over the data-parallel group and steps the optimizer at the
-boundary). The reported loss is the mean over all micro-batches of all data-parallel ranks, i.e.
-the mean over the global batch, which no parallel layout changes.
+Every layout runs the same way: this rank builds its pipeline stage (all layers when pp = 1) in
+one DeepSpeed engine sharded over its data-parallel group, and each optimizer step runs the
+stage's schedule (1F1B or GPipe over `gas` micro-batches) through `pipeline.executor`. The loss
+is the mean over every micro-batch of every data-parallel rank, i.e. over the global batch, which
+no parallel layout changes; the last stage computes it and every rank reports it.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from dsnd.compat import scope_zero3_trace_checks
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.dist.groups import ProcessGroups
 from dsnd.metrics import MetricsWriter
-from dsnd.model import build_model, lm_loss
-from dsnd.zero import build_engine, local_grad_norm, zero_stage
+from dsnd.pipeline.executor import StageShape, run_stage_step
+from dsnd.pipeline.p2p import StageLinks
+from dsnd.pipeline.schedule import schedule
+from dsnd.pipeline.stage import build_stage
+from dsnd.zero import build_engine, zero_stage
 
 log = logging.getLogger(__name__)
 
@@ -38,30 +43,18 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
         json.dump(res.ds, f, indent=2)
 
 
-def _mean_over(group: dist.ProcessGroup, value: torch.Tensor) -> float:
+def _mean_over(group: dist.ProcessGroup, value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone().double()
     dist.all_reduce(value, group=group)
-    return value.item() / dist.get_world_size(group)
+    return value / dist.get_world_size(group)
 
 
-def train_step(
-    engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[torch.Tensor, float | None]:
-    """Forward/backward every micro-batch; the optimizer steps at the last one.
-
-    Returns this rank's mean loss and, for ZeRO-0, the pre-clipping gradient norm.
-    """
-    device = engine.device
-    total = torch.zeros((), dtype=torch.float64)
-    norm = None
-    for i, (x, y) in enumerate(micro_batches):
-        loss = lm_loss(engine(x.to(device)), y.to(device))
-        engine.backward(loss)
-        if i == len(micro_batches) - 1 and zero_stage(engine) == 0:
-            norm = local_grad_norm(engine)
-        engine.step()
-        total += loss.detach().double().cpu()
-    return total / len(micro_batches), norm
+def _from_last_stage(groups: ProcessGroups, value: torch.Tensor | None, device) -> float:
+    """The last stage's value, on every rank of the pipeline."""
+    buf = value if value is not None else torch.zeros((), dtype=torch.float64, device=device)
+    last = dist.get_process_group_ranks(groups.pipe)[-1]
+    dist.broadcast(buf, src=last, group=groups.pipe)
+    return buf.item()
 
 
 def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
@@ -70,8 +63,13 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
     samples = SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name)
-    model = build_model(res.dims, run.train.seed)
-    engine = build_engine(model, res.ds, groups)
+    if res.topology.pp > 1:
+        scope_zero3_trace_checks(groups.data)
+    engine = build_engine(build_stage(res, groups), res.ds, groups)
+    actions = schedule(run.parallel.schedule, res.topology.pp, groups.coord.pp, res.batch.gas)
+    links = StageLinks(groups, engine.device)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    shape = StageShape(res.batch.micro, run.model.seq_len, res.dims.hidden_size, dtype)
     is_writer = dist.get_rank() == 0
     writer = MetricsWriter(run.log.dir) if is_writer else None
     if is_writer:
@@ -90,9 +88,12 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
                 samples, run.train.seed, step, res.batch.train, groups.coord.dp,
                 res.topology.dp, res.batch.micro,
             )  # fmt: skip
-            local_loss, norm = train_step(engine, micro)
-            loss = _mean_over(groups.data, local_loss)
+            result = run_stage_step(engine, actions, micro, links, shape, groups.model)
+            if result.loss is not None:
+                result.loss = _mean_over(groups.data, result.loss.to(engine.device))
+            loss = _from_last_stage(groups, result.loss, engine.device)
             elapsed = time.perf_counter() - start
+            norm = result.grad_norm
             if norm is None:
                 norm = engine.get_global_grad_norm()
             row = {

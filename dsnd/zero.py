@@ -7,6 +7,7 @@ from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dsnd.dist.groups import ProcessGroups
@@ -32,15 +33,16 @@ def zero_stage(engine) -> int:
     return engine.zero_optimization_stage()
 
 
-def local_grad_norm(engine) -> float:
-    """L2 norm of the full gradients held on this rank (ZeRO-0: already all-reduced).
+def replica_grad_norm(module: nn.Module, group: dist.ProcessGroup) -> float:
+    """L2 norm of the full gradients of one model replica, summed over `group` (its stages).
 
     DeepSpeed's ZeRO-0 fp32 path clips without keeping the norm, so dsnd measures it at the
     accumulation boundary, before the optimizer step, as ZeRO 1-3 report it (pre-clipping).
     """
-    norms = [
-        p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None
-    ]
-    if not norms:
-        return 0.0
-    return torch.linalg.vector_norm(torch.stack(norms)).item()
+    device = next(module.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in module.parameters():
+        if p.grad is not None:
+            total += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(total, group=group)
+    return total.sqrt().item()

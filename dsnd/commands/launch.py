@@ -25,6 +25,7 @@ from dsnd.launch.hostfile import (
     select_slots,
 )
 from dsnd.launch.rank_table import format_rank_table, rank_rows
+from dsnd.pipeline.stage import check_stages
 
 LOCALHOST = "127.0.0.1"
 
@@ -94,6 +95,7 @@ def run_launch(args: argparse.Namespace) -> int:
             print(format_rank_table(rows))
         return 0
     require_trainable(res)
+    check_stages(res)
     return _run(argv, {**os.environ, **extra_env})
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dsnd.config.load import load
 from dsnd.config.resolve import require_trainable, resolve
 from dsnd.dist.init import init_world, shutdown, world_info
+from dsnd.pipeline.stage import check_stages
 
 
 def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None]) -> int:
@@ -16,6 +17,7 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
     # every check runs before the process group starts
     res = resolve(load(config, sets), info.world_size)
     require_trainable(res)
+    check_stages(res)
 
     from dsnd.dist.groups import build_groups
     from dsnd.trainer import train

@@ -126,9 +126,14 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
 
 def require_trainable(res: Resolved) -> None:
     """Refuse layouts this version cannot train yet (it can still plan and print them)."""
-    if res.topology.pp > 1 or res.topology.tp > 1:
+    if res.topology.tp > 1:
         raise UserError(
-            f"parallel.pp={res.topology.pp} parallel.tp={res.topology.tp}: this dsnd version "
-            "trains data parallel only (pp=1, tp=1); pipeline and tensor parallelism are not "
-            "implemented yet"
+            f"parallel.tp={res.topology.tp}: tensor parallelism is not implemented yet "
+            "(this version trains pipeline x data parallel, tp=1)"
+        )
+    if res.topology.pp > 1 and res.dims.tie_embeddings:
+        raise UserError(
+            f"model.preset={res.run.model.preset} ties its embedding and head, which "
+            f"parallel.pp={res.topology.pp} places on different stages: tied weights across "
+            "stages are not implemented yet"
         )

@@ -31,6 +31,12 @@ class ModelConfig:
 class ParallelConfig:
     pp: int = doc("Pipeline-parallel stages. dp = world_size / (pp * tp).", 1)
     tp: int = doc("Tensor-parallel ranks per stage (Megatron-style).", 1)
+    partition: str | list = doc(
+        "How layers split into stages: uniform, parameters, type:<regex> (as DeepSpeed names "
+        "them), or explicit boundaries [0, 3, 7] / per-stage lists [[0, 1, 2], [3, 4, 5, 6]].",
+        "parameters",
+    )
+    schedule: str = doc("Micro-batch schedule: 1f1b or gpipe.", "1f1b")
 
 
 @dataclass
@@ -94,6 +100,7 @@ class RunConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.preset": ("llama-tiny", "gpt2-tiny"),
     "data.format": ("auto", "text", "jsonl"),
+    "parallel.schedule": ("1f1b", "gpipe"),
     "train.lr_scaling": ("none", "linear", "sqrt"),
     "dist.backend": ("auto", "gloo", "nccl"),
 }

@@ -39,6 +39,12 @@ def schema_keys(cls: type, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _union_members(tp: Any) -> tuple:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return (tp,)
+
+
 def _is_optional(tp: Any) -> tuple[bool, Any]:
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -57,6 +63,14 @@ def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     Allowed conversions: int -> float, and number/bool -> str (so ``--set log.dir=2024`` is the
     directory "2024"). Nothing else is guessed: "3" for an int in YAML is an error.
     """
+    members = [a for a in _union_members(tp) if a is not type(None)]
+    if len(members) > 1:  # a union such as str | list: any member's type, as given
+        if value is None and type(None) in _union_members(tp):
+            return None
+        if not isinstance(value, tuple(members)):
+            names = " or ".join(_a(m) for m in members)
+            raise UserError(f"{where}: {key} must be {names}, got {type(value).__name__} {value!r}")
+        return value
     optional, base = _is_optional(tp)
     if value is None:
         if optional:

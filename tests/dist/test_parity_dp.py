@@ -5,57 +5,9 @@ Real gloo ranks, real DeepSpeed engines; same global batch (16) for every layout
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.procs import run_ranks
-
-STEPS = 5
-RTOL = 1e-4
-
-
-def case(name: str, stage: int | None, preset: str = "llama-tiny", reference: bool = False):
-    sets = [f"train.steps={STEPS}", f"model.preset={preset}", f"log.dir=runs/test/{name}"]
-    if stage is not None:
-        sets.append(f"deepspeed=ds_configs/zero{stage}.json")
-    return {"name": name, "sets": sets, "reference": reference}
-
-
-def run_cases(tmp_path, world: int, cases: list[dict]) -> dict:
-    cases_file, out = tmp_path / "cases.json", tmp_path / "out.json"
-    for c in cases:
-        c["sets"] = [s.replace("runs/test", str(tmp_path)) for s in c["sets"]]
-    cases_file.write_text(json.dumps(cases))
-    run_ranks(world, ["tests/dist/train_cases.py", str(out), str(cases_file)], timeout=400)
-    return json.loads(out.read_text())
-
-
-def assert_same(rows: list[dict], ref: list[dict], label: str) -> None:
-    assert len(rows) == len(ref) == STEPS, label
-    for got, want in zip(rows, ref):
-        for key in ("loss", "grad_norm", "lr"):
-            assert got[key] == pytest.approx(want[key], rel=RTOL), (label, got["step"], key)
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """One rank: the plain-torch references, dsnd at ZeRO 0 and 3, and a user's JSONL corpus."""
-    tmp = tmp_path_factory.mktemp("w1")
-    corpus = tmp / "docs.jsonl"
-    docs = [{"text": f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs. " * 4}
-            for i in range(200)]  # fmt: skip
-    corpus.write_text("\n".join(json.dumps(d) for d in docs))
-    jsonl = case("w1-jsonl", 0)
-    jsonl["sets"].append(f"data.path={corpus}")
-    return run_cases(tmp, 1, [
-        case("ref-llama", None, reference=True),
-        case("ref-gpt2", None, "gpt2-tiny", reference=True),
-        case("w1-z0", 0),
-        case("w1-z3", 3),
-        case("w1-gpt2-z0", 0, "gpt2-tiny"),
-        jsonl,
-    ])  # fmt: skip
+from tests.dist.parity import STEPS, assert_same, case, run_cases
 
 
 @pytest.mark.dist

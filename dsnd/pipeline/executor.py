@@ -1,0 +1,105 @@
+"""Run one stage's share of one optimizer step: dispatch the schedule's actions, nothing more.
+
+Per action, on a stage holding layers [a, b) of the model in one DeepSpeed engine:
+  F(m): input = the micro-batch's tokens (first stage) or the activation received from the
+        previous stage; output = engine(input); the last stage computes the loss, the others
+        send the output on.
+  B(m): the last stage backpropagates its loss (DeepSpeed scales it by 1/gas); the others
+        receive d(loss)/d(output) and backpropagate the surrogate (output * grad).sum() without
+        scaling again; every stage but the first sends d(loss)/d(input) back.
+
+ZeRO 1-3: all of a step's actions run inside `engine.coalesce_grad_reduction()`, so gradients are
+reduced once per step over the stage's data-parallel group; without it ZeRO-3 gives silently
+wrong gradients once several forwards precede their backwards (1F1B's warm-up, DESIGN.md).
+DeepSpeed forbids `engine.step()` inside that block, so the gas `step()` calls (the optimizer
+moves at the last) follow it. ZeRO-0 cannot coalesce; its engine all-reduces at the
+accumulation boundary, so each backward is followed by its `step()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dsnd.model import lm_loss
+from dsnd.pipeline.p2p import StageLinks
+from dsnd.pipeline.schedule import Action
+from dsnd.zero import replica_grad_norm
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What flows between stages: (micro, seq, hidden) activations in `dtype`."""
+
+    micro: int
+    seq_len: int
+    hidden: int
+    dtype: torch.dtype
+
+    @property
+    def activation(self) -> tuple[int, int, int]:
+        return (self.micro, self.seq_len, self.hidden)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor | None  # mean over this rank's micro-batches (last stage only)
+    grad_norm: float | None  # ZeRO-0 only: DeepSpeed keeps no norm there (see zero.py)
+
+
+def run_stage_step(
+    engine,
+    actions: list[Action],
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    links: StageLinks,
+    shape: StageShape,
+    norm_group: dist.ProcessGroup,
+) -> StepResult:
+    """Execute `actions` (one optimizer step of this stage)."""
+    first, last = links.prev is None, links.next is None
+    backwards_left = sum(a.kind == "B" for a in actions)
+    grad_norm = None
+    coalesce = engine.zero_optimization_stage() > 0
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    losses: list[torch.Tensor] = []
+    ctx = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
+    with ctx:
+        for action in actions:
+            m = action.micro
+            if action.kind == "F":
+                if first:
+                    x = micro_batches[m][0].to(engine.device)
+                else:
+                    x = links.recv_activation(shape.activation, shape.dtype).requires_grad_()
+                    inputs[m] = x
+                out = engine(x)
+                if last:
+                    outputs[m] = lm_loss(out, micro_batches[m][1].to(engine.device))
+                    losses.append(outputs[m].detach())
+                else:
+                    links.send_activation(out)
+                    outputs[m] = out
+            else:
+                out = outputs.pop(m)
+                if last:
+                    engine.backward(out)
+                else:
+                    grad = links.recv_gradient(shape.activation, shape.dtype)
+                    engine.backward((out * grad).sum(), scale_wrt_gas=False)
+                if not first:
+                    links.send_gradient(inputs.pop(m).grad)
+                backwards_left -= 1
+                if not coalesce:
+                    if backwards_left == 0:  # gradients are final (and all-reduced): measure
+                        grad_norm = replica_grad_norm(engine.module, norm_group)
+                    engine.step()
+    if coalesce:
+        for _ in micro_batches:
+            engine.step()
+    links.wait()
+    loss = torch.stack(losses).double().mean() if last else None
+    return StepResult(loss=loss, grad_norm=grad_norm)

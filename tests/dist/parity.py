@@ -1,0 +1,42 @@
+"""Shared pieces of the parity tests: cases, a run of them in one set of ranks, the comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.procs import run_ranks
+
+STEPS = 5
+RTOL = 1e-4
+
+
+def case(
+    name: str,
+    stage: int | None,
+    preset: str = "llama-tiny",
+    reference: bool = False,
+    sets: tuple[str, ...] = (),
+) -> dict:
+    """A training case: `stage` picks ds_configs/zero<stage>.json; `sets` adds --set items."""
+    all_sets = [f"train.steps={STEPS}", f"model.preset={preset}", f"log.dir=runs/test/{name}"]
+    if stage is not None:
+        all_sets.append(f"deepspeed=ds_configs/zero{stage}.json")
+    return {"name": name, "sets": [*all_sets, *sets], "reference": reference}
+
+
+def run_cases(tmp_path, world: int, cases: list[dict]) -> dict:
+    cases_file, out = tmp_path / "cases.json", tmp_path / "out.json"
+    for c in cases:
+        c["sets"] = [s.replace("runs/test", str(tmp_path)) for s in c["sets"]]
+    cases_file.write_text(json.dumps(cases))
+    run_ranks(world, ["tests/dist/train_cases.py", str(out), str(cases_file)], timeout=400)
+    return json.loads(out.read_text())
+
+
+def assert_same(rows: list[dict], ref: list[dict], label: str) -> None:
+    assert len(rows) == len(ref) == STEPS, label
+    for got, want in zip(rows, ref, strict=True):
+        for key in ("loss", "grad_norm", "lr"):
+            assert got[key] == pytest.approx(want[key], rel=RTOL), (label, got["step"], key)
