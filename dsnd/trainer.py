@@ -25,10 +25,12 @@ from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.dist.groups import ProcessGroups
 from dsnd.metrics import MetricsWriter
+from dsnd.model import layer_specs
 from dsnd.pipeline.executor import StageShape, run_stage_step
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.schedule import schedule
-from dsnd.pipeline.stage import build_stage
+from dsnd.pipeline.stage import build_stage, stage_parts
+from dsnd.pipeline.tied import TiedWeights
 from dsnd.zero import build_engine, zero_stage
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,9 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
     samples = SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name)
     if res.topology.pp > 1:
         scope_zero3_trace_checks(groups.data)
-    engine = build_engine(build_stage(res, groups), res.ds, groups)
+    stack = build_stage(res, groups)
+    tied = TiedWeights(stack, layer_specs(res.dims), stage_parts(res), groups)
+    engine = build_engine(stack, res.ds, groups)
     actions = schedule(run.parallel.schedule, res.topology.pp, groups.coord.pp, res.batch.gas)
     links = StageLinks(groups, engine.device)
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
@@ -88,7 +92,7 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
                 samples, run.train.seed, step, res.batch.train, groups.coord.dp,
                 res.topology.dp, res.batch.micro,
             )  # fmt: skip
-            result = run_stage_step(engine, actions, micro, links, shape, groups.model)
+            result = run_stage_step(engine, actions, micro, links, shape, groups.model, tied)
             if result.loss is not None:
                 result.loss = _mean_over(groups.data, result.loss.to(engine.device))
             loss = _from_last_stage(groups, result.loss, engine.device)

@@ -90,7 +90,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     check_tp(dims, par.tp)
     if par.pp > dims.num_layers:
         raise UserError(f"parallel.pp={par.pp} exceeds model.num_layers={dims.num_layers}")
-    for key in ("train.steps", "checkpoint.every"):
+    for key in ("train.steps", "checkpoint.every", "parallel.activation_checkpoint_interval"):
         section, name = key.split(".")
         if getattr(getattr(run, section), name) < 0:
             raise UserError(f"{key} must be >= 0")
@@ -130,10 +130,4 @@ def require_trainable(res: Resolved) -> None:
         raise UserError(
             f"parallel.tp={res.topology.tp}: tensor parallelism is not implemented yet "
             "(this version trains pipeline x data parallel, tp=1)"
-        )
-    if res.topology.pp > 1 and res.dims.tie_embeddings:
-        raise UserError(
-            f"model.preset={res.run.model.preset} ties its embedding and head, which "
-            f"parallel.pp={res.topology.pp} places on different stages: tied weights across "
-            "stages are not implemented yet"
         )

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from dsnd.model import lm_loss
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.schedule import Action
+from dsnd.pipeline.tied import TiedWeights
 from dsnd.zero import replica_grad_norm
 
 
@@ -57,8 +58,10 @@ def run_stage_step(
     links: StageLinks,
     shape: StageShape,
     norm_group: dist.ProcessGroup,
+    tied: TiedWeights | None = None,
 ) -> StepResult:
-    """Execute `actions` (one optimizer step of this stage)."""
+    """Execute `actions` (one optimizer step of this stage); `tied` exchanges the weights this
+    stage shares with another (see pipeline/tied.py)."""
     first, last = links.prev is None, links.next is None
     backwards_left = sum(a.kind == "B" for a in actions)
     grad_norm = None
@@ -67,6 +70,8 @@ def run_stage_step(
     outputs: dict[int, torch.Tensor] = {}
     losses: list[torch.Tensor] = []
     ctx = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
+    if tied:
+        tied.begin_step(engine.device)
     with ctx:
         for action in actions:
             m = action.micro
@@ -85,14 +90,18 @@ def run_stage_step(
                     outputs[m] = out
             else:
                 out = outputs.pop(m)
+                backwards_left -= 1
+                grad = None if last else links.recv_gradient(shape.activation, shape.dtype)
+                if tied and backwards_left == 0:
+                    tied.before_last_backward(zero0=not coalesce)
                 if last:
                     engine.backward(out)
                 else:
-                    grad = links.recv_gradient(shape.activation, shape.dtype)
                     engine.backward((out * grad).sum(), scale_wrt_gas=False)
                 if not first:
                     links.send_gradient(inputs.pop(m).grad)
-                backwards_left -= 1
+                if tied and backwards_left == 0:
+                    tied.after_last_backward(zero0=not coalesce)
                 if not coalesce:
                     if backwards_left == 0:  # gradients are final (and all-reduced): measure
                         grad_norm = replica_grad_norm(engine.module, norm_group)

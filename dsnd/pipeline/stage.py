@@ -15,6 +15,11 @@ def stage_layer_indices(res: Resolved, stage: int) -> list[int]:
     return stage_layers(parts, stage)
 
 
+def stage_parts(res: Resolved) -> list[int]:
+    """Stage boundaries: stage s holds global layers parts[s] .. parts[s + 1] - 1."""
+    return partition(res.run.parallel.partition, layer_specs(res.dims), res.topology.pp)
+
+
 def check_stages(res: Resolved) -> None:
     """Raise UserError now (before any rank starts) if `parallel.partition` cannot split the
     model into `parallel.pp` non-empty stages."""
@@ -25,4 +30,9 @@ def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
     """This rank's layers, initialised exactly as in the full model (seed, global index, name)."""
     specs = layer_specs(res.dims)
     indices = stage_layer_indices(res, groups.coord.pp)
-    return LayerStack(specs, res.run.train.seed, layer_indices=indices)
+    return LayerStack(
+        specs,
+        res.run.train.seed,
+        layer_indices=indices,
+        activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
+    )

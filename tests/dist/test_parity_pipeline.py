@@ -27,10 +27,22 @@ def test_two_stages_one_replica_1f1b_and_gpipe(single, tmp_path):
 
 
 @pytest.mark.dist
+def test_gpt2_embedding_and_head_tied_across_stages(single, tmp_path):
+    """The embedding (stage 0) and the head (last stage) share one weight: the owner sends it,
+    the head's gradient comes back, norm and clipping count it once (pipeline/tied.py)."""
+    got = run_cases(tmp_path, 2, [
+        case(f"gpt2-pp2-z{stage}", stage, "gpt2-tiny", sets=PP2) for stage in (0, 2, 3)
+    ])  # fmt: skip
+    for name, rows in got.items():
+        assert_same(rows, single["ref-gpt2"], name)
+
+
+@pytest.mark.dist
 def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, tmp_path):
     got = run_cases(tmp_path, 4, [
         *(case(f"pp2-dp2-z{stage}", stage, sets=PP2) for stage in range(4)),
         case("pp4-z0", 0, sets=("parallel.pp=4",)),
+        case("gpt2-pp2-dp2-z1", 1, "gpt2-tiny", sets=PP2),
     ])  # fmt: skip
     for name, rows in got.items():
-        assert_same(rows, single["ref-llama"], name)
+        assert_same(rows, single["ref-gpt2" if name.startswith("gpt2") else "ref-llama"], name)
