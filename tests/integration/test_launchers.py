@@ -87,3 +87,17 @@ def test_deepspeed_launcher_four_ranks_runs_launch_script(tmp_path, nprocs2_zero
     assert (log_dir / "config.yaml").is_file() and (log_dir / "deepspeed.json").is_file()
     saved = json.loads((log_dir / "deepspeed.json").read_text())
     assert saved["gradient_accumulation_steps"] == 2  # 16 = 2 micro x 2 accumulation x 4 ranks
+
+
+@pytest.mark.launch
+def test_dsnd_launch_pipeline_of_two_stages_zero3_trains(tmp_path):
+    """Issue 3's acceptance: 4 ranks, pp=2 x dp=2, ZeRO-3 inside every stage; the loss falls."""
+    log_dir = tmp_path / "log"
+    proc = run_cli(["launch", "--nprocs", "4", "--master-port", str(free_port()),
+                    "--set", "parallel.pp=2", "--set", "ds.zero_optimization.stage=3",
+                    "--set", "train.steps=12", "--set", f"log.dir={log_dir}"],
+                   timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(log_dir)
+    check_rows(rows, 12)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, [r["loss"] for r in rows]
