@@ -37,6 +37,12 @@ class ParallelConfig:
         "parameters",
     )
     schedule: str = doc("Micro-batch schedule: 1f1b or gpipe.", "1f1b")
+    activation_checkpoint_interval: int = doc(
+        "Activation checkpointing: 0 = off; k = each stage runs its layers in consecutive runs "
+        "of k and recomputes each run in backward instead of keeping its activations, as "
+        "DeepSpeed's PipelineModule(activation_checkpoint_interval=k).",
+        0,
+    )
 
 
 @dataclass

@@ -22,6 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.pytorch_utils import Conv1D
 
 from dsnd.config.presets import ModelDims
+from dsnd.model.checkpointing import run_layers
 from dsnd.model.hf_config import hf_config
 from dsnd.model.layers import (
     GPT2BlockLayer,
@@ -107,6 +108,8 @@ class LayerStack(nn.Module):
     `tied_modules.<key>.<name>` for a tied module, which is built once per stack (at the first of
     its indices here) and initialised with the index of the key's first spec in `specs`.
     `init_std` defaults to each layer's own `init_std` attribute.
+    `activation_checkpoint_interval` k > 0 recomputes each run of k consecutive layers of this
+    stack in backward while training (`dsnd.model.checkpointing`); 0 keeps every activation.
     """
 
     def __init__(
@@ -115,8 +118,14 @@ class LayerStack(nn.Module):
         seed: int,
         layer_indices: Sequence[int] | None = None,
         init_std: float | None = None,
+        activation_checkpoint_interval: int = 0,
     ) -> None:
         super().__init__()
+        if activation_checkpoint_interval < 0:
+            raise ValueError(
+                f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}"
+            )
+        self.activation_checkpoint_interval = activation_checkpoint_interval
         indices = list(range(len(specs))) if layer_indices is None else list(layer_indices)
         if any(i < 0 or i >= len(specs) for i in indices) or indices != sorted(set(indices)):
             raise ValueError(f"layer_indices must be ascending, unique, < {len(specs)}: {indices}")
@@ -149,9 +158,8 @@ class LayerStack(nn.Module):
                 self._forward_funcs.append(module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fn in self._forward_funcs:
-            x = fn(x)
-        return x
+        recompute = self.training and torch.is_grad_enabled()
+        return run_layers(self._forward_funcs, x, self.activation_checkpoint_interval, recompute)
 
 
 def _init(module: nn.Module, seed: int, index: int, init_std: float | None) -> None:

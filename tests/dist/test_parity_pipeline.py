@@ -62,4 +62,3 @@ def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, tmp_path):
     ])  # fmt: skip
     for name, rows in got.items():
         assert_same(rows, single["ref-gpt2" if name.startswith("gpt2") else "ref-llama"], name)
-
