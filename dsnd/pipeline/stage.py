@@ -8,31 +8,23 @@ from dsnd.model import LayerStack, layer_specs
 from dsnd.pipeline.partition import partition, stage_layers
 
 
-def stage_layer_indices(res: Resolved, stage: int) -> list[int]:
-    """Global layer indices of pipeline stage `stage` under `parallel.partition`."""
-    specs = layer_specs(res.dims)
-    parts = partition(res.run.parallel.partition, specs, res.topology.pp)
-    return stage_layers(parts, stage)
-
-
 def stage_parts(res: Resolved) -> list[int]:
-    """Stage boundaries: stage s holds global layers parts[s] .. parts[s + 1] - 1."""
+    """Stage boundaries under `parallel.partition`: stage s holds global layers
+    parts[s] .. parts[s + 1] - 1."""
     return partition(res.run.parallel.partition, layer_specs(res.dims), res.topology.pp)
 
 
 def check_stages(res: Resolved) -> None:
     """Raise UserError now (before any rank starts) if `parallel.partition` cannot split the
     model into `parallel.pp` non-empty stages."""
-    partition(res.run.parallel.partition, layer_specs(res.dims), res.topology.pp)
+    stage_parts(res)
 
 
 def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
     """This rank's layers, initialised exactly as in the full model (seed, global index, name)."""
-    specs = layer_specs(res.dims)
-    indices = stage_layer_indices(res, groups.coord.pp)
     return LayerStack(
-        specs,
+        layer_specs(res.dims),
         res.run.train.seed,
-        layer_indices=indices,
+        layer_indices=stage_layers(stage_parts(res), groups.coord.pp),
         activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
     )

@@ -31,7 +31,7 @@ def main(out_path: str, cases_path: str) -> None:
     init_world(info, timeout_s=120)
     results = {}
     try:
-        for case, res in zip(cases, resolved):
+        for case, res in zip(cases, resolved, strict=True):
             if case.get("reference"):
                 from tests.reference import reference_rows
 
