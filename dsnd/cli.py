@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | env.
+"""``dsnd``: train | launch | bench | env.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-port", type=int, default=29500)
     launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     launch.add_argument("--json", action="store_true", help="with --dry-run: machine-readable")
+
+    bench = sub.add_parser("bench", help="measure dsnd against DeepSpeed (a benchmark, not a test)")
+    bench.add_argument("name", choices=("pipeline",), help="which benchmark")
+    bench.add_argument("--steps", type=int, default=40, help="timed repetitions per side")
+    bench.add_argument("--warmup", type=int, default=10, help="untimed repetitions first")
+    bench.add_argument("--micro-batches", type=int, default=8, help="gradient accumulation steps")
+    bench.add_argument("--json", action="store_true", help="one JSON object per metric line")
     return parser
 
 
@@ -109,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             from dsnd.commands.train import run_train
 
             return run_train(args.config, args.sets, setup_logging)
+        if args.command == "bench":
+            from dsnd.commands.bench import run_bench
+
+            return run_bench(args)
         from dsnd.commands.launch import run_launch
 
         return run_launch(args)

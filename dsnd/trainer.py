@@ -20,18 +20,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from dsnd.compat import scope_zero3_trace_checks
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.dist.groups import ProcessGroups
 from dsnd.metrics import MetricsWriter
-from dsnd.model import layer_specs
-from dsnd.pipeline.executor import StageShape, run_stage_step
-from dsnd.pipeline.p2p import StageLinks
-from dsnd.pipeline.schedule import schedule
-from dsnd.pipeline.stage import build_stage, stage_parts
-from dsnd.pipeline.tied import TiedWeights
-from dsnd.zero import build_engine, zero_stage
+from dsnd.pipeline.runner import StageRunner
+from dsnd.zero import zero_stage
 
 log = logging.getLogger(__name__)
 
@@ -45,35 +39,14 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
         json.dump(res.ds, f, indent=2)
 
 
-def _mean_over(group: dist.ProcessGroup, value: torch.Tensor) -> torch.Tensor:
-    value = value.detach().clone().double()
-    dist.all_reduce(value, group=group)
-    return value / dist.get_world_size(group)
-
-
-def _from_last_stage(groups: ProcessGroups, value: torch.Tensor | None, device) -> float:
-    """The last stage's value, on every rank of the pipeline."""
-    buf = value if value is not None else torch.zeros((), dtype=torch.float64, device=device)
-    last = dist.get_process_group_ranks(groups.pipe)[-1]
-    dist.broadcast(buf, src=last, group=groups.pipe)
-    return buf.item()
-
-
 def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
     """Run `train.steps` optimizer steps; returns the metric rows (identical on every rank)."""
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
     samples = SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name)
-    if res.topology.pp > 1:
-        scope_zero3_trace_checks(groups.data)
-    stack = build_stage(res, groups)
-    tied = TiedWeights(stack, layer_specs(res.dims), stage_parts(res), groups)
-    engine = build_engine(stack, res.ds, groups)
-    actions = schedule(run.parallel.schedule, res.topology.pp, groups.coord.pp, res.batch.gas)
-    links = StageLinks(groups, engine.device)
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
-    shape = StageShape(res.batch.micro, run.model.seq_len, res.dims.hidden_size, dtype)
+    runner = StageRunner(res, groups)
+    engine = runner.engine
     is_writer = dist.get_rank() == 0
     writer = MetricsWriter(run.log.dir) if is_writer else None
     if is_writer:
@@ -92,19 +65,13 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
                 samples, run.train.seed, step, res.batch.train, groups.coord.dp,
                 res.topology.dp, res.batch.micro,
             )  # fmt: skip
-            result = run_stage_step(engine, actions, micro, links, shape, groups.model, tied)
-            if result.loss is not None:
-                result.loss = _mean_over(groups.data, result.loss.to(engine.device))
-            loss = _from_last_stage(groups, result.loss, engine.device)
+            loss, norm = runner.report(runner.run(micro))
             elapsed = time.perf_counter() - start
-            norm = result.grad_norm
-            if norm is None:
-                norm = engine.get_global_grad_norm()
             row = {
                 "step": step + 1,
                 "loss": loss,
                 "lr": lr,
-                "grad_norm": float(norm) if norm is not None else None,
+                "grad_norm": norm,
                 "tokens_per_s": res.tokens_per_step / elapsed,
                 "step_time_s": elapsed,
             }

@@ -4,9 +4,14 @@ Sends are asynchronous (`isend`): a stage hands its activation or gradient off a
 so communication overlaps compute; the handles are waited on at the end of the step. Receives
 block, which is where the schedule's dependencies are enforced. Messages between two stages
 travel in one direction each (activations forward, gradients backward) and arrive in send order.
+
+Time blocked in receives is summed in `recv_wait_s`: on a stage, that is the pipeline bubble
+(plus transfer time) the schedule leaves it, which `dsnd bench pipeline` measures.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,13 +30,21 @@ class StageLinks:
         self.prev = ranks[stage - 1] if stage > 0 else None
         self.next = ranks[stage + 1] if stage + 1 < len(ranks) else None
         self._pending: list[dist.Work] = []
+        self.recv_wait_s = 0.0  # seconds blocked in receives since construction or the last reset
+
+    def reset_recv_wait(self) -> float:
+        """Return `recv_wait_s` and start counting again from zero."""
+        waited, self.recv_wait_s = self.recv_wait_s, 0.0
+        return waited
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         self._pending.append(dist.isend(tensor.detach().contiguous(), dst, group=self.group))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
+        start = time.perf_counter()
         dist.recv(buf, src, group=self.group)
+        self.recv_wait_s += time.perf_counter() - start
         return buf
 
     def send_activation(self, tensor: torch.Tensor) -> None:

@@ -414,7 +414,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "unknown command": (
             ["lanch"],
-            "argument command: invalid choice: 'lanch' (choose from env, train, launch) "
+            "argument command: invalid choice: 'lanch' (choose from env, train, launch, bench) "
             "(see 'dsnd --help')",
         ),
     }

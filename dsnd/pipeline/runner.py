@@ -1,0 +1,60 @@
+"""This rank's pipeline stage, ready to run optimizer steps: engine, schedule, links, ties.
+
+Shared by the trainer and `dsnd bench`, so what is measured is exactly what trains.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dsnd.compat import scope_zero3_trace_checks
+from dsnd.config.resolve import Resolved
+from dsnd.dist.groups import ProcessGroups
+from dsnd.model import layer_specs
+from dsnd.pipeline.executor import StageShape, StepResult, run_stage_step
+from dsnd.pipeline.p2p import StageLinks
+from dsnd.pipeline.schedule import schedule
+from dsnd.pipeline.stage import build_stage, stage_parts
+from dsnd.pipeline.tied import TiedWeights
+from dsnd.zero import build_engine
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StageRunner:
+    """One DeepSpeed engine over this rank's stage, sharded over the stage's data group."""
+
+    def __init__(self, res: Resolved, groups: ProcessGroups) -> None:
+        self.groups = groups
+        if res.topology.pp > 1:
+            scope_zero3_trace_checks(groups.data)
+        stack = build_stage(res, groups)
+        # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
+        self.tied = TiedWeights(stack, layer_specs(res.dims), stage_parts(res), groups)
+        self.engine = build_engine(stack, res.ds, groups)
+        pp, stage, gas = res.topology.pp, groups.coord.pp, res.batch.gas
+        self.actions = schedule(res.run.parallel.schedule, pp, stage, gas)
+        self.links = StageLinks(groups, self.engine.device)
+        dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
+        self.shape = StageShape(res.batch.micro, res.run.model.seq_len, res.dims.hidden_size, dtype)
+
+    def run(self, micro_batches: Batches) -> StepResult:
+        """This stage's share of one optimizer step (no collective beyond the step's own)."""
+        return run_stage_step(self.engine, self.actions, micro_batches, self.links, self.shape,
+                              self.groups.model, self.tied)  # fmt: skip
+
+    def report(self, result: StepResult) -> tuple[float, float | None]:
+        """(loss over the global batch, gradient norm over all stages), on every rank."""
+        device = self.engine.device
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        if result.loss is not None:  # the last stage: mean over its data-parallel replicas
+            loss = result.loss.to(device).double()
+            dist.all_reduce(loss, group=self.groups.data)
+            loss /= dist.get_world_size(self.groups.data)
+        last = dist.get_process_group_ranks(self.groups.pipe)[-1]
+        dist.broadcast(loss, src=last, group=self.groups.pipe)
+        norm = result.grad_norm
+        if norm is None:
+            norm = self.engine.get_global_grad_norm()
+        return loss.item(), None if norm is None else float(norm)
