@@ -86,6 +86,7 @@ def run_launch(args: argparse.Namespace) -> int:
     argv, slots, extra_env = plan(args)
     world = sum(len(s) for s in slots.values())
     res = resolve(load(args.config, args.sets), world)
+    check_stages(res)
     rows = rank_rows(res.topology, commands.placement(slots))
     if args.dry_run:
         if args.json:
@@ -95,7 +96,6 @@ def run_launch(args: argparse.Namespace) -> int:
             print(format_rank_table(rows))
         return 0
     require_trainable(res)
-    check_stages(res)
     return _run(argv, {**os.environ, **extra_env})
 
 

@@ -28,7 +28,9 @@ def param_groups(model: nn.Module) -> list[dict]:
             if id(param) in seen or not param.requires_grad:
                 continue
             seen.add(id(param))
-            if isinstance(module, NO_DECAY_MODULES) or param.ndim < 2:
+            # a ZeRO-3 parameter built under zero.Init is a 1-D shard; its real shape is ds_shape
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            if isinstance(module, NO_DECAY_MODULES) or ndim < 2:
                 no_decay.append(param)
             else:
                 decay.append(param)

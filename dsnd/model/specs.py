@@ -15,6 +15,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
@@ -166,7 +167,11 @@ def _init(module: nn.Module, seed: int, index: int, init_std: float | None) -> N
     std = init_std if init_std is not None else getattr(module, "init_std", None)
     if std is None:
         raise ValueError(f"{type(module).__name__} has no init_std; pass LayerStack(init_std=...)")
-    init_layer(module, seed, index, std)
+    # Built under deepspeed.zero.Init, the layer's parameters are already partitioned: gather
+    # this one layer, initialise it (the same values on every rank), and let each rank keep its
+    # shard. A no-op for ordinary parameters.
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+        init_layer(module, seed, index, std)
 
 
 def build_model(dims: ModelDims, seed: int) -> LayerStack:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import deepspeed
+import torch
+
 from dsnd.config.resolve import Resolved
 from dsnd.dist.groups import ProcessGroups
-from dsnd.model import LayerStack, layer_specs
+from dsnd.dist.mpu import Mpu
+from dsnd.errors import UserError
+from dsnd.model import LayerStack, layer_specs, param_groups
 from dsnd.pipeline.partition import partition, stage_layers
 
 
@@ -14,17 +19,65 @@ def stage_parts(res: Resolved) -> list[int]:
     return partition(res.run.parallel.partition, layer_specs(res.dims), res.topology.pp)
 
 
+def _group_count(specs: list, indices: list[int], owned_ties: set[str]) -> int:
+    """How many optimizer parameter groups a stage of these layers gets (built on meta)."""
+    params = torch.nn.ModuleList()
+    with torch.device("meta"):
+        for i in indices:
+            key = getattr(specs[i], "key", None)
+            if key is None or key in owned_ties:
+                params.append(specs[i].build())
+    return len(param_groups(params))
+
+
 def check_stages(res: Resolved) -> None:
-    """Raise UserError now (before any rank starts) if `parallel.partition` cannot split the
-    model into `parallel.pp` non-empty stages."""
-    stage_parts(res)
+    """Raise UserError now (before any rank starts) if the stages cannot be built and run.
+
+    `parallel.partition` must give `parallel.pp` non-empty stages. Under ZeRO 1-3 DeepSpeed
+    all-reduces the gradient norm once per parameter group over the model-parallel group, so
+    every stage needs the same number of groups (decayed and undecayed parameters), or the
+    stages would wait on each other for ever.
+    """
+    parts = stage_parts(res)
+    zero = res.ds.get("zero_optimization", {}).get("stage", 0)
+    if res.topology.pp == 1 or zero == 0:
+        return
+    specs = layer_specs(res.dims)
+    counts, owners = [], set()
+    for stage in range(res.topology.pp):
+        indices = stage_layers(parts, stage)
+        new_ties = {specs[i].key for i in indices if getattr(specs[i], "key", None)} - owners
+        owners |= new_ties
+        counts.append(_group_count(specs, indices, new_ties))
+    if len(set(counts)) > 1:
+        raise UserError(
+            f"parallel.partition={res.run.parallel.partition!r} gives stages {parts} whose "
+            f"optimizer parameter groups differ ({counts} per stage: decayed matrices and/or "
+            f"undecayed norms, biases, embeddings); with ZeRO-{zero} DeepSpeed reduces the "
+            "gradient norm per group across stages, which would hang: choose a partition "
+            "where every stage holds a transformer block (e.g. 'parameters')"
+        )
 
 
 def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
-    """This rank's layers, initialised exactly as in the full model (seed, global index, name)."""
-    return LayerStack(
-        layer_specs(res.dims),
-        res.run.train.seed,
-        layer_indices=stage_layers(stage_parts(res), groups.coord.pp),
-        activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
-    )
+    """This rank's layers, initialised exactly as in the full model (seed, global index, name).
+
+    With ZeRO-3 the layers are built under `deepspeed.zero.Init` over the stage's data-parallel
+    group: each layer is partitioned as soon as it is constructed (and initialised one layer at
+    a time), so no rank ever holds its whole stage, let alone the model.
+    """
+    zero3 = res.ds.get("zero_optimization", {}).get("stage", 0) == 3
+    # partitioning builds layers on the meta device to count them: never under zero.Init
+    indices = stage_layers(stage_parts(res), groups.coord.pp)
+    with deepspeed.zero.Init(
+        data_parallel_group=groups.data,
+        config_dict_or_path=res.ds,
+        mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
+        enabled=zero3,
+    ):
+        return LayerStack(
+            layer_specs(res.dims),
+            res.run.train.seed,
+            layer_indices=indices,
+            activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
+        )

@@ -1,0 +1,76 @@
+"""Rank program: parameter bytes a rank holds while and after building its stage under ZeRO-3.
+
+Usage (every rank): python tests/dist/zero_init_worker.py OUT.json
+Builds the llama-tiny stage of pp=1 x dp=WORLD with ds_configs/zero3.json through dsnd's own
+`build_stage` (deepspeed.zero.Init over the data-parallel group) and measures, from the live
+parameter objects themselves, the bytes materialised on this rank: at every layer's
+initialisation (the construction peak) and after construction.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import dsnd.model.specs as specs_module  # noqa: E402
+from dsnd.config.load import load  # noqa: E402
+from dsnd.config.resolve import resolve  # noqa: E402
+from dsnd.dist.groups import build_groups  # noqa: E402
+from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.pipeline.stage import build_stage  # noqa: E402
+
+
+def live_zero_param_bytes() -> int:
+    """Bytes held by every ZeRO-3 parameter alive in this process: its materialised data (full
+    only while gathered) plus its own shard."""
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Parameter) and hasattr(obj, "ds_id"):
+            total += obj.data.numel() * obj.element_size()
+            total += obj.ds_tensor.numel() * obj.ds_tensor.element_size()
+    return total
+
+
+def main(out_path: str) -> None:
+    torch.set_num_threads(1)
+    info = world_info(dict(os.environ))
+    res = resolve(load(None, ["deepspeed=ds_configs/zero3.json"]), info.world_size)
+    init_world(info, timeout_s=60)
+    samples = []
+    original = specs_module.init_layer
+
+    def measured_init_layer(module, seed, index, std):  # runs inside GatheredParameters
+        samples.append(live_zero_param_bytes())
+        original(module, seed, index, std)
+
+    specs_module.init_layer = measured_init_layer
+    try:
+        stack = build_stage(res, build_groups(res.topology))
+        params = list(stack.parameters())
+        result = {
+            "stage_bytes": sum(p.ds_numel * p.element_size() for p in params),
+            "largest_layer_bytes": max(
+                sum(p.ds_numel * p.element_size() for p in layer.parameters())
+                for layer in stack.layers.values()
+            ),
+            "after_build_bytes": live_zero_param_bytes(),
+            "construction_peak_bytes": max(samples),
+            "all_partitioned": all(p.data.numel() == 0 for p in params),
+            "dp": res.topology.dp,
+        }
+    finally:
+        specs_module.init_layer = original
+        shutdown()
+    with open(f"{out_path}.{info.rank}", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
