@@ -10,3 +10,11 @@ def test_ruff_is_clean():
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "dsnd", "tests", "launch"],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_suite_collects_the_multi_rank_tests():
+    """pytest skips folders named "dist" by default; the parity tests live in tests/dist."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q"],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert "tests/dist/test_parity_pipeline.py::" in proc.stdout, proc.stdout[-2000:]
+    assert "tests/dist/test_parity_dp.py::" in proc.stdout, proc.stdout[-2000:]
