@@ -31,8 +31,8 @@ def _check(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
-    from dsnd.bench.ranks import RanksFailed, run_ranks
     from dsnd.bench.results import WORLD, format_table, json_lines, pipeline_rows
+    from dsnd.launch.local_ranks import RanksFailed, run_ranks
 
     with tempfile.TemporaryDirectory(prefix="dsnd-bench-") as tmp:
         out = os.path.join(tmp, "raw.json")

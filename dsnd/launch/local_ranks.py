@@ -1,4 +1,4 @@
-"""Start a benchmark's rank processes on this machine: gloo over loopback, one thread each.
+"""Start rank processes on this machine: gloo over loopback, one thread each (benchmarks, tests).
 
 Each rank is its own Python process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT set, as DeepSpeed's launcher or torchrun would set them. The first rank to fail, or
@@ -29,26 +29,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment with one thread per process, DeepSpeed's CPU accelerator, unbuffered
+    output, and this process's own dsnd first on the path (installed or not)."""
     env = dict(os.environ)
-    env.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR=LOOPBACK,
-        MASTER_PORT=str(port), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-        PYTHONUNBUFFERED="1",
-    )  # fmt: skip
-    # the ranks import the same dsnd as this process, installed or not
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    env.update(extra or {})
     return env
 
 
-def run_ranks(world: int, argv: Sequence[str], timeout_s: float) -> None:
-    """Run ``python <argv>`` as `world` ranks and wait for all of them."""
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    return base_env(dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port)))  # fmt: skip
+
+
+def run_ranks(
+    world: int, argv: Sequence[str], timeout_s: float, cwd: str | None = None
+) -> list[str]:
+    """Run ``python <argv>`` as `world` ranks, wait for all of them, return their outputs."""
     port = free_port()
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
     procs = [
         subprocess.Popen(
             [sys.executable, *argv],
             env=rank_env(rank, world, port),
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -68,13 +74,13 @@ def run_ranks(world: int, argv: Sequence[str], timeout_s: float) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    if problem is None and all(p.returncode == 0 for p in procs):
-        for log in logs:
-            log.close()
-        return
-    report = []
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+    outputs = []
+    for log in logs:
         log.seek(0)
-        report.append(f"--- rank {rank} (exit code {p.returncode}) ---\n{log.read()[-4000:]}")
+        outputs.append(log.read())
         log.close()
+    if problem is None and all(p.returncode == 0 for p in procs):
+        return outputs
+    report = [f"--- rank {rank} (exit code {p.returncode}) ---\n{out[-4000:]}"
+              for rank, (p, out) in enumerate(zip(procs, outputs, strict=True))]  # fmt: skip
     raise RanksFailed(f"{problem or 'a rank failed'}:\n" + "\n".join(report))
