@@ -1,0 +1,34 @@
+"""Megatron-style tensor parallelism: f/g mappings, parallel layers, vocab-parallel loss.
+
+Every function and layer takes its tensor-parallel process group as an argument.
+"""
+
+from dsnd.tp.cross_entropy import vocab_parallel_cross_entropy
+from dsnd.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    allreduce_sequence_parallel_grads,
+)
+from dsnd.tp.mappings import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_tp,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "allreduce_sequence_parallel_grads",
+    "copy_to_tp",
+    "gather_from_sp",
+    "gather_from_tp",
+    "reduce_from_tp",
+    "reduce_scatter_to_sp",
+    "scatter_to_tp",
+    "vocab_parallel_cross_entropy",
+]
