@@ -71,7 +71,13 @@ def run_stage_step(
     losses: list[torch.Tensor] = []
     ctx = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
     if tied:
-        tied.begin_step(engine.device)
+        tied.begin_step(engine.device)  # before posting receives: the weight comes first
+    links.begin_step(
+        shape.activation,
+        shape.dtype,
+        activations=0 if first else sum(a.kind == "F" for a in actions),
+        gradients=0 if last else backwards_left,
+    )
     with ctx:
         for action in actions:
             m = action.micro
@@ -79,7 +85,7 @@ def run_stage_step(
                 if first:
                     x = micro_batches[m][0].to(engine.device)
                 else:
-                    x = links.recv_activation(shape.activation, shape.dtype).requires_grad_()
+                    x = links.recv_activation().requires_grad_()
                     inputs[m] = x
                 out = engine(x)
                 if last:
@@ -91,7 +97,7 @@ def run_stage_step(
             else:
                 out = outputs.pop(m)
                 backwards_left -= 1
-                grad = None if last else links.recv_gradient(shape.activation, shape.dtype)
+                grad = None if last else links.recv_gradient()
                 if tied and backwards_left == 0:
                     tied.before_last_backward(zero0=not coalesce)
                 if last:

@@ -1,4 +1,5 @@
-"""Megatron-style tensor parallelism: f/g mappings, parallel layers, vocab-parallel loss.
+"""Megatron-style tensor parallelism: f/g mappings, parallel layers, vocab-parallel loss, and the
+replicated / tensor-parallel RNG streams (`TPRandomState`).
 
 Every function and layer takes its tensor-parallel process group as an argument.
 """
@@ -18,10 +19,12 @@ from dsnd.tp.mappings import (
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
+from dsnd.tp.random import TPRandomState
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "TPRandomState",
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "copy_to_tp",
