@@ -24,6 +24,7 @@ from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.dist.groups import ProcessGroups
 from dsnd.metrics import MetricsWriter
+from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
 from dsnd.zero import zero_stage
 
@@ -84,6 +85,8 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
                         step + 1, run.train.steps, loss, lr, row["grad_norm"] or 0.0,
                         row["tokens_per_s"],
                     )  # fmt: skip
+        if run.checkpoint.export_hf:
+            export_hf(engine.module, run.checkpoint.export_hf, res.dims, groups.data)
     finally:
         if writer:
             writer.close()

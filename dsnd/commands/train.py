@@ -18,6 +18,10 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
     res = resolve(load(config, sets), info.world_size)
     require_trainable(res)
     check_stages(res)
+    if res.run.model.init_from:
+        from dsnd.model.hf_io import check_hf_config
+
+        check_hf_config(res.run.model.init_from, res.dims)
 
     from dsnd.dist.groups import build_groups
     from dsnd.trainer import train

@@ -25,6 +25,11 @@ class ModelConfig:
     num_heads: int | None = doc("Override the preset's number of attention heads.", None)
     num_kv_heads: int | None = doc("Override the preset's key/value heads (Llama GQA).", None)
     ffn_size: int | None = doc("Override the preset's MLP hidden size.", None)
+    init_from: str | None = doc(
+        "A transformers checkpoint directory (safetensors, as save_pretrained writes it) to "
+        "start from instead of the seeded initialisation; null = seeded init.",
+        None,
+    )
 
 
 @dataclass
@@ -71,6 +76,11 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str = doc("Checkpoint root directory (must be visible to every host).", "checkpoints")
     every: int = doc("Steps between checkpoints; 0 = only at the end of training.", 0)
+    export_hf: str | None = doc(
+        "At the end of the run write the model here as a transformers directory (config.json, "
+        "model.safetensors) that AutoModelForCausalLM.from_pretrained loads; null = none.",
+        None,
+    )
 
 
 @dataclass

@@ -35,7 +35,7 @@ class _Layout:
     tied_attr: str
 
 
-def _layout(dims: ModelDims) -> _Layout:
+def hf_layout(dims: ModelDims) -> _Layout:
     if dims.family == "llama":
         return _Layout(
             "model.", "model.layers.", ("embed_tokens",), "norm", LlamaEmbedding.tied_weight_attr
@@ -51,7 +51,7 @@ def _embed_prefix(dims: ModelDims) -> str:
     return f"tied_modules.{TIED_EMBED_KEY}." if dims.tie_embeddings else "layers.0."
 
 
-def _to_hf_names(name: str, dims: ModelDims, lay: _Layout) -> list[str]:
+def to_hf_names(name: str, dims: ModelDims, lay: _Layout) -> list[str]:
     n = dims.num_layers
     if name.startswith(f"tied_modules.{TIED_EMBED_KEY}."):
         rest = name.removeprefix(f"tied_modules.{TIED_EMBED_KEY}.")
@@ -97,17 +97,17 @@ def to_hf_state_dict(model: nn.Module, dims: ModelDims) -> dict[str, torch.Tenso
     A partial `LayerStack` (one pipeline stage) maps just the layers it holds. A tied weight is
     returned under both HF names, as `LlamaForCausalLM.state_dict()` lists it.
     """
-    lay = _layout(dims)
+    lay = hf_layout(dims)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        for hf_name in _to_hf_names(name, dims, lay):
+        for hf_name in to_hf_names(name, dims, lay):
             out[hf_name] = tensor
     return out
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
     """dsnd-named tensors from an HF state dict; raises KeyError on names it does not know."""
-    lay = _layout(dims)
+    lay = hf_layout(dims)
     out: dict[str, torch.Tensor] = {}
     for hf_name, tensor in sd.items():
         name = _from_hf_name(hf_name, dims, lay)

@@ -12,6 +12,7 @@ from dsnd.compat import scope_zero3_trace_checks
 from dsnd.config.resolve import Resolved
 from dsnd.dist.groups import ProcessGroups
 from dsnd.model import layer_specs
+from dsnd.model.hf_io import load_hf_stage
 from dsnd.pipeline.executor import StageShape, StepResult, run_stage_step
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.schedule import schedule
@@ -32,6 +33,8 @@ class StageRunner:
         stack = build_stage(res, groups)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
         self.tied = TiedWeights(stack, layer_specs(res.dims), stage_parts(res), groups)
+        if res.run.model.init_from:  # into the stage's own layers, before ZeRO takes them
+            load_hf_stage(stack, res.run.model.init_from, res.dims)
         self.engine = build_engine(stack, res.ds, groups)
         pp, stage, gas = res.topology.pp, groups.coord.pp, res.batch.gas
         self.actions = schedule(res.run.parallel.schedule, pp, stage, gas)

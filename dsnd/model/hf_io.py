@@ -1,0 +1,140 @@
+"""`transformers` checkpoint directories in and out of a pipeline stage (tp = 1 layouts).
+
+- `load_hf_stage`: before the DeepSpeed engine exists, each rank reads from the directory's
+  safetensors only the tensors of the layers its stage holds and copies them into its
+  `LayerStack` (under ZeRO-3 one layer gathered at a time, every rank copying the same values).
+  A borrowing stage of a tied weight holds no parameter for it, so reads nothing for it.
+- `export_hf`: at the end of a run every stage gathers its full parameters (ZeRO-3: one layer at
+  a time), renames them to HF names, and global rank 0 writes `config.json` and
+  `model.safetensors`, which `AutoModelForCausalLM.from_pretrained` loads. A tied weight is
+  written once, under the embedding's name (HF ties the head to it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from dsnd.config.presets import ModelDims
+from dsnd.errors import UserError
+from dsnd.model.hf_config import hf_config
+from dsnd.model.hf_weights import hf_layout, to_hf_names
+from dsnd.model.specs import LayerStack
+
+_WEIGHTS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def _shape_keys(dims: ModelDims) -> list[tuple[tuple[str, ...], int]]:
+    """(config.json names, value this run needs) for every shape key."""
+    return [
+        (("hidden_size", "n_embd"), dims.hidden_size),
+        (("num_hidden_layers", "n_layer"), dims.num_layers),
+        (("num_attention_heads", "n_head"), dims.num_heads),
+        (("num_key_value_heads", "n_head"), dims.num_kv_heads),
+        (("vocab_size",), dims.vocab_size),
+    ]
+
+
+def check_hf_config(path: str, dims: ModelDims) -> None:
+    """Raise UserError unless `path`/config.json describes the run's model shape."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise UserError(f"model.init_from={path}: cannot read config.json ({e})") from e
+    for names, want in _shape_keys(dims):
+        key = next((n for n in names if cfg.get(n) is not None), None)
+        if key is None:
+            raise UserError(f"model.init_from={path}: config.json has no {'/'.join(names)}")
+        if int(cfg[key]) != want:
+            raise UserError(
+                f"model.init_from={path}: config.json {key}={cfg[key]} but the run's model has "
+                f"{names[0]}={want}"
+            )
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> the safetensors file holding it (one file, or a sharded index)."""
+    index = os.path.join(path, _INDEX)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, _WEIGHTS)
+    if not os.path.exists(single):
+        raise UserError(f"model.init_from={path}: no {_WEIGHTS} or {_INDEX} in the directory")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _modules(stack: LayerStack) -> list[tuple[str, nn.Module]]:
+    """(dsnd name prefix, module) for every module of the stage."""
+    return [(f"tied_modules.{key}.", m) for key, m in stack.tied_modules.items()] + [
+        (f"layers.{index}.", m) for index, m in stack.layers.items()
+    ]
+
+
+def load_hf_stage(stack: LayerStack, path: str, dims: ModelDims) -> None:
+    """Copy this stage's parameters from the HF checkpoint directory `path` into `stack`."""
+    check_hf_config(path, dims)
+    files = _weight_files(path)
+    lay = hf_layout(dims)
+    for prefix, module in _modules(stack):
+        named = list(module.named_parameters())
+        if not named:  # e.g. a borrowed tied weight (pipeline/tied.py stripped it)
+            continue
+        tensors = {}
+        for name, _ in named:
+            hf_name = to_hf_names(prefix + name, dims, lay)[0]
+            if hf_name not in files:
+                raise UserError(f"model.init_from={path}: the checkpoint has no {hf_name}")
+            with safe_open(files[hf_name], framework="pt") as f:
+                tensors[name] = f.get_tensor(hf_name)
+        params = [p for _, p in named]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+            for name, param in named:
+                value = tensors[name]
+                if tuple(value.shape) != tuple(param.shape):
+                    raise UserError(
+                        f"model.init_from={path}: {name} has shape {tuple(value.shape)}, the "
+                        f"model needs {tuple(param.shape)}"
+                    )
+                param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+
+
+def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.ProcessGroup) -> None:
+    """Write the full model (every stage's parameters) as an HF directory at `path` (rank 0).
+
+    Collective over the world: every rank must call it.
+    """
+    lay = hf_layout(dims)
+    mine: dict[str, torch.Tensor] = {}
+    for prefix, module in _modules(stack):
+        named = list(module.named_parameters())
+        if not named:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):  # no-op below ZeRO-3
+            for name, param in named:
+                hf_name = to_hf_names(prefix + name, dims, lay)[0]  # a tie: the embedding's
+                mine[hf_name] = param.detach().to("cpu", copy=True).contiguous()
+    if dist.get_rank(data_group) != 0:  # one replica per stage sends
+        mine = {}
+    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    os.makedirs(path, exist_ok=True)
+    hf_config(dims).save_pretrained(path)
+    save_file(merged, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
