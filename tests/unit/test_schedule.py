@@ -7,6 +7,8 @@ schedule.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from dsnd.pipeline.schedule import (
@@ -230,7 +232,7 @@ def test_deadlock_names_finished_stages_and_missing_micro_batches():
 def ds_schedule():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DS_ACCELERATOR", "cpu")  # no accelerator auto-detection warning
-        return pytest.importorskip("deepspeed.runtime.pipe.schedule")
+        return importlib.import_module("deepspeed.runtime.pipe.schedule")
 
 
 def deepspeed_order(ds_schedule, pp: int, stage: int, m: int) -> tuple[list[Action], int]:
