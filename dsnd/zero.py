@@ -8,6 +8,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
 from dsnd.dist.groups import ProcessGroups
@@ -33,16 +34,19 @@ def zero_stage(engine) -> int:
     return engine.zero_optimization_stage()
 
 
-def replica_grad_norm(module: nn.Module, group: dist.ProcessGroup) -> float:
-    """L2 norm of the full gradients of one model replica, summed over `group` (its stages).
+def replica_grad_norm(module: nn.Module, group: dist.ProcessGroup, tp_rank: int) -> float:
+    """L2 norm of the full gradients of one model replica, summed over `group` (its stages and
+    tensor-parallel ranks).
 
     DeepSpeed's ZeRO-0 fp32 path clips without keeping the norm, so dsnd measures it at the
     accumulation boundary, before the optimizer step, as ZeRO 1-3 report it (pre-clipping).
+    As in DeepSpeed, a parameter not split by tensor parallelism (identical on every
+    tensor-parallel rank) is counted on tensor-parallel rank 0 only.
     """
     device = next(module.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in module.parameters():
-        if p.grad is not None:
+        if p.grad is not None and (tp_rank == 0 or is_model_parallel_parameter(p)):
             total += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(total, group=group)
     return total.sqrt().item()

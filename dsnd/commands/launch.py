@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from dsnd.config.load import load
-from dsnd.config.resolve import require_trainable, resolve
+from dsnd.config.resolve import resolve
 from dsnd.errors import UserError
 from dsnd.launch import commands
 from dsnd.launch.hostfile import (
@@ -95,7 +95,6 @@ def run_launch(args: argparse.Namespace) -> int:
             print(shlex.join(argv))
             print(format_rank_table(rows))
         return 0
-    require_trainable(res)
     return _run(argv, {**os.environ, **extra_env})
 
 

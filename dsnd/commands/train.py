@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 
 from dsnd.config.load import load
-from dsnd.config.resolve import require_trainable, resolve
+from dsnd.config.resolve import resolve
 from dsnd.dist.init import init_world, shutdown, world_info
 from dsnd.pipeline.stage import check_stages
 
@@ -16,7 +16,6 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
     setup_logging(info.rank)
     # every check runs before the process group starts
     res = resolve(load(config, sets), info.world_size)
-    require_trainable(res)
     check_stages(res)
     if res.run.model.init_from:
         from dsnd.model.hf_io import check_hf_config

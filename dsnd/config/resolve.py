@@ -62,12 +62,18 @@ def model_dims(run: RunConfig) -> ModelDims:
     return dims
 
 
-def check_tp(dims: ModelDims, tp: int) -> None:
-    """Megatron splits heads (and hence hidden) across tp ranks: every count must divide."""
-    for name in ("hidden_size", "num_heads", "num_kv_heads"):
+def check_tp(dims: ModelDims, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Megatron splits heads (and hence hidden) and the MLP width across tp ranks, and with
+    sequence parallelism the sequence: every count must divide. (The vocabulary is padded.)"""
+    for name in ("hidden_size", "num_heads", "num_kv_heads", "ffn_size"):
         value = getattr(dims, name)
         if value % tp:
             raise UserError(f"model.{name}={value} is not divisible by parallel.tp={tp}")
+    if sequence_parallel and tp > 1 and seq_len % tp:
+        raise UserError(
+            f"parallel.sequence_parallel: model.seq_len={seq_len} is not divisible by "
+            f"parallel.tp={tp}"
+        )
 
 
 def scale_lr(ds: dict[str, Any], factor: float) -> None:
@@ -87,7 +93,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     par = run.parallel
     topology = Topology.from_world(world_size, par.pp, par.tp)
     dims = model_dims(run)
-    check_tp(dims, par.tp)
+    check_tp(dims, par.tp, run.model.seq_len, par.sequence_parallel)
     if par.pp > dims.num_layers:
         raise UserError(f"parallel.pp={par.pp} exceeds model.num_layers={dims.num_layers}")
     for key in ("train.steps", "checkpoint.every", "parallel.activation_checkpoint_interval"):
@@ -122,12 +128,3 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         yaml_path=loaded.yaml_path,
         ds_path=loaded.ds_path,
     )
-
-
-def require_trainable(res: Resolved) -> None:
-    """Refuse layouts this version cannot train yet (it can still plan and print them)."""
-    if res.topology.tp > 1:
-        raise UserError(
-            f"parallel.tp={res.topology.tp}: tensor parallelism is not implemented yet "
-            "(this version trains pipeline x data parallel, tp=1)"
-        )

@@ -41,6 +41,12 @@ class ParallelConfig:
         "them), or explicit boundaries [0, 3, 7] / per-stage lists [[0, 1, 2], [3, 4, 5, 6]].",
         "parameters",
     )
+    sequence_parallel: bool = doc(
+        "With tp > 1, split norms, residuals and the activations between stages along the "
+        "sequence (Megatron's sequence parallelism: an all-gather and a reduce-scatter replace "
+        "each all-reduce; model.seq_len must divide by tp). Ignored when tp = 1, as in Megatron.",
+        False,
+    )
     schedule: str = doc("Micro-batch schedule: 1f1b or gpipe.", "1f1b")
     activation_checkpoint_interval: int = doc(
         "Activation checkpointing: 0 = off; k = each stage runs its layers in consecutive runs "

@@ -5,10 +5,13 @@ from __future__ import annotations
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from dsnd.tp import VocabParallelEmbedding
+
 # Whole modules whose parameters are never decayed. Decaying an embedding shrinks the rows of rare
 # tokens towards zero between their updates; norms' gains and all biases are 1-D anyway.
 NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
     nn.Embedding,
+    VocabParallelEmbedding,
     nn.LayerNorm,
     nn.RMSNorm,
     LlamaRMSNorm,

@@ -35,6 +35,17 @@ from dsnd.model.layers import (
     LMHead,
     tied_logits,
 )
+from dsnd.model.tp_layers import (
+    TPGPT2Block,
+    TPGPT2Embedding,
+    TPGPT2FinalNorm,
+    TPLlamaBlock,
+    TPLlamaEmbedding,
+    TPLlamaFinalNorm,
+    TPLMHead,
+)
+from dsnd.tp import load_full
+from dsnd.tp.context import TensorParallel
 
 TIED_EMBED_KEY = "embed"
 
@@ -42,27 +53,39 @@ _NORMS = (nn.LayerNorm, nn.RMSNorm, LlamaRMSNorm)
 _MATRICES = (nn.Linear, Conv1D, nn.Embedding)
 
 
-def layer_specs(dims: ModelDims) -> list[LayerSpec]:
-    """Embedding, `num_layers` blocks, final norm, head: `num_layers + 3` specs."""
+def layer_specs(dims: ModelDims, tp: TensorParallel | None = None) -> list[LayerSpec]:
+    """Embedding, `num_layers` blocks, final norm, head: `num_layers + 3` specs.
+
+    With a tensor-parallel group of more than one rank the layers are those of
+    `dsnd.model.tp_layers` (same names and full shapes, each rank building its shards).
+    """
     config = hf_config(dims)
-    if dims.family == "llama":
-        embed, block, final_norm = LlamaEmbedding, LlamaBlock, LlamaFinalNorm
+    split = tp is not None and tp.size > 1
+    extra = (tp,) if split else ()
+    if dims.family == "llama" and split:
+        embed, block, final_norm, head = TPLlamaEmbedding, TPLlamaBlock, TPLlamaFinalNorm, TPLMHead
+    elif dims.family == "llama":
+        embed, block, final_norm, head = LlamaEmbedding, LlamaBlock, LlamaFinalNorm, LMHead
+    elif split:
+        embed, block, final_norm, head = TPGPT2Embedding, TPGPT2Block, TPGPT2FinalNorm, TPLMHead
     else:
-        embed, block, final_norm = GPT2Embedding, GPT2BlockLayer, GPT2FinalNorm
-    blocks = [LayerSpec(block, config, i) for i in range(dims.num_layers)]
+        embed, block, final_norm, head = GPT2Embedding, GPT2BlockLayer, GPT2FinalNorm, LMHead
+    blocks = [LayerSpec(block, config, i, *extra) for i in range(dims.num_layers)]
     if not dims.tie_embeddings:
         return [
-            LayerSpec(embed, config),
+            LayerSpec(embed, config, *extra),
             *blocks,
-            LayerSpec(final_norm, config),
-            LayerSpec(LMHead, config),
+            LayerSpec(final_norm, config, *extra),
+            LayerSpec(head, config, *extra),
         ]
     attr = embed.tied_weight_attr
     return [
-        TiedLayerSpec(TIED_EMBED_KEY, embed, config, tied_weight_attr=attr),
+        TiedLayerSpec(TIED_EMBED_KEY, embed, config, *extra, tied_weight_attr=attr),
         *blocks,
-        LayerSpec(final_norm, config),
-        TiedLayerSpec(TIED_EMBED_KEY, embed, config, forward_fn=tied_logits, tied_weight_attr=attr),
+        LayerSpec(final_norm, config, *extra),
+        TiedLayerSpec(
+            TIED_EMBED_KEY, embed, config, *extra, forward_fn=tied_logits, tied_weight_attr=attr
+        ),  # fmt: skip
     ]
 
 
@@ -77,7 +100,9 @@ def _generator(seed: int, layer_index: int, name: str) -> torch.Generator:
 def _initial_value(
     owner: nn.Module, attr: str, param: torch.Tensor, std: float, gen: torch.Generator
 ) -> torch.Tensor:
-    shape = tuple(param.shape)
+    """The FULL tensor's initial value (a tensor-parallel shard is cut from it by the caller)."""
+    shard = getattr(param, "tp_shard", None)
+    shape = shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
     if isinstance(owner, _NORMS):
         return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
     if attr == "bias":
@@ -92,13 +117,15 @@ def init_layer(module: nn.Module, seed: int, layer_index: int, std: float) -> No
     """Initialise every parameter of `module` from (seed, layer_index, its name in `module`).
 
     Linear/Conv1D/embedding weights ~ N(0, std), norm weights 1, biases 0. Values are drawn in
-    fp32 on the CPU and copied, so they do not depend on the parameter's device or dtype.
+    fp32 on the CPU and copied, so they do not depend on the parameter's device or dtype. A
+    tensor-parallel shard draws the full tensor and keeps its part, so the full model is the same
+    whatever the tensor-parallel size.
     """
     for mod_name, mod in module.named_modules():
         for attr, param in mod.named_parameters(recurse=False):
             name = f"{mod_name}.{attr}" if mod_name else attr
             value = _initial_value(mod, attr, param, std, _generator(seed, layer_index, name))
-            param.copy_(value)
+            load_full(param, value)
 
 
 class LayerStack(nn.Module):

@@ -14,11 +14,18 @@ wrong gradients once several forwards precede their backwards (1F1B's warm-up, D
 DeepSpeed forbids `engine.step()` inside that block, so the gas `step()` calls (the optimizer
 moves at the last) follow it. ZeRO-0 cannot coalesce; its engine all-reduces at the
 accumulation boundary, so each backward is followed by its `step()`.
+
+With tensor parallelism the last stage's logits are this rank's vocabulary slice and the loss is
+vocab-parallel (`StageMath.loss_fn`); under sequence parallelism the replicated parameters'
+partial gradients are summed over the tensor group once, after the step's last backward
+(`StageMath.sync_grads`): inside the coalesced block before ZeRO reduces over data parallel, or
+after ZeRO-0's data-parallel all-reduce (both are sums, so the order does not matter).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +52,16 @@ class StageShape:
         return (self.micro, self.seq_len, self.hidden)
 
 
+@dataclass(frozen=True)
+class StageMath:
+    """The step's computation besides the layers: loss, gradient fix-ups, ZeRO-0's norm."""
+
+    norm_group: dist.ProcessGroup  # one model replica: the ZeRO-0 norm sums over it
+    tp_rank: int = 0
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    sync_grads: Callable[[], None] | None = None  # once, after the step's last backward
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor | None  # mean over this rank's micro-batches (last stage only)
@@ -57,7 +74,7 @@ def run_stage_step(
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     links: StageLinks,
     shape: StageShape,
-    norm_group: dist.ProcessGroup,
+    math: StageMath,
     tied: TiedWeights | None = None,
 ) -> StepResult:
     """Execute `actions` (one optimizer step of this stage); `tied` exchanges the weights this
@@ -89,7 +106,7 @@ def run_stage_step(
                     inputs[m] = x
                 out = engine(x)
                 if last:
-                    outputs[m] = lm_loss(out, micro_batches[m][1].to(engine.device))
+                    outputs[m] = math.loss_fn(out, micro_batches[m][1].to(engine.device))
                     losses.append(outputs[m].detach())
                 else:
                     links.send_activation(out)
@@ -108,9 +125,11 @@ def run_stage_step(
                     links.send_gradient(inputs.pop(m).grad)
                 if tied and backwards_left == 0:
                     tied.after_last_backward(zero0=not coalesce)
+                if math.sync_grads and backwards_left == 0:
+                    math.sync_grads()
                 if not coalesce:
                     if backwards_left == 0:  # gradients are final (and all-reduced): measure
-                        grad_norm = replica_grad_norm(engine.module, norm_group)
+                        grad_norm = replica_grad_norm(engine.module, math.norm_group, math.tp_rank)
                     engine.step()
     if coalesce:
         for _ in micro_batches:

@@ -5,6 +5,8 @@ Shared by the trainer and `dsnd bench`, so what is measured is exactly what trai
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -13,11 +15,12 @@ from dsnd.config.resolve import Resolved
 from dsnd.dist.groups import ProcessGroups
 from dsnd.model import layer_specs
 from dsnd.model.hf_io import load_hf_stage
-from dsnd.pipeline.executor import StageShape, StepResult, run_stage_step
+from dsnd.pipeline.executor import StageMath, StageShape, StepResult, run_stage_step
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.schedule import schedule
-from dsnd.pipeline.stage import build_stage, stage_parts
+from dsnd.pipeline.stage import build_stage, stage_parts, tensor_parallel
 from dsnd.pipeline.tied import TiedWeights
+from dsnd.tp import allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
 from dsnd.zero import build_engine
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -40,12 +43,22 @@ class StageRunner:
         self.actions = schedule(res.run.parallel.schedule, pp, stage, gas)
         self.links = StageLinks(groups, self.engine.device)
         dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
-        self.shape = StageShape(res.batch.micro, res.run.model.seq_len, res.dims.hidden_size, dtype)
+        tp = tensor_parallel(res, groups)
+        seq = res.run.model.seq_len // (tp.size if tp.sequence_parallel else 1)
+        self.shape = StageShape(res.batch.micro, seq, res.dims.hidden_size, dtype)
+        self.math = StageMath(norm_group=groups.model, tp_rank=groups.coord.tp)
+        if tp.size > 1:
+            loss = partial(vocab_parallel_cross_entropy, group=tp.group,
+                           vocab_size=res.dims.vocab_size)  # fmt: skip
+            params = list(self.engine.module.parameters())
+            sync = partial(allreduce_sequence_parallel_grads, params, tp.group)
+            self.math = StageMath(groups.model, groups.coord.tp, loss,
+                                  sync if tp.sequence_parallel else None)  # fmt: skip
 
     def run(self, micro_batches: Batches) -> StepResult:
         """This stage's share of one optimizer step (no collective beyond the step's own)."""
         return run_stage_step(self.engine, self.actions, micro_batches, self.links, self.shape,
-                              self.groups.model, self.tied)  # fmt: skip
+                              self.math, self.tied)  # fmt: skip
 
     def report(self, result: StepResult) -> tuple[float, float | None]:
         """(loss over the global batch, gradient norm over all stages), on every rank."""

@@ -11,11 +11,13 @@ from dsnd.dist.mpu import Mpu
 from dsnd.errors import UserError
 from dsnd.model import LayerStack, layer_specs, param_groups
 from dsnd.pipeline.partition import partition, stage_layers
+from dsnd.tp.context import TensorParallel
 
 
 def stage_parts(res: Resolved) -> list[int]:
     """Stage boundaries under `parallel.partition`: stage s holds global layers
-    parts[s] .. parts[s + 1] - 1."""
+    parts[s] .. parts[s + 1] - 1. Computed on the unsplit layers, so tensor parallelism never
+    changes which layers a stage holds."""
     return partition(res.run.parallel.partition, layer_specs(res.dims), res.topology.pp)
 
 
@@ -59,8 +61,15 @@ def check_stages(res: Resolved) -> None:
         )
 
 
+def tensor_parallel(res: Resolved, groups: ProcessGroups) -> TensorParallel:
+    """This rank's tensor-parallel group; sequence parallelism only when it has several ranks."""
+    sp = res.run.parallel.sequence_parallel and res.topology.tp > 1
+    return TensorParallel(groups.tensor, sequence_parallel=sp)
+
+
 def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
-    """This rank's layers, initialised exactly as in the full model (seed, global index, name).
+    """This rank's layers, initialised exactly as in the full model (seed, global index, name);
+    with tp > 1 this rank's shard of each split tensor (`dsnd.model.tp_layers`).
 
     With ZeRO-3 the layers are built under `deepspeed.zero.Init` over the stage's data-parallel
     group: each layer is partitioned as soon as it is constructed (and initialised one layer at
@@ -76,7 +85,7 @@ def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
         enabled=zero3,
     ):
         return LayerStack(
-            layer_specs(res.dims),
+            layer_specs(res.dims, tensor_parallel(res, groups)),
             res.run.train.seed,
             layer_indices=indices,
             activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,

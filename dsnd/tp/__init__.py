@@ -9,7 +9,12 @@ from dsnd.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    VocabParallelHead,
     allreduce_sequence_parallel_grads,
+    enter_tp,
+    leave_tp,
+    load_full,
+    mark_split,
 )
 from dsnd.tp.mappings import (
     copy_to_tp,
@@ -20,16 +25,23 @@ from dsnd.tp.mappings import (
     scatter_to_tp,
 )
 from dsnd.tp.random import TPRandomState
+from dsnd.tp.shard import Shard
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "Shard",
     "TPRandomState",
     "VocabParallelEmbedding",
+    "VocabParallelHead",
     "allreduce_sequence_parallel_grads",
     "copy_to_tp",
+    "enter_tp",
     "gather_from_sp",
     "gather_from_tp",
+    "leave_tp",
+    "load_full",
+    "mark_split",
     "reduce_from_tp",
     "reduce_scatter_to_sp",
     "scatter_to_tp",

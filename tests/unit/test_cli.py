@@ -286,8 +286,6 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     ds = PACKAGED_DS
     L = ["launch", "--nprocs"]
     D = "--dry-run"
-    no_tp = "tensor parallelism is not implemented yet (this version trains pipeline x data "
-    no_tp += "parallel, tp=1)"
     return {
         "hostfile slots=0": (
             ["launch", "--hostfile", hf["zero"], D],
@@ -387,9 +385,14 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "--nprocs 0": ([*L, "0", D], "--nprocs must be >= 1, got 0"),
         "--nprocs -1": ([*L, "-1"], "--nprocs must be >= 1, got -1"),
-        "tp=2 without --dry-run": (
-            [*L, "4", "--set", "parallel.tp=2"],
-            f"parallel.tp=2: {no_tp}",
+        "tp=2, MLP width odd": (
+            [*L, "2", D, "--set", "parallel.tp=2", "--set", "model.ffn_size=175"],
+            "model.ffn_size=175 is not divisible by parallel.tp=2",
+        ),
+        "sequence parallel, odd sequence": (
+            [*L, "2", D, "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
+             "--set", "model.seq_len=63"],
+            "parallel.sequence_parallel: model.seq_len=63 is not divisible by parallel.tp=2",
         ),
         "bad .deepspeed_env": (
             [*L, "2", D],
