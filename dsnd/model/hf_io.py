@@ -1,13 +1,16 @@
-"""`transformers` checkpoint directories in and out of a pipeline stage (tp = 1 layouts).
+"""`transformers` checkpoint directories in and out of a pipeline stage, on any layout.
 
 - `load_hf_stage`: before the DeepSpeed engine exists, each rank reads from the directory's
-  safetensors only the tensors of the layers its stage holds and copies them into its
-  `LayerStack` (under ZeRO-3 one layer gathered at a time, every rank copying the same values).
-  A borrowing stage of a tied weight holds no parameter for it, so reads nothing for it.
-- `export_hf`: at the end of a run every stage gathers its full parameters (ZeRO-3: one layer at
-  a time), renames them to HF names, and global rank 0 writes `config.json` and
-  `model.safetensors`, which `AutoModelForCausalLM.from_pretrained` loads. A tied weight is
-  written once, under the embedding's name (HF ties the head to it).
+  safetensors only the tensors of the layers its stage holds, and of a tensor-parallel
+  parameter only the byte ranges of its own shard (`Shard.take` on a safetensors slice), and
+  copies them into its `LayerStack` (under ZeRO-3 one layer gathered at a time, every rank of
+  the data-parallel group copying the same values). A borrowing stage of a tied weight holds no
+  parameter for it, so reads nothing for it.
+- `export_hf`: at the end of a run every stage gathers its parameters (ZeRO-3: one layer at a
+  time), one data-parallel replica sends them to global rank 0, which joins the tensor-parallel
+  shards (`Shard.combine`, vocabulary padding dropped), renames everything to HF names and
+  writes `config.json` and `model.safetensors`, which `AutoModelForCausalLM.from_pretrained`
+  loads. A tied weight is written once, under the embedding's name (HF ties the head to it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dsnd.errors import UserError
 from dsnd.model.hf_config import hf_config
 from dsnd.model.hf_weights import hf_layout, to_hf_names
 from dsnd.model.specs import LayerStack
+from dsnd.tp import Shard
 
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -93,22 +97,39 @@ def load_hf_stage(stack: LayerStack, path: str, dims: ModelDims) -> None:
         if not named:  # e.g. a borrowed tied weight (pipeline/tied.py stripped it)
             continue
         tensors = {}
-        for name, _ in named:
+        for name, param in named:
             hf_name = to_hf_names(prefix + name, dims, lay)[0]
             if hf_name not in files:
                 raise UserError(f"model.init_from={path}: the checkpoint has no {hf_name}")
-            with safe_open(files[hf_name], framework="pt") as f:
-                tensors[name] = f.get_tensor(hf_name)
+            tensors[name] = _read(files[hf_name], hf_name, param, path)
         params = [p for _, p in named]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
             for name, param in named:
-                value = tensors[name]
-                if tuple(value.shape) != tuple(param.shape):
-                    raise UserError(
-                        f"model.init_from={path}: {name} has shape {tuple(value.shape)}, the "
-                        f"model needs {tuple(param.shape)}"
-                    )
-                param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+                param.data.copy_(tensors[name].to(device=param.device, dtype=param.dtype))
+
+
+def _read(file: str, hf_name: str, param: torch.Tensor, path: str) -> torch.Tensor:
+    """`param`'s value from the checkpoint: the whole tensor, or only its tensor-parallel shard."""
+    shard = getattr(param, "tp_shard", None)
+    local = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3: the shape before sharding
+    want = shard.full_shape(local) if shard is not None else local
+    with safe_open(file, framework="pt") as f:
+        stored = f.get_slice(hf_name)
+        have = tuple(stored.get_shape())
+        if have != want:
+            raise UserError(
+                f"model.init_from={path}: {hf_name} has shape {have}, the model needs {want}"
+            )
+        return shard.take(stored) if shard is not None else f.get_tensor(hf_name)
+
+
+def _join(pieces: list[tuple[torch.Tensor, Shard | None]]) -> torch.Tensor:
+    """One full tensor from what the tensor-parallel ranks of one stage sent for it."""
+    shard = pieces[0][1]
+    if shard is None:  # replicated: every tensor-parallel rank holds the same values
+        return pieces[0][0]
+    by_rank = {s.rank: value for value, s in pieces}
+    return shard.combine([by_rank[r] for r in range(shard.size)]).contiguous()
 
 
 def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.ProcessGroup) -> None:
@@ -117,7 +138,7 @@ def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.Pro
     Collective over the world: every rank must call it.
     """
     lay = hf_layout(dims)
-    mine: dict[str, torch.Tensor] = {}
+    mine: dict[str, tuple[torch.Tensor, Shard | None]] = {}
     for prefix, module in _modules(stack):
         named = list(module.named_parameters())
         if not named:
@@ -125,16 +146,19 @@ def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.Pro
         with deepspeed.zero.GatheredParameters([p for _, p in named]):  # no-op below ZeRO-3
             for name, param in named:
                 hf_name = to_hf_names(prefix + name, dims, lay)[0]  # a tie: the embedding's
-                mine[hf_name] = param.detach().to("cpu", copy=True).contiguous()
+                value = param.detach().to("cpu", copy=True).contiguous()
+                mine[hf_name] = (value, getattr(param, "tp_shard", None))
     if dist.get_rank(data_group) != 0:  # one replica per stage sends
         mine = {}
     parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if parts is None:
         return
-    merged: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[torch.Tensor, Shard | None]]] = {}
     for part in parts:
-        merged.update(part)
+        for hf_name, piece in part.items():
+            pieces.setdefault(hf_name, []).append(piece)
+    merged = {hf_name: _join(found) for hf_name, found in pieces.items()}
     os.makedirs(path, exist_ok=True)
     hf_config(dims).save_pretrained(path)
     save_file(merged, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})

@@ -166,7 +166,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return gather_from_tp(y, self.group, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return f"in_f={self.in_f}, out_f={self.out_f} (local {self.weight.shape[self._dim(0)]})"
+        return f"in_f={self.in_f}, out_f={self.out_f} (local {self.weight.tp_shard.local_len})"
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -205,7 +205,7 @@ class RowParallelLinear(_ParallelLinear):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in_f={self.in_f} (local {self.weight.shape[self._dim(1)]}), out_f={self.out_f}"
+        return f"in_f={self.in_f} (local {self.weight.tp_shard.local_len}), out_f={self.out_f}"
 
 
 class _VocabRows(nn.Module):

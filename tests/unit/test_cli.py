@@ -286,6 +286,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     ds = PACKAGED_DS
     L = ["launch", "--nprocs"]
     D = "--dry-run"
+    SP = "parallel.sequence_parallel=true"
     return {
         "hostfile slots=0": (
             ["launch", "--hostfile", hf["zero"], D],
@@ -390,8 +391,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
             "model.ffn_size=175 is not divisible by parallel.tp=2",
         ),
         "sequence parallel, odd sequence": (
-            [*L, "2", D, "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
-             "--set", "model.seq_len=63"],
+            [*L, "2", D, "--set", "parallel.tp=2", "--set", "model.seq_len=63", "--set", SP],
             "parallel.sequence_parallel: model.seq_len=63 is not divisible by parallel.tp=2",
         ),
         "bad .deepspeed_env": (
