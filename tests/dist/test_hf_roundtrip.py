@@ -1,15 +1,17 @@
 """`model.init_from` / `checkpoint.export_hf`: a transformers checkpoint in, the same model out.
 
-HF weights (seeded, then perturbed so they are not dsnd's init) go into dsnd at pp=2 x dp=1 and
-pp=1 x dp=2 (each stage reads its own tensors), come back out through `export_hf` (every stage
-gathered to rank 0) and load with `AutoModelForCausalLM.from_pretrained`: the logits equal the
-original's. One case trains a step first, so the export must differ: it reads the trained weights.
+HF weights (seeded, then perturbed so they are not dsnd's init) go into dsnd at pp=2 x dp=1,
+pp=1 x dp=2 and tp=2 x pp=2 (each stage reads its own tensors, each tensor-parallel rank its own
+shard), come back out through `export_hf` (every stage gathered to rank 0, shards joined) and
+load with `AutoModelForCausalLM.from_pretrained`: the logits equal the original's. One case
+trains a step first, so the export must differ: it reads the trained weights.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
 from dsnd.config.presets import PRESETS
@@ -30,11 +32,32 @@ def _hf_model(preset: str) -> torch.nn.Module:
     return model
 
 
-def _case(name: str, preset: str, zero: int, src, out, steps: int, pp: int) -> dict:
+def _case(name: str, preset: str, zero: int, src, out, steps: int, pp: int, *extra: str) -> dict:
     sets = [f"model.preset={preset}", f"deepspeed=ds_configs/zero{zero}.json", f"parallel.pp={pp}",
-            f"train.steps={steps}", f"model.init_from={src}", f"checkpoint.export_hf={out}",
-            f"log.dir=runs/test/{name}"]  # fmt: skip
+            f"train.steps={steps}", f"checkpoint.export_hf={out}", f"log.dir=runs/test/{name}",
+            *extra]  # fmt: skip
+    if src is not None:
+        sets.append(f"model.init_from={src}")
     return {"name": name, "sets": sets}
+
+
+def _check_export(path, model: torch.nn.Module, tokens: torch.Tensor, steps: int) -> None:
+    exported, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], (path, info)
+    assert type(exported) is type(model), path
+    diff = (_logits(exported.eval(), tokens) - _logits(model, tokens)).abs().max().item()
+    if steps == 0:
+        assert diff < 1e-5, (path, diff)
+    else:  # training moved the weights, and the export saw it
+        assert diff > 1e-3, (path, diff)
+        before = model.state_dict()
+        changed = [k for k, v in exported.state_dict().items() if not torch.equal(v, before[k])]
+        assert len(changed) == len(before), (path, sorted(set(before) - set(changed)))
+
+
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
 def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -62,22 +85,49 @@ def test_hf_checkpoint_roundtrip_through_pipeline_stages(tmp_path):
         cases.append(_case(name, preset, zero, src, tmp_path / name, steps, pp))
     rows = run_cases(tmp_path, 2, cases)
     assert rows["llama-z0"] == [] and len(rows["llama-z0-trained"]) == 1
-    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
     for name, preset, _, steps, _ in plan:
-        exported, info = AutoModelForCausalLM.from_pretrained(
-            tmp_path / name, dtype=torch.float32, output_loading_info=True
-        )
-        assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
-        assert type(exported) is type(models[preset]), name
-        got, want = _logits(exported.eval(), tokens), _logits(models[preset], tokens)
-        diff = (got - want).abs().max().item()
-        if steps == 0:
-            assert diff < 1e-5, (name, diff)
-        else:  # training moved the weights, and the export saw it
-            assert diff > 1e-3, (name, diff)
-            before = models[preset].state_dict()
-            changed = [k for k, v in exported.state_dict().items() if not torch.equal(v, before[k])]
-            assert len(changed) == len(before), (name, sorted(set(before) - set(changed)))
+        _check_export(tmp_path / name, models[preset], TOKENS, steps)
+
+
+@pytest.mark.dist
+def test_hf_roundtrip_tensor_parallel_and_init_independent_of_tp(tmp_path):
+    """tp=2 x pp=2 (4 ranks): HF weights in and out for Llama (grouped-query attention) and GPT-2
+    (fused q|k|v, tied head), with and without sequence parallelism; and dsnd's own
+    initialisation exported from tp=2 x pp=2 and from pp=2 x dp=2 is the same model, bit for
+    bit, for both families, also after one training step (within 1e-5)."""
+    models, cases = {}, []
+    for preset in ("llama-tiny", "gpt2-tiny"):
+        models[preset] = _hf_model(preset)
+        models[preset].save_pretrained(tmp_path / f"in-{preset}")
+    tp2 = ("parallel.tp=2",)
+    sp = (*tp2, "parallel.sequence_parallel=true")
+    plan = [
+        ("llama-tp2-z0", "llama-tiny", 0, tp2),
+        ("llama-tp2-sp-z3", "llama-tiny", 3, sp),
+        ("gpt2-tp2-z3", "gpt2-tiny", 3, tp2),
+        ("gpt2-tp2-sp-z1", "gpt2-tiny", 1, sp),
+    ]
+    for name, preset, zero, extra in plan:
+        src = tmp_path / f"in-{preset}"
+        cases.append(_case(name, preset, zero, src, tmp_path / name, 0, 2, *extra))
+    for preset in ("llama-tiny", "gpt2-tiny"):
+        for steps in (0, 1):
+            for layout, extra in (("tp1", ()), ("tp2", tp2)):
+                name = f"own-{preset}-{steps}-{layout}"
+                cases.append(_case(name, preset, 3, None, tmp_path / name, steps, 2, *extra))
+    run_cases(tmp_path, 4, cases)
+    for name, preset, _, _ in plan:
+        _check_export(tmp_path / name, models[preset], TOKENS, 0)
+    for preset in ("llama-tiny", "gpt2-tiny"):
+        for steps in (0, 1):
+            one, two = (load_file(tmp_path / f"own-{preset}-{steps}-{t}" / "model.safetensors")
+                        for t in ("tp1", "tp2"))  # fmt: skip
+            assert sorted(one) == sorted(two), preset
+            for key in one:
+                if steps == 0:
+                    assert torch.equal(one[key], two[key]), (preset, key)
+                else:
+                    torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5)
 
 
 def test_init_from_refuses_a_checkpoint_of_another_shape(tmp_path):
