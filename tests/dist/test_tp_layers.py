@@ -100,6 +100,12 @@ BLOCK_CALLS = {
     "embedding_sp": ({"reduce_scatter_tensor": 1}, {"all_gather_into_tensor": 1}),
     # cross-entropy: max, then [sum of exp, target logit] together; backward is local
     "cross_entropy": ({"all_reduce": 2}, {}),
+    # a whole transformer block = attention (f ... g) + MLP (f ... g): Megatron's 2 all-reduces
+    # forward and 2 backward; with SP 2 all-gathers + 2 reduce-scatters each way
+    **{f"{family}_block": ({"all_reduce": 2}, {"all_reduce": 2}) for family in ("llama", "gpt2")},
+    **{f"{family}_block_sp": ({"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
+                              {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2})
+       for family in ("llama", "gpt2")},
 }  # fmt: skip
 
 
@@ -133,3 +139,14 @@ def test_vocab_parallel_cross_entropy_matches_reference(found):
         assert row["shard_width"] == -(-VOCAB // world)
         assert row["loss"] == pytest.approx(row["loss_ref"], abs=ATOL), rank
         assert row["logits_grad"] < 1e-7, rank
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["llama_block", "llama_block_sp", "gpt2_block", "gpt2_block_sp"])
+def test_transformer_blocks_match_the_unsplit_block(found, case):
+    """dsnd.model.tp_layers blocks (Llama with grouped-query attention, GPT-2 with fused q|k|v)
+    initialised from the same seed as the unsplit block: same names, same outputs and gradients
+    (each rank's parameter gradient = its shard of the full one; replicated ones whole)."""
+    for rank, row in enumerate(rows(found, case)):
+        assert row["names_equal"], (case, rank)
+        assert_close(row, ["out", "x_grad", "param_grads"], (case, rank))

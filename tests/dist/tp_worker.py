@@ -24,8 +24,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from dsnd.config.presets import ModelDims  # noqa: E402
 from dsnd.dist.groups import build_groups  # noqa: E402
 from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.model import LayerStack, layer_specs  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
 from dsnd.tp import (  # noqa: E402
     ColumnParallelLinear,
@@ -34,6 +36,7 @@ from dsnd.tp import (  # noqa: E402
     allreduce_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
+from dsnd.tp.context import TensorParallel  # noqa: E402
 
 COUNTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather")
 VOCAB = 249  # divisible by neither 2 nor 4: padded to 250 at tp=2, 252 at tp=4
@@ -219,6 +222,45 @@ def cross_entropy_case(group) -> dict:
     }
 
 
+def block_case(group, family: str, sequence_parallel: bool) -> dict:
+    """One transformer block (dsnd.model.tp_layers) against the unsplit block, both initialised
+    by dsnd from the same (seed, layer index): outputs, input and parameter gradients, and the
+    collectives of forward and backward."""
+    dims = ModelDims(family, hidden_size=32, num_layers=1, num_heads=8,
+                     num_kv_heads=4 if family == "llama" else 8, ffn_size=64, vocab_size=VOCAB,
+                     max_seq_len=SEQ, tie_embeddings=False)  # fmt: skip
+    tp = TensorParallel(group, sequence_parallel)
+    ref = LayerStack(layer_specs(dims), seed=5, layer_indices=[1])
+    block = LayerStack(layer_specs(dims, tp), seed=5, layer_indices=[1])
+    x, probe = seeded(12, BATCH, SEQ, 32), seeded(13, BATCH, SEQ, 32)
+    x_ref = x.clone().requires_grad_()
+    (ref(x_ref) * probe).sum().backward()
+
+    x_tp = (my_slice(x, 1, group) if sequence_parallel else x).clone().requires_grad_()
+    probe_tp = my_slice(probe, 1, group) if sequence_parallel else probe
+    with Collectives() as calls:
+        y = block(x_tp)
+        forward = calls.take()
+        (y * probe_tp).sum().backward()
+        backward = calls.take()
+    allreduce_sequence_parallel_grads(block.parameters(), group)
+    want = dict(ref.named_parameters())
+    grads = 0.0
+    for name, param in block.named_parameters():
+        full = want[name].grad
+        shard = getattr(param, "tp_shard", None)
+        grads = max(grads, diff(param.grad, shard.take(full) if shard is not None else full))
+    return {
+        "forward_calls": forward,
+        "backward_calls": backward,
+        "out": diff(gather(y, 1, group) if sequence_parallel else y, ref(x)),
+        "x_grad": diff(gather(x_tp.grad, 1, group) if sequence_parallel else x_tp.grad,
+                       x_ref.grad),  # fmt: skip
+        "param_grads": grads,
+        "names_equal": sorted(want) == sorted(n for n, _ in block.named_parameters()),
+    }
+
+
 def main(out_path: str) -> None:
     torch.set_num_threads(1)
     info = world_info(dict(os.environ))
@@ -234,6 +276,10 @@ def main(out_path: str) -> None:
             "embedding": lambda: embedding_case(group, sequence_parallel=False),
             "embedding_sp": lambda: embedding_case(group, sequence_parallel=True),
             "cross_entropy": lambda: cross_entropy_case(group),
+            "llama_block": lambda: block_case(group, "llama", sequence_parallel=False),
+            "llama_block_sp": lambda: block_case(group, "llama", sequence_parallel=True),
+            "gpt2_block": lambda: block_case(group, "gpt2", sequence_parallel=False),
+            "gpt2_block_sp": lambda: block_case(group, "gpt2", sequence_parallel=True),
         }
         for name, run in cases.items():
             everyone = [None] * world
