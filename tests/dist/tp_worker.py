@@ -91,6 +91,16 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def run_counted(layer, x: torch.Tensor, probe: torch.Tensor):
+    """`layer(x)` and the backward of (out * probe).sum(), counting each one's collectives."""
+    with Collectives() as calls:
+        out = layer(x)
+        forward = calls.take()
+        (out * probe).sum().backward()
+        backward = calls.take()
+    return out, forward, backward
+
+
 def mlp_case(group, sequence_parallel: bool, gather_output: bool = False) -> dict:
     """fc2(gelu(fc1(x))) against Row(gelu(Column(x)))."""
     w1, b1 = seeded(1, FFN, HIDDEN), seeded(2, FFN)
@@ -113,13 +123,9 @@ def mlp_case(group, sequence_parallel: bool, gather_output: bool = False) -> dic
     # under sequence parallelism each rank holds its slice of the sequence, in and out
     x_tp = (my_slice(x, 1, group) if sequence_parallel else x).clone().requires_grad_()
     probe_tp = my_slice(probe, 1, group) if sequence_parallel else probe
-    with Collectives() as calls:
-        y = row(F.gelu(col(x_tp)))
-        forward = calls.take()
-        # the summed loss over ranks is the reference loss: replicated without SP (each rank's
-        # loss is the whole loss), a partition of the tokens with SP
-        (y * probe_tp).sum().backward()
-        backward = calls.take()
+    # the summed loss over ranks is the reference loss: replicated without SP (each rank's
+    # loss is the whole loss), a partition of the tokens with SP
+    y, forward, backward = run_counted(lambda t: row(F.gelu(col(t))), x_tp, probe_tp)
     bias_before = row.bias.grad.clone()
     allreduce_sequence_parallel_grads(row.parameters(), group)
 
@@ -173,11 +179,7 @@ def embedding_case(group, sequence_parallel: bool) -> dict:
     emb = VocabParallelEmbedding(VOCAB, HIDDEN, group, sequence_parallel=sequence_parallel)
     emb.load_full(weight)
     probe_tp = my_slice(probe, 1, group) if sequence_parallel else probe
-    with Collectives() as calls:
-        out = emb(ids)
-        forward = calls.take()
-        (out * probe_tp).sum().backward()
-        backward = calls.take()
+    out, forward, backward = run_counted(emb, ids, probe_tp)
     out_full = gather(out, 1, group) if sequence_parallel else out
     grad_ref = padded_rows(ref.weight.grad, emb.padded_vocab)[emb.vocab_start : emb.vocab_end]
     return {
@@ -238,11 +240,7 @@ def block_case(group, family: str, sequence_parallel: bool) -> dict:
 
     x_tp = (my_slice(x, 1, group) if sequence_parallel else x).clone().requires_grad_()
     probe_tp = my_slice(probe, 1, group) if sequence_parallel else probe
-    with Collectives() as calls:
-        y = block(x_tp)
-        forward = calls.take()
-        (y * probe_tp).sum().backward()
-        backward = calls.take()
+    y, forward, backward = run_counted(block, x_tp, probe_tp)
     allreduce_sequence_parallel_grads(block.parameters(), group)
     want = dict(ref.named_parameters())
     grads = 0.0
