@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | bench | env.
+"""``dsnd``: train | launch | bench | env | ckpt.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -83,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=10, help="untimed repetitions first")
     bench.add_argument("--micro-batches", type=int, default=8, help="gradient accumulation steps")
     bench.add_argument("--json", action="store_true", help="one JSON object per metric line")
+
+    ckpt = sub.add_parser("ckpt", help="inspect, verify or export a saved dsnd checkpoint")
+    what = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    where_help = "a checkpoint root (its 'latest') or a step directory"
+    inspect = what.add_parser("inspect", help="manifest summary and every file's checksum")
+    inspect.add_argument("dir", help=where_help)
+    inspect.add_argument("--json", action="store_true", help="one JSON object")
+    verify = what.add_parser("verify", help="check every file's size and SHA-256")
+    verify.add_argument("dir", help=where_help)
+    export = what.add_parser("export", help="write the weights as a transformers directory")
+    export.add_argument("dir", help=where_help)
+    export.add_argument("out", help="new (or empty) output directory")
     return parser
 
 
@@ -120,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             from dsnd.commands.bench import run_bench
 
             return run_bench(args)
+        if args.command == "ckpt":
+            from dsnd.commands.ckpt import run_ckpt
+
+            return run_ckpt(args)
         from dsnd.commands.launch import run_launch
 
         return run_launch(args)

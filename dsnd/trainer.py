@@ -5,6 +5,10 @@ one DeepSpeed engine sharded over its data-parallel group, and each optimizer st
 stage's schedule (1F1B or GPipe over `gas` micro-batches) through `pipeline.executor`. The loss
 is the mean over every micro-batch of every data-parallel rank, i.e. over the global batch, which
 no parallel layout changes; the last stage computes it and every rank reports it.
+
+A resumed run loads its checkpoint (any layout) and continues at the saved step: the batch of
+step k is a function of (seed, k) alone, so the data position is the step. Checkpoints are saved
+every `checkpoint.every` steps and at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from dsnd.checkpoint.commit import remove_temporaries
+from dsnd.checkpoint.load import load_checkpoint
+from dsnd.checkpoint.resume import checkpoint_root
+from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.dist.groups import ProcessGroups
@@ -40,15 +48,36 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
         json.dump(res.ds, f, indent=2)
 
 
-def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
-    """Run `train.steps` optimizer steps; returns the metric rows (identical on every rank)."""
+def _should_save(run, done: int) -> bool:
+    every = run.checkpoint.every
+    return done == run.train.steps or (every > 0 and done % every == 0)
+
+
+def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> list[dict[str, Any]]:
+    """Train up to `train.steps` optimizer steps, from the checkpoint `resume` (a verified step
+    directory) if given; returns the metric rows of the steps run (identical on every rank)."""
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
     samples = SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name)
-    runner = StageRunner(res, groups)
-    engine = runner.engine
+    root = checkpoint_root(run)
     is_writer = dist.get_rank() == 0
+    if is_writer:
+        for name in remove_temporaries(root):
+            log.warning("removed %s/%s, left by a save that did not finish", root, name)
+    runner = StageRunner(res, groups, load_hf=resume is None)
+    engine = runner.engine
+    start = 0
+    if resume is not None:
+        manifest = load_checkpoint(engine, res, resume)
+        start = manifest["step"]
+        if is_writer:
+            log.info("resumed from %s at step %d (saved with pp=%d tp=%d dp=%d, ZeRO-%d)",
+                     resume, start, *(manifest["topology"][k] for k in ("pp", "tp", "dp")),
+                     manifest["zero_stage"])  # fmt: skip
+            if manifest["corpus"]["sha256"] != corpus.fingerprint:
+                log.warning("the corpus differs from the checkpoint's (%s): same positions, "
+                            "different data", manifest["corpus"]["name"])  # fmt: skip
     writer = MetricsWriter(run.log.dir) if is_writer else None
     if is_writer:
         save_resolved_configs(res, run.log.dir)
@@ -59,7 +88,7 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
         )  # fmt: skip
     rows = []
     try:
-        for step in range(run.train.steps):
+        for step in range(start, run.train.steps):
             lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
             start = time.perf_counter()
             micro = batch_for_step(
@@ -85,6 +114,10 @@ def train(res: Resolved, groups: ProcessGroups) -> list[dict[str, Any]]:
                         step + 1, run.train.steps, loss, lr, row["grad_norm"] or 0.0,
                         row["tokens_per_s"],
                     )  # fmt: skip
+            if _should_save(run, step + 1):
+                saved = save_checkpoint(engine, res, groups, step + 1, root, corpus)
+                if saved:
+                    log.info("checkpoint %s committed", saved)
         if run.checkpoint.export_hf:
             export_hf(engine.module, run.checkpoint.export_hf, res.dims, groups.data)
     finally:

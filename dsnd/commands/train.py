@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from dsnd.checkpoint.layout import read_manifest
+from dsnd.checkpoint.resume import choose_resume
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.dist.init import init_world, shutdown, world_info
@@ -17,7 +19,15 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
     # every check runs before the process group starts
     res = resolve(load(config, sets), info.world_size)
     check_stages(res)
-    if res.run.model.init_from:
+    resume = choose_resume(res.run)  # a checksum failure of a given path ends here (exit 2)
+    if resume is not None:
+        step = read_manifest(resume)["step"]
+        if step >= res.run.train.steps:
+            if info.rank == 0:
+                print(f"dsnd: {resume} is at step {step}, train.steps={res.run.train.steps}: "
+                      "nothing to train")  # fmt: skip
+            return 0
+    elif res.run.model.init_from:
         from dsnd.model.hf_io import check_hf_config
 
         check_hf_config(res.run.model.init_from, res.dims)
@@ -27,7 +37,7 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
 
     init_world(info, res.run.dist.timeout_s, res.run.dist.backend)
     try:
-        train(res, build_groups(res.topology))
+        train(res, build_groups(res.topology), resume)
     finally:
         shutdown()
     return 0

@@ -96,7 +96,8 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     check_tp(dims, par.tp, run.model.seq_len, par.sequence_parallel)
     if par.pp > dims.num_layers:
         raise UserError(f"parallel.pp={par.pp} exceeds model.num_layers={dims.num_layers}")
-    for key in ("train.steps", "checkpoint.every", "parallel.activation_checkpoint_interval"):
+    for key in ("train.steps", "checkpoint.every", "checkpoint.keep",
+                "parallel.activation_checkpoint_interval"):  # fmt: skip
         section, name = key.split(".")
         if getattr(getattr(run, section), name) < 0:
             raise UserError(f"{key} must be >= 0")

@@ -80,8 +80,17 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = doc("Checkpoint root directory (must be visible to every host).", "checkpoints")
+    dir: str | None = doc(
+        "Checkpoint root directory, visible to every host; null = <log.dir>/checkpoints.", None
+    )
     every: int = doc("Steps between checkpoints; 0 = only at the end of training.", 0)
+    keep: int = doc("Keep the newest N committed checkpoints; 0 = keep all.", 0)
+    resume: str = doc(
+        "auto: resume from the newest valid checkpoint under checkpoint.dir (corrupt ones are "
+        "skipped with a warning), or start fresh if there is none; never; or a path (a "
+        "checkpoint root, meaning its latest, or a step directory) that must verify.",
+        "auto",
+    )
     export_hf: str | None = doc(
         "At the end of the run write the model here as a transformers directory (config.json, "
         "model.safetensors) that AutoModelForCausalLM.from_pretrained loads; null = none.",

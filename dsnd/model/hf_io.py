@@ -8,9 +8,10 @@
   parameter for it, so reads nothing for it.
 - `export_hf`: at the end of a run every stage gathers its parameters (ZeRO-3: one layer at a
   time), one data-parallel replica sends them to global rank 0, which joins the tensor-parallel
-  shards (`Shard.combine`, vocabulary padding dropped), renames everything to HF names and
-  writes `config.json` and `model.safetensors`, which `AutoModelForCausalLM.from_pretrained`
-  loads. A tied weight is written once, under the embedding's name (HF ties the head to it).
+  shards (`Shard.combine`, vocabulary padding dropped) and writes them with `write_hf_dir`.
+- `write_hf_dir`: full tensors by dsnd name -> HF names, `config.json` and `model.safetensors`,
+  which `AutoModelForCausalLM.from_pretrained` loads. A tied weight is written once, under the
+  embedding's name (HF ties the head to it). `dsnd ckpt export` uses it too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dsnd.model.hf_config import hf_config
 from dsnd.model.hf_weights import hf_layout, to_hf_names
 from dsnd.model.specs import LayerStack
 from dsnd.tp import Shard
+from dsnd.tp.shard import read_part
 
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -110,17 +112,11 @@ def load_hf_stage(stack: LayerStack, path: str, dims: ModelDims) -> None:
 
 def _read(file: str, hf_name: str, param: torch.Tensor, path: str) -> torch.Tensor:
     """`param`'s value from the checkpoint: the whole tensor, or only its tensor-parallel shard."""
-    shard = getattr(param, "tp_shard", None)
-    local = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3: the shape before sharding
-    want = shard.full_shape(local) if shard is not None else local
     with safe_open(file, framework="pt") as f:
-        stored = f.get_slice(hf_name)
-        have = tuple(stored.get_shape())
-        if have != want:
-            raise UserError(
-                f"model.init_from={path}: {hf_name} has shape {have}, the model needs {want}"
-            )
-        return shard.take(stored) if shard is not None else f.get_tensor(hf_name)
+        try:
+            return read_part(f.get_slice(hf_name), param)
+        except ValueError as e:
+            raise UserError(f"model.init_from={path}: {hf_name} {e}") from e
 
 
 def _join(pieces: list[tuple[torch.Tensor, Shard | None]]) -> torch.Tensor:
@@ -132,12 +128,26 @@ def _join(pieces: list[tuple[torch.Tensor, Shard | None]]) -> torch.Tensor:
     return shard.combine([by_rank[r] for r in range(shard.size)]).contiguous()
 
 
+def write_hf_dir(path: str, dims: ModelDims, tensors: dict[str, torch.Tensor]) -> None:
+    """Write full tensors keyed by dsnd name as an HF directory: `config.json` and
+    `model.safetensors` (HF names; a tied weight under the embedding's name)."""
+    lay = hf_layout(dims)
+    named: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        hf_name = to_hf_names(name, dims, lay)[0]  # a tie: the embedding's
+        if hf_name in named:
+            raise ValueError(f"two dsnd tensors map to the HF name {hf_name!r}")
+        named[hf_name] = tensor.detach().to("cpu").contiguous()
+    os.makedirs(path, exist_ok=True)
+    hf_config(dims).save_pretrained(path)
+    save_file(named, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
+
+
 def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.ProcessGroup) -> None:
     """Write the full model (every stage's parameters) as an HF directory at `path` (rank 0).
 
     Collective over the world: every rank must call it.
     """
-    lay = hf_layout(dims)
     mine: dict[str, tuple[torch.Tensor, Shard | None]] = {}
     for prefix, module in _modules(stack):
         named = list(module.named_parameters())
@@ -145,9 +155,8 @@ def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.Pro
             continue
         with deepspeed.zero.GatheredParameters([p for _, p in named]):  # no-op below ZeRO-3
             for name, param in named:
-                hf_name = to_hf_names(prefix + name, dims, lay)[0]  # a tie: the embedding's
                 value = param.detach().to("cpu", copy=True).contiguous()
-                mine[hf_name] = (value, getattr(param, "tp_shard", None))
+                mine[prefix + name] = (value, getattr(param, "tp_shard", None))
     if dist.get_rank(data_group) != 0:  # one replica per stage sends
         mine = {}
     parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -156,9 +165,6 @@ def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.Pro
         return
     pieces: dict[str, list[tuple[torch.Tensor, Shard | None]]] = {}
     for part in parts:
-        for hf_name, piece in part.items():
-            pieces.setdefault(hf_name, []).append(piece)
-    merged = {hf_name: _join(found) for hf_name, found in pieces.items()}
-    os.makedirs(path, exist_ok=True)
-    hf_config(dims).save_pretrained(path)
-    save_file(merged, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
+        for name, piece in part.items():
+            pieces.setdefault(name, []).append(piece)
+    write_hf_dir(path, dims, {name: _join(found) for name, found in pieces.items()})

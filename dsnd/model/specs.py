@@ -167,6 +167,7 @@ class LayerStack(nn.Module):
         for i, spec in enumerate(specs):
             if isinstance(spec, TiedLayerSpec):
                 first_tied_index.setdefault(spec.key, i)
+        self.tied_first_index = first_tied_index  # a tied module belongs to its first layer
 
         for index in indices:
             spec = specs[index]
@@ -188,6 +189,16 @@ class LayerStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recompute = self.training and torch.is_grad_enabled()
         return run_layers(self._forward_funcs, x, self.activation_checkpoint_interval, recompute)
+
+
+def layer_of(name: str, stack: LayerStack) -> int:
+    """The global layer index a parameter name of `stack` belongs to."""
+    kind, key = name.split(".")[:2]
+    if kind == "layers":
+        return int(key)
+    if kind == "tied_modules":
+        return stack.tied_first_index[key]
+    raise KeyError(f"not a LayerStack parameter name: {name!r}")
 
 
 def _init(module: nn.Module, seed: int, index: int, init_std: float | None) -> None:

@@ -29,14 +29,14 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 class StageRunner:
     """One DeepSpeed engine over this rank's stage, sharded over the stage's data group."""
 
-    def __init__(self, res: Resolved, groups: ProcessGroups) -> None:
+    def __init__(self, res: Resolved, groups: ProcessGroups, load_hf: bool = True) -> None:
         self.groups = groups
         if res.topology.pp > 1:
             scope_zero3_trace_checks(groups.data)
         stack = build_stage(res, groups)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
         self.tied = TiedWeights(stack, layer_specs(res.dims), stage_parts(res), groups)
-        if res.run.model.init_from:  # into the stage's own layers, before ZeRO takes them
+        if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
             load_hf_stage(stack, res.run.model.init_from, res.dims)
         self.engine = build_engine(stack, res.ds, groups)
         pp, stage, gas = res.topology.pp, groups.coord.pp, res.batch.gas

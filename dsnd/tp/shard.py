@@ -96,3 +96,16 @@ class Shard:
                 offset += end - start
         parts.sort(key=lambda item: item[0])
         return torch.cat([p for _, p in parts], dim=self.dim)
+
+
+def read_part(stored: Any, param: torch.Tensor) -> torch.Tensor:
+    """`param`'s part of a stored full tensor `stored` (a safetensors slice from
+    ``safe_open(...).get_slice(name)``): its tensor-parallel shard, or all of it. Only those
+    bytes are read. ValueError when the stored shape is not `param`'s full shape."""
+    shard = getattr(param, "tp_shard", None)
+    local = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3: the shape before sharding
+    want = shard.full_shape(local) if shard is not None else local
+    have = tuple(stored.get_shape())
+    if have != want:
+        raise ValueError(f"has shape {have}, the model needs {want}")
+    return shard.take(stored) if shard is not None else stored[:]

@@ -417,8 +417,8 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "unknown command": (
             ["lanch"],
-            "argument command: invalid choice: 'lanch' (choose from env, train, launch, bench) "
-            "(see 'dsnd --help')",
+            "argument command: invalid choice: 'lanch' (choose from env, train, launch, bench, "
+            "ckpt) (see 'dsnd --help')",
         ),
     }
 

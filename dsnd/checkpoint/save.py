@@ -1,0 +1,129 @@
+"""Save a checkpoint of every stage (collective over the world), committed atomically.
+
+Per stage, rank (dp 0, tp 0) writes one model file and one optimizer file per global layer it
+holds (full tensors, joined over data- and tensor-parallel peers); every rank writes its RNG
+file; rank 0 then writes the manifest and commits (dsnd/checkpoint/commit.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import signal
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import transformers
+from safetensors.torch import save as safetensors_bytes
+
+from dsnd import __version__
+from dsnd.checkpoint import rng
+from dsnd.checkpoint.commit import prune, publish, temporary_dir, write_atomic, write_manifest
+from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
+from dsnd.checkpoint.state import full_state, optim_keys, optimizer_step
+from dsnd.config.resolve import Resolved
+from dsnd.data.corpus import Corpus
+from dsnd.dist.groups import ProcessGroups
+from dsnd.model.specs import layer_of
+from dsnd.pipeline.stage import stage_parts
+
+# Test hook (tests/dist/test_checkpoint_*.py): "STEP:RANK" makes that rank SIGKILL itself in the
+# middle of that step's save, after writing its own files and before the commit.
+FAULT_ENV = "DSND_FAULT_KILL_IN_SAVE"
+
+
+def _fault_point(step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{step}:{dist.get_rank()}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_tensors(step_dir: str, name: str, tensors: dict[str, torch.Tensor]) -> str:
+    write_atomic(os.path.join(step_dir, name), safetensors_bytes(tensors))
+    return name
+
+
+def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, keys: list) -> dict:
+    sched = engine.lr_scheduler
+    group = engine.optimizer.param_groups[0]
+    return {
+        "format": FORMAT,
+        "step": step,
+        "consumed_samples": step * res.batch.train,
+        "topology": {
+            "pp": res.topology.pp,
+            "tp": res.topology.tp,
+            "dp": res.topology.dp,
+            "world_size": res.topology.world_size,
+        },  # fmt: skip
+        "zero_stage": engine.zero_optimization_stage(),
+        "parts": stage_parts(res),
+        "model": dataclasses.asdict(res.dims),
+        "versions": {
+            "dsnd": __version__,
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "config": {"run": dataclasses.asdict(res.run), "deepspeed": res.ds},
+        "corpus": {
+            "name": corpus.name,
+            "tokens": int(corpus.tokens.size),
+            "sha256": corpus.fingerprint,
+        },  # fmt: skip
+        "trainer": {
+            "optimizer_step": optimizer_step(engine),
+            "lr_scheduler": sched.state_dict() if sched is not None else None,
+            "lr": group["lr"],
+            "betas": list(group["betas"]) if "betas" in group else None,
+        },
+        "params": params,
+        "optim_keys": keys,
+    }
+
+
+def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, root: str,
+                    corpus: Corpus) -> str | None:  # fmt: skip
+    """Write and commit `root/step_<step>`; returns its path on rank 0 (None elsewhere)."""
+    name = step_dir_name(step)
+    tmp = temporary_dir(root, name)
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    writer = groups.coord.dp == 0 and groups.coord.tp == 0
+    keys = optim_keys(engine)
+    layers: dict[int, tuple[dict, dict]] = {}
+    params: dict[str, dict] = {}
+    for pname, value, states in full_state(engine, engine.module, keys, groups.tensor):
+        if writer:
+            layer = layer_of(pname, engine.module)
+            model, optim = layers.setdefault(layer, ({}, {}))
+            model[pname] = value.contiguous()
+            optim.update({f"{pname}.{k}": v.contiguous() for k, v in states.items()})
+            params[pname] = {"file": model_file(layer), "shape": list(value.shape)}
+    files = []
+    for layer, (model, optim) in sorted(layers.items()):
+        files.append(_write_tensors(tmp, model_file(layer), model))
+        if optim:
+            files.append(_write_tensors(tmp, optim_file(layer), optim))
+    write_atomic(os.path.join(tmp, rng_file(rank)), json.dumps(rng.capture()).encode())
+    files.append(rng_file(rank))
+    _fault_point(step)
+    everyone: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((files, params), everyone, dst=0)
+    final = None
+    if everyone is not None:
+        all_files = sorted(f for fs, _ in everyone for f in fs)
+        all_params = {k: v for _, ps in everyone for k, v in ps.items()}
+        write_manifest(tmp, _manifest(res, engine, step, corpus, all_params, keys), all_files)
+        final = publish(root, tmp, name)
+        prune(root, res.run.checkpoint.keep)
+    dist.barrier()  # nobody moves on (or exits) before the checkpoint is committed
+    return final

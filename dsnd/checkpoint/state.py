@@ -1,0 +1,130 @@
+"""A stage's training state as full tensors by parameter name, out of and into DeepSpeed.
+
+Saved per parameter: the fp32 master value and each optimizer state tensor (Adam's exp_avg,
+exp_avg_sq), whole — gathered over the data-parallel group by DeepSpeed's own accessors
+(`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`; ZeRO 1-3 and the bf16 optimizer)
+and joined over the tensor-parallel group (`Shard.combine`). Loading does the reverse on any
+layout: each rank cuts its tensor-parallel shard and hands the full value to DeepSpeed's
+`safe_set_full_*`, which keeps this rank's ZeRO partition. Parameter names carry the global
+layer index, so pipeline stages can be cut differently on load.
+
+Two DeepSpeed details (0.19.8) need care, measured in DESIGN.md:
+- Adam's state is created lazily at the first step; before loading into a fresh engine it is
+  materialised here (zeros, then overwritten), and ZeRO 1/2 and the bf16 optimizer must then
+  link their per-parameter views of it (`_lazy_init_hp_params_optimizer_state`).
+- The fp32 master and the model's own (possibly ZeRO-3 partitioned, possibly bf16) parameter
+  are separate copies: both are set, else the next forward would use stale weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+from torch import nn
+
+
+def basic_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer holding Adam's state (inside DeepSpeed's ZeRO/bf16 wrapper, if any)."""
+    opt = engine.optimizer
+    return getattr(opt, "optimizer", opt)
+
+
+def _managed(param: nn.Parameter) -> bool:
+    """Whether DeepSpeed keeps a separate fp32 master for `param` (ZeRO 1-3, bf16)."""
+    # ZeRO 1/2 set `_hp_mapping` on every parameter (None where another rank owns all of it)
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def optim_keys(engine) -> list[str]:
+    """Names of the per-element optimizer state tensors (exp_avg, exp_avg_sq, ...)."""
+    opt = basic_optimizer(engine)
+    for state in opt.state.values():
+        return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
+    return []
+
+
+def optimizer_step(engine) -> int:
+    """How many steps Adam has taken (its bias correction depends on it)."""
+    opt = basic_optimizer(engine)
+    for state in opt.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return int(opt.param_groups[0].get("step", 0))
+
+
+def _join_tp(value: torch.Tensor, param: nn.Parameter, group: dist.ProcessGroup) -> torch.Tensor:
+    shard = getattr(param, "tp_shard", None)
+    if shard is None:
+        return value
+    parts = [torch.empty_like(value) for _ in range(shard.size)]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    return shard.combine(parts)
+
+
+def full_state(
+    engine, module: nn.Module, keys: list[str], tp_group: dist.ProcessGroup
+) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
+    """(name, full fp32 value, {key: full optimizer state}) for every parameter of `module`.
+
+    Collective: every rank of the stage (data- and tensor-parallel peers) must iterate it to the
+    end, in step.
+    """
+    opt = basic_optimizer(engine)
+    for name, param in module.named_parameters():
+        if _managed(param):
+            value = safe_get_full_fp32_param(param)
+            states = {k: safe_get_full_optimizer_state(param, k) for k in keys}
+        else:  # ZeRO-0 fp32: the parameter is the master, its state is keyed by it
+            value = param.detach()
+            states = {k: opt.state[param][k] for k in keys}
+        value = _join_tp(value.float().cpu(), param, tp_group)
+        states = {k: _join_tp(v.float().cpu(), param, tp_group) for k, v in states.items()}
+        yield name, value, states
+
+
+def materialise_optimizer_state(engine, keys: list[str], step: int) -> None:
+    """Give a fresh engine's optimizer the state entries loading will overwrite, at `step`."""
+    opt = basic_optimizer(engine)
+    # ZeRO-3 puts its flat fp32 partitions into the optimizer's groups only around each step
+    params = [p for group in opt.param_groups for p in group["params"]]
+    params += list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+    for group in opt.param_groups:
+        if "step" in group:  # optimizers that count per group (DeepSpeed's FusedAdam)
+            group["step"] = step
+    for p in params:
+        state = opt.state[p]
+        for key in keys:
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # ZeRO 1/2, bf16: per-parameter views into the new flat state
+        engine.optimizer._hp_optimizer_states_linked = False
+        link()
+
+
+def set_full_state(
+    engine, param: nn.Parameter, value: torch.Tensor, states: dict[str, torch.Tensor]
+) -> None:
+    """Set `param` (this rank's tensor-parallel shard, full over data parallel) everywhere
+    DeepSpeed keeps it: the model's parameter, the fp32 master, the optimizer state."""
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+        param.data.copy_(value.to(device=param.device, dtype=param.dtype))  # ZeRO-3: re-sharded
+    device = engine.device
+    if _managed(param):
+        safe_set_full_fp32_param(param, value.to(device))
+        for key, v in states.items():
+            safe_set_full_optimizer_state(param, v.to(device), key)
+    else:
+        opt_state = basic_optimizer(engine).state[param]
+        for key, v in states.items():
+            opt_state[key].copy_(v.to(opt_state[key].device))

@@ -1,0 +1,195 @@
+"""``dsnd ckpt inspect | verify | export DIR``: look at, check and convert a saved checkpoint.
+
+DIR is a checkpoint root (the step directory its `latest` names) or one step directory (see
+`dsnd.checkpoint.layout`). No process group starts, and nothing is unpickled: JSON and
+safetensors only.
+
+- inspect: what the manifest says (step, samples, layout, model, versions, layer -> stage map)
+  and every file with its size and checksum status; `--json` prints it as one object.
+- verify: ``ok: <step dir> (<n> files)``, or one line per problem on stderr.
+- export: the weights of an intact checkpoint as a transformers directory (`write_hf_dir`).
+
+Exit codes: 0 intact, 1 a file is missing or fails its checksum (inspect and verify still
+report everything), 2 a usage error: DIR missing or not a checkpoint, or, for export, any
+problem at all (the first bad file is named and nothing is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from itertools import pairwise
+
+from dsnd.checkpoint import layout
+from dsnd.checkpoint.layout import MANIFEST, MANIFEST_SUM, CheckpointError, Problem
+from dsnd.errors import UserError
+
+UNCHECKED = "not checked: the manifest failed"
+
+
+def step_dir_of(path: str) -> str:
+    """The step directory DIR means; CheckpointError (exit 2) when there is none."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    return layout.resolve_step_dir(path)
+
+
+def _manifest_as_is(step_dir: str) -> dict:
+    """manifest.json without its checksum check (inspect shows a damaged one too); {} if
+    unreadable."""
+    try:
+        with open(os.path.join(step_dir, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _file_rows(step_dir: str, manifest: dict, problems: list[Problem]) -> list[dict]:
+    bad = {p.file: p.what for p in problems}
+    manifest_failed = any(p.file in (MANIFEST, MANIFEST_SUM) for p in problems)
+    rows = []
+    for rel in [MANIFEST, MANIFEST_SUM, *sorted(manifest.get("files", {}))]:
+        path = os.path.join(step_dir, rel)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        status = bad.get(rel) or (UNCHECKED if manifest_failed else "ok")
+        rows.append({"file": rel, "bytes": size, "status": status})
+    return rows
+
+
+def report(step_dir: str) -> dict:
+    """Everything `inspect` shows, as plain data."""
+    problems = layout.verify(step_dir)
+    m = _manifest_as_is(step_dir)
+    parts = m.get("parts", [])
+    files = _file_rows(step_dir, m, problems)
+    return {
+        "step_dir": step_dir,
+        "ok": not problems,
+        "problems": [str(p) for p in problems],
+        "step": m.get("step"),
+        "consumed_samples": m.get("consumed_samples"),
+        "topology": m.get("topology", {}),
+        "zero_stage": m.get("zero_stage"),
+        "model": m.get("model", {}),
+        "versions": m.get("versions", {}),
+        "parts": parts,
+        "stages": [[first, last - 1] for first, last in pairwise(parts)],
+        "files": files,
+        "total_bytes": sum(row["bytes"] or 0 for row in files),
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value, units = float(n), ["B", "KiB", "MiB", "GiB"]
+    while value >= 1024 and len(units) > 1:
+        value, units = value / 1024, units[1:]
+    return f"{n} B" if units[0] == "B" else f"{value:.1f} {units[0]}"
+
+
+def format_report(r: dict) -> str:
+    t, m = r["topology"], r["model"]
+    topology = (
+        f"pp={t.get('pp')} tp={t.get('tp')} dp={t.get('dp')} (world {t.get('world_size')}), "
+        f"ZeRO stage {r['zero_stage']}"
+    )
+    model = (
+        f"{m.get('family')}: hidden {m.get('hidden_size')}, {m.get('num_layers')} layers, "
+        f"{m.get('num_heads')} heads ({m.get('num_kv_heads')} kv), vocab {m.get('vocab_size')}"
+    )
+    rows = [
+        ("step dir", r["step_dir"]),
+        ("step", r["step"]),
+        ("samples", r["consumed_samples"]),
+        ("topology", topology),
+        ("model", model),
+        ("versions", ", ".join(f"{k} {v}" for k, v in r["versions"].items())),
+        *[(f"stage {s}", f"layers {first}-{last}") for s, (first, last) in enumerate(r["stages"])],
+    ]
+    width = max(len(key) for key, _ in rows)
+    lines = [f"{key:<{width}}  {value}" for key, value in rows]
+    name_width = max(len(row["file"]) for row in r["files"])
+    lines.append("files")
+    for row in r["files"]:
+        lines.append(f"  {row['file']:<{name_width}}  {_size(row['bytes']):>10}  {row['status']}")
+    lines.append(f"total  {len(r['files'])} files, {_size(r['total_bytes'])}")
+    if not r["ok"]:
+        lines.append(f"NOT INTACT: {len(r['problems'])} problem(s)")
+    return "\n".join(lines)
+
+
+def run_inspect(path: str, as_json: bool) -> int:
+    r = report(step_dir_of(path))
+    print(json.dumps(r, indent=1) if as_json else format_report(r))
+    return 0 if r["ok"] else 1
+
+
+def run_verify(path: str) -> int:
+    step_dir = step_dir_of(path)
+    problems = layout.verify(step_dir)
+    for p in problems:
+        print(f"{os.path.join(step_dir, p.file)}: {p.what}", file=sys.stderr)
+    if problems:
+        return 1
+    count = len(layout.read_manifest(step_dir)["files"]) + 2  # and the manifest's own two
+    print(f"ok: {step_dir} ({count} files)")
+    return 0
+
+
+def read_params(step_dir: str, manifest: dict) -> dict:
+    """Every tensor manifest["params"] lists, by dsnd name (safetensors only)."""
+    from safetensors import safe_open
+
+    by_file: dict[str, dict[str, list[int]]] = {}
+    for name, meta in manifest["params"].items():
+        by_file.setdefault(meta["file"], {})[name] = list(meta["shape"])
+    tensors = {}
+    for rel, shapes in sorted(by_file.items()):
+        path = os.path.join(step_dir, rel)
+        if rel not in manifest["files"]:  # read only files the checksums cover
+            raise CheckpointError(f"{path}: holds parameters but is not in {MANIFEST}'s files")
+        with safe_open(path, framework="pt") as f:
+            stored = set(f.keys())
+            for name, shape in shapes.items():
+                if name not in stored:
+                    raise CheckpointError(f"{path}: no tensor {name}")
+                tensor = f.get_tensor(name)
+                if list(tensor.shape) != shape:
+                    raise CheckpointError(
+                        f"{path}: {name} has shape {list(tensor.shape)}, {MANIFEST} says {shape}"
+                    )
+                tensors[name] = tensor
+    if not tensors:
+        raise CheckpointError(f"{step_dir}: {MANIFEST} lists no parameters")
+    return tensors
+
+
+def run_export(path: str, out: str) -> int:
+    from dsnd.config.presets import ModelDims
+    from dsnd.model.hf_io import write_hf_dir
+
+    step_dir = step_dir_of(path)
+    layout.check_intact(step_dir)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UserError(f"{out}: already exists and is not an empty directory")
+    manifest = layout.read_manifest(step_dir)
+    try:
+        dims = ModelDims(**manifest["model"])
+    except TypeError as e:
+        raise CheckpointError(f"{step_dir}: {MANIFEST} 'model' is not a dsnd model ({e})") from e
+    tensors = read_params(step_dir, manifest)
+    write_hf_dir(out, dims, tensors)
+    print(f"wrote {out}: {dims.family}, {len(tensors)} tensors from {step_dir}")
+    return 0
+
+
+def run_ckpt(args: argparse.Namespace) -> int:
+    if args.ckpt_command == "inspect":
+        return run_inspect(args.dir, args.json)
+    if args.ckpt_command == "verify":
+        return run_verify(args.dir)
+    return run_export(args.dir, args.out)

@@ -1,0 +1,330 @@
+"""`dsnd ckpt inspect | verify | export` on real checkpoints, built here without training.
+
+A fixture writes what a save writes (per-layer safetensors of a seeded `build_model`, an
+optimizer file, an RNG file, a manifest through `commit.write_manifest`, a root with `latest`);
+then every file in turn is damaged and each command must say which, with exact exit codes. The
+export must load in `transformers` and give the dsnd model's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from dsnd import cli
+from dsnd.checkpoint.commit import write_manifest
+from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
+from dsnd.config.presets import PRESETS
+from dsnd.model.specs import build_model
+
+STEP = 10
+PRESET_NAMES = ("llama-tiny", "gpt2-tiny")
+MODEL_1, OPTIM_1, RNG_0 = model_file(1), optim_file(1), rng_file(0)
+FILES = [MODEL_1, OPTIM_1, RNG_0, "manifest.json", "manifest.sha256"]
+
+
+def _layer_of(name: str) -> int:
+    return 0 if name.startswith("tied_modules.embed.") else int(name.split(".")[1])
+
+
+def write_checkpoint(root: str, preset: str) -> str:
+    """A committed checkpoint of `build_model(PRESETS[preset], seed=3)` under `root`."""
+    dims = PRESETS[preset]
+    step_dir = os.path.join(root, step_dir_name(STEP))
+    os.makedirs(os.path.join(step_dir, "rng"))
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in build_model(dims, seed=3).state_dict().items():
+        by_layer.setdefault(_layer_of(name), {})[name] = tensor.contiguous()
+    files, params = [], {}
+    for layer, tensors in sorted(by_layer.items()):
+        save_file(tensors, os.path.join(step_dir, model_file(layer)))
+        files.append(model_file(layer))
+        params |= {
+            n: {"file": model_file(layer), "shape": list(t.shape)} for n, t in tensors.items()
+        }
+    optim = {
+        f"{n}.{k}": torch.zeros_like(t)
+        for n, t in by_layer[1].items()
+        for k in ("exp_avg", "exp_avg_sq")
+    }
+    save_file(optim, os.path.join(step_dir, OPTIM_1))
+    with open(os.path.join(step_dir, RNG_0), "w", encoding="utf-8") as f:
+        json.dump({"python": [3, [1, 2, 3], None], "torch": [0, 1, 2], "numpy": None}, f)
+    n = dims.num_layers + 3
+    manifest = {
+        "format": FORMAT,
+        "step": STEP,
+        "consumed_samples": 160,
+        "topology": {"pp": 2, "tp": 1, "dp": 2, "world_size": 4},
+        "zero_stage": 3,
+        "parts": [0, 3, n],
+        "model": dataclasses.asdict(dims),
+        "versions": {"dsnd": "0.0-test", "torch": torch.__version__},
+        "config": {"run": {}, "deepspeed": {}},
+        "corpus": {"name": "t", "tokens": 1, "sha256": ""},
+        "trainer": {},
+        "params": params,
+        "optim_keys": ["exp_avg", "exp_avg_sq"],
+    }
+    write_manifest(step_dir, manifest, [*files, OPTIM_1, RNG_0])
+    with open(os.path.join(root, "latest"), "w", encoding="utf-8") as f:
+        f.write(step_dir_name(STEP) + "\n")
+    return step_dir
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> dict[str, str]:
+    """preset -> checkpoint root (never modified; tests damage copies)."""
+    roots = {}
+    for preset in PRESET_NAMES:
+        roots[preset] = str(tmp_path_factory.mktemp(preset) / "ckpt")
+        write_checkpoint(roots[preset], preset)
+    return roots
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path) -> tuple[str, str]:
+    """(root, step dir): a private copy of the llama-tiny checkpoint."""
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(pristine["llama-tiny"], root)
+    return root, os.path.join(root, step_dir_name(STEP))
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def flip_byte(path: str, mask: int = 0x01) -> None:
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= mask
+        f.seek(0)
+        f.write(data)
+
+
+def test_verify_ok_on_root_and_step_dir(capsys, ckpt, pristine):
+    root, step_dir = ckpt
+    for where in (root, step_dir):
+        rc, out, err = run(capsys, "ckpt", "verify", where)
+        assert (rc, err) == (0, "")
+        # 7 layer files (embedding, 4 blocks, norm, head) + optim + rng + the manifest's two
+        assert out == f"ok: {step_dir} (11 files)\n"
+    gpt2 = pristine["gpt2-tiny"]  # tied: the head's layer holds no tensor, so no file
+    rc, out, _ = run(capsys, "ckpt", "verify", gpt2)
+    assert (rc, out) == (0, f"ok: {os.path.join(gpt2, step_dir_name(STEP))} (10 files)\n")
+
+
+@pytest.mark.parametrize("file", FILES)
+def test_verify_names_each_damaged_file(capsys, ckpt, file):
+    _, step_dir = ckpt
+    flip_byte(os.path.join(step_dir, file))
+    rc, out, err = run(capsys, "ckpt", "verify", step_dir)
+    assert (rc, out) == (1, "")
+    assert err.count("\n") == 1, err
+    if file == "manifest.sha256":  # the pair no longer matches: named from manifest.json's side
+        assert err.startswith(f"{step_dir}/manifest.json: SHA-256 "), err
+        assert "does not match manifest.sha256" in err
+    elif file == "manifest.json":
+        assert err.startswith(f"{step_dir}/manifest.json: SHA-256 "), err
+    else:
+        assert err == f"{step_dir}/{file}: SHA-256 does not match the manifest (corrupt)\n"
+
+
+def test_verify_non_utf8_damage_to_manifest_sha256(capsys, ckpt):
+    _, step_dir = ckpt
+    flip_byte(os.path.join(step_dir, "manifest.sha256"), mask=0xFF)
+    rc, _, err = run(capsys, "ckpt", "verify", step_dir)
+    assert rc == 1
+    assert err.startswith(f"{step_dir}/manifest.json: SHA-256 "), err
+
+
+def test_verify_detects_a_damaged_newline_in_manifest_sha256(capsys, ckpt):
+    _, step_dir = ckpt
+    path = os.path.join(step_dir, "manifest.sha256")
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x0b")
+    rc, _, err = run(capsys, "ckpt", "verify", step_dir)
+    assert rc == 1
+    assert err.startswith(f"{step_dir}/manifest.json: SHA-256 "), err
+
+
+def test_verify_reports_every_problem_and_missing_files(capsys, ckpt):
+    root, step_dir = ckpt
+    os.remove(os.path.join(step_dir, model_file(3)))
+    flip_byte(os.path.join(step_dir, RNG_0))
+    rc, out, err = run(capsys, "ckpt", "verify", root)
+    assert (rc, out) == (1, "")
+    assert err.splitlines() == [
+        f"{step_dir}/{model_file(3)}: missing",
+        f"{step_dir}/{RNG_0}: SHA-256 does not match the manifest (corrupt)",
+    ]
+
+
+def test_verify_truncated_file_gives_sizes(capsys, ckpt):
+    _, step_dir = ckpt
+    path = os.path.join(step_dir, OPTIM_1)
+    size = os.path.getsize(path)
+    os.truncate(path, size - 8)
+    rc, _, err = run(capsys, "ckpt", "verify", step_dir)
+    assert rc == 1
+    assert err == f"{path}: {size - 8} bytes, the manifest says {size}\n"
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_not_a_checkpoint_is_a_usage_error(capsys, tmp_path, command):
+    missing = str(tmp_path / "nope")
+    rc, out, err = run(capsys, "ckpt", command, missing)
+    assert (rc, out) == (2, "")
+    assert err == f"dsnd: error: {missing}: no such checkpoint directory\n"
+    rc, out, err = run(capsys, "ckpt", command, str(tmp_path))  # a directory, no `latest`
+    assert (rc, out) == (2, "")
+    assert err == (f"dsnd: error: {tmp_path}: neither a step directory nor a root with 'latest'\n")
+
+
+def test_latest_naming_a_missing_step_is_a_usage_error(capsys, ckpt):
+    root, step_dir = ckpt
+    shutil.rmtree(step_dir)
+    rc, out, err = run(capsys, "ckpt", "verify", root)
+    assert (rc, out) == (2, "")
+    name = os.path.basename(step_dir)
+    assert err == f"dsnd: error: {root}/latest names {name}, which is missing\n"
+
+
+def test_inspect_summary(capsys, ckpt):
+    root, step_dir = ckpt
+    rc, out, err = run(capsys, "ckpt", "inspect", root)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[:8] == [
+        f"step dir  {step_dir}",
+        "step      10",
+        "samples   160",
+        "topology  pp=2 tp=1 dp=2 (world 4), ZeRO stage 3",
+        "model     llama: hidden 64, 4 layers, 4 heads (2 kv), vocab 256",
+        f"versions  dsnd 0.0-test, torch {torch.__version__}",
+        "stage 0   layers 0-2",
+        "stage 1   layers 3-6",
+    ]
+    assert lines[8] == "files"
+    rows = {line.split()[0]: line.split() for line in lines[9:-1]}
+    assert len(rows) == 11
+    embed = os.path.getsize(os.path.join(step_dir, model_file(0)))  # 256 x 64 fp32 + header
+    assert rows[model_file(0)][1:] == [f"{embed / 1024:.1f}", "KiB", "ok"]
+    assert all(row[-1] == "ok" for row in rows.values())
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
+    assert lines[-1] == f"total  11 files, {total / 2**20:.1f} MiB"
+
+
+def test_inspect_json(capsys, ckpt):
+    _, step_dir = ckpt
+    rc, out, _ = run(capsys, "ckpt", "inspect", "--json", step_dir)
+    assert rc == 0
+    r = json.loads(out)
+    assert (r["ok"], r["problems"], r["step"], r["consumed_samples"]) == (True, [], 10, 160)
+    assert r["topology"] == {"pp": 2, "tp": 1, "dp": 2, "world_size": 4}
+    assert (r["zero_stage"], r["stages"]) == (3, [[0, 2], [3, 6]])
+    assert r["model"] == dataclasses.asdict(PRESETS["llama-tiny"])
+    files = {row["file"]: row for row in r["files"]}
+    assert files[RNG_0] == {
+        "file": RNG_0,
+        "bytes": os.path.getsize(os.path.join(step_dir, RNG_0)),
+        "status": "ok",
+    }
+    assert r["total_bytes"] == sum(row["bytes"] for row in r["files"])
+
+
+def test_inspect_marks_the_damaged_file(capsys, ckpt):
+    _, step_dir = ckpt
+    flip_byte(os.path.join(step_dir, model_file(2)))
+    os.remove(os.path.join(step_dir, RNG_0))
+    rc, out, err = run(capsys, "ckpt", "inspect", step_dir)
+    assert (rc, err) == (1, "")
+    status = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert status[model_file(2)].endswith("  SHA-256 does not match the manifest (corrupt)")
+    assert status[RNG_0].split()[1:] == ["-", "missing"]
+    assert status[model_file(1)].endswith("  ok")
+    assert out.splitlines()[1] == "step      10"  # the summary is still printed
+    assert out.endswith("NOT INTACT: 2 problem(s)\n")
+    rc, out, _ = run(capsys, "ckpt", "inspect", "--json", step_dir)
+    r = json.loads(out)
+    assert (rc, r["ok"]) == (1, False)
+    assert r["problems"] == [
+        f"{model_file(2)}: SHA-256 does not match the manifest (corrupt)",
+        f"{RNG_0}: missing",
+    ]
+
+
+def test_inspect_damaged_manifest_shows_it_unchecked(capsys, ckpt):
+    _, step_dir = ckpt
+    flip_byte(os.path.join(step_dir, "manifest.sha256"))
+    rc, out, _ = run(capsys, "ckpt", "inspect", "--json", step_dir)
+    r = json.loads(out)
+    assert (rc, r["ok"], r["step"]) == (1, False, 10)
+    files = {row["file"]: row["status"] for row in r["files"]}
+    assert files["manifest.json"].startswith("SHA-256 ")
+    assert files[model_file(0)] == "not checked: the manifest failed"
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp_path, preset):
+    out_dir = str(tmp_path / "hf")
+    rc, out, err = run(capsys, "ckpt", "export", pristine[preset], out_dir)
+    assert (rc, err) == (0, "")
+    step_dir = os.path.join(pristine[preset], step_dir_name(STEP))
+    count = len(build_model(PRESETS[preset], seed=3).state_dict())
+    family = PRESETS[preset].family
+    assert out == f"wrote {out_dir}: {family}, {count} tensors from {step_dir}\n"
+    assert sorted(os.listdir(out_dir)) == ["config.json", "model.safetensors"]
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        out_dir, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    want = _logits(build_model(PRESETS[preset], seed=3).eval(), tokens)
+    got = _logits(hf.eval(), tokens)
+    assert got.shape == want.shape == (2, 24, 256)
+    assert (got - want).abs().max().item() < 1e-5
+    assert want.abs().max().item() > 1e-3  # not a trivially zero model
+
+
+def test_export_of_a_damaged_checkpoint_writes_nothing(capsys, ckpt, tmp_path):
+    root, step_dir = ckpt
+    flip_byte(os.path.join(step_dir, model_file(4)))
+    out_dir = tmp_path / "hf"
+    rc, out, err = run(capsys, "ckpt", "export", root, str(out_dir))
+    assert (rc, out) == (2, "")
+    assert err == (
+        f"dsnd: error: {step_dir}/{model_file(4)}: SHA-256 does not match the manifest (corrupt)\n"
+    )
+    assert not out_dir.exists()
+
+
+def test_export_refuses_a_non_empty_output(capsys, ckpt, tmp_path):
+    root, _ = ckpt
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    rc, out, err = run(capsys, "ckpt", "export", root, str(tmp_path / "hf"))
+    assert (rc, out) == (2, "")
+    assert err == f"dsnd: error: {tmp_path / 'hf'}: already exists and is not an empty directory\n"
+    assert os.listdir(tmp_path / "hf") == ["keep.txt"]
