@@ -11,7 +11,7 @@ layer index, so pipeline stages can be cut differently on load.
 Two DeepSpeed details (0.19.8) need care, measured in DESIGN.md:
 - Adam's state is created lazily at the first step; before loading into a fresh engine it is
   materialised here (zeros, then overwritten), and ZeRO 1/2 and the bf16 optimizer must then
-  link their per-parameter views of it (`_lazy_init_hp_params_optimizer_state`).
+  (re)link their per-parameter views of it (`_link_state_views`), also before saving.
 - The fp32 master and the model's own (possibly ZeRO-3 partitioned, possibly bf16) parameter
   are separate copies: both are set, else the next forward would use stale weights.
 """
@@ -79,6 +79,7 @@ def full_state(
     end, in step.
     """
     opt = basic_optimizer(engine)
+    _link_state_views(engine)
     for name, param in module.named_parameters():
         if _managed(param):
             value = safe_get_full_fp32_param(param)
@@ -106,8 +107,16 @@ def materialise_optimizer_state(engine, keys: list[str], step: int) -> None:
             if key not in state:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    _link_state_views(engine)
+
+
+def _link_state_views(engine) -> None:
+    """ZeRO 1/2 and the bf16 optimizer reach a parameter's optimizer state through views into
+    the flat state, made once (`_lazy_init_hp_params_optimizer_state`). Measured on 0.19.8: after
+    training steps they can still be empty (made before Adam created its state), so dsnd remakes
+    them before reading or writing state. (A private DeepSpeed method: no public one exists.)"""
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:  # ZeRO 1/2, bf16: per-parameter views into the new flat state
+    if link is not None:
         engine.optimizer._hp_optimizer_states_linked = False
         link()
 

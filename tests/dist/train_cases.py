@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from dsnd.checkpoint.resume import choose_resume  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.dist.groups import build_groups  # noqa: E402
@@ -36,8 +37,9 @@ def main(out_path: str, cases_path: str) -> None:
                 from tests.reference import reference_rows
 
                 results[case["name"]] = reference_rows(res)
-            else:
-                results[case["name"]] = train(res, build_groups(res.topology))
+            else:  # checkpoint.resume decides, as in `dsnd train` (auto: the newest valid one)
+                resume = choose_resume(res.run)
+                results[case["name"]] = train(res, build_groups(res.topology), resume)
     finally:
         shutdown()
     if info.rank == 0:
