@@ -19,7 +19,11 @@ from safetensors import safe_open
 
 from dsnd.checkpoint import rng
 from dsnd.checkpoint.layout import CheckpointError, optim_file, read_manifest, rng_file
-from dsnd.checkpoint.state import materialise_optimizer_state, set_full_state
+from dsnd.checkpoint.state import (
+    materialise_optimizer_state,
+    set_full_state,
+    unmanaged_masters,
+)
 from dsnd.config.resolve import Resolved
 from dsnd.model.specs import layer_of
 from dsnd.tp.shard import read_part
@@ -38,6 +42,7 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
     trainer = manifest["trainer"]
     keys = manifest["optim_keys"]
     materialise_optimizer_state(engine, keys, trainer["optimizer_step"])
+    masters = unmanaged_masters(engine)
     with ExitStack() as files:
         opened: dict[str, object] = {}
 
@@ -58,7 +63,7 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
                           for k in keys}  # fmt: skip
             except ValueError as e:
                 raise CheckpointError(f"{step_dir}: {name} {e}") from e
-            set_full_state(engine, param, value, states)
+            set_full_state(engine, param, value, states, masters)
 
     sched = engine.lr_scheduler
     if sched is not None and trainer["lr_scheduler"] is not None:

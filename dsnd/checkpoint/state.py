@@ -44,6 +44,18 @@ def _managed(param: nn.Parameter) -> bool:
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
+def unmanaged_masters(engine) -> dict[int, torch.Tensor]:
+    """id(model parameter) -> its fp32 master where DeepSpeed keeps one without ZeRO's mapping:
+    bf16 at ZeRO-0 runs FP16_UnfusedOptimizer (parallel `fp16_groups` / `fp32_groups` lists).
+    Elsewhere empty: at ZeRO-0 fp32 the parameter is its own master."""
+    opt = engine.optimizer
+    low, high = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
+    if low is None or high is None:
+        return {}
+    return {id(p): m for ps, ms in zip(low, high, strict=True)
+            for p, m in zip(ps, ms, strict=True)}  # fmt: skip
+
+
 def optim_keys(engine) -> list[str]:
     """Names of the per-element optimizer state tensors (exp_avg, exp_avg_sq, ...)."""
     opt = basic_optimizer(engine)
@@ -80,13 +92,15 @@ def full_state(
     """
     opt = basic_optimizer(engine)
     _link_state_views(engine)
+    masters = unmanaged_masters(engine)
     for name, param in module.named_parameters():
         if _managed(param):
             value = safe_get_full_fp32_param(param)
             states = {k: safe_get_full_optimizer_state(param, k) for k in keys}
-        else:  # ZeRO-0 fp32: the parameter is the master, its state is keyed by it
-            value = param.detach()
-            states = {k: opt.state[param][k] for k in keys}
+        else:  # ZeRO-0: the optimizer's state is keyed by the master (maybe the param itself)
+            master = masters.get(id(param), param)
+            value = master.detach()
+            states = {k: opt.state[master][k] for k in keys}
         value = _join_tp(value.float().cpu(), param, tp_group)
         states = {k: _join_tp(v.float().cpu(), param, tp_group) for k, v in states.items()}
         yield name, value, states
@@ -122,10 +136,15 @@ def _link_state_views(engine) -> None:
 
 
 def set_full_state(
-    engine, param: nn.Parameter, value: torch.Tensor, states: dict[str, torch.Tensor]
+    engine,
+    param: nn.Parameter,
+    value: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    masters: dict[int, torch.Tensor],
 ) -> None:
     """Set `param` (this rank's tensor-parallel shard, full over data parallel) everywhere
-    DeepSpeed keeps it: the model's parameter, the fp32 master, the optimizer state."""
+    DeepSpeed keeps it: the model's parameter, the fp32 master, the optimizer state.
+    `masters` is `unmanaged_masters(engine)`."""
     with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
         param.data.copy_(value.to(device=param.device, dtype=param.dtype))  # ZeRO-3: re-sharded
     device = engine.device
@@ -134,6 +153,10 @@ def set_full_state(
         for key, v in states.items():
             safe_set_full_optimizer_state(param, v.to(device), key)
     else:
-        opt_state = basic_optimizer(engine).state[param]
+        master = masters.get(id(param), param)
+        if master is not param:
+            with torch.no_grad():
+                master.copy_(value.to(device=master.device, dtype=master.dtype))
+        opt_state = basic_optimizer(engine).state[master]
         for key, v in states.items():
             opt_state[key].copy_(v.to(opt_state[key].device))

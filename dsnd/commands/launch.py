@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 
+from dsnd.checkpoint.resume import choose_resume
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.errors import UserError
@@ -95,6 +96,9 @@ def run_launch(args: argparse.Namespace) -> int:
             print(shlex.join(argv))
             print(format_rank_table(rows))
         return 0
+    # a checkpoint given by path must verify before any rank starts (exit 2 naming the file);
+    # with auto, a corrupt one is skipped now (warned) and again by every rank
+    choose_resume(res.run)
     return _run(argv, {**os.environ, **extra_env})
 
 

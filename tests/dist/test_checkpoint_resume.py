@@ -5,6 +5,7 @@ more — float equality of every loss, gradient norm and learning rate, pp=2 x d
 and ZeRO-3. Reshape: a checkpoint saved at pp=2 x dp=2 ZeRO-3 step 5 resumed at pp=1 x dp=4
 (ZeRO-1), pp=4 x dp=1 (ZeRO-0) and tp=2 x pp=2 (ZeRO-3) continues the uninterrupted run within
 1e-4 (the optimizer state moves too: without it the losses would differ from step 6 on).
+bf16 (ZeRO-0 and ZeRO-2) resumes exactly too.
 """
 
 from __future__ import annotations
@@ -18,16 +19,28 @@ from tests.dist.parity import RTOL, case, run_cases
 PP2 = ("parallel.pp=2",)
 
 
+def _exact_cases(tag: str, zero: int, *sets: str) -> list[dict]:
+    """Straight 10 steps; and 5 steps, then (same log.dir, so checkpoint.resume=auto finds the
+    step-5 checkpoint) up to 10."""
+    straight = case(f"straight-{tag}", zero, sets=(*sets, "train.steps=10",
+                                                    "checkpoint.resume=never"))  # fmt: skip
+    first = case(f"halves-{tag}", zero, sets=(*sets, "train.steps=5"))
+    rest = case(f"halves-{tag}", zero, sets=(*sets, "train.steps=10"))
+    rest["name"] = f"halves-{tag}-rest"
+    return [straight, first, rest]
+
+
+def _assert_exact(got: dict, tag: str) -> None:
+    full = got[f"straight-{tag}"]
+    assert [r["step"] for r in full] == list(range(1, 11)), tag
+    first, second = got[f"halves-{tag}"], got[f"halves-{tag}-rest"]
+    assert [r["step"] for r in second] == list(range(6, 11)), tag
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in first + second] == [r[key] for r in full], (tag, key)
+
+
 @pytest.mark.dist
 def test_resume_is_exact_and_reshapes(tmp_path):
-    straight = {z: case(f"straight-z{z}", z, sets=(*PP2, "train.steps=10",
-                                                   "checkpoint.resume=never"))
-                for z in (1, 3)}  # fmt: skip
-    # the first half saves at step 5 and stops; the second half (same log.dir) resumes from it
-    half = {z: case(f"halves-z{z}", z, sets=(*PP2, "train.steps=5")) for z in (1, 3)}
-    rest = {z: case(f"halves-z{z}", z, sets=(*PP2, "train.steps=10")) for z in (1, 3)}
-    for z in (1, 3):
-        rest[z]["name"] = f"halves-z{z}-rest"
     saved = os.path.join(tmp_path, "halves-z3", "checkpoints", "step_00000005")
     reshaped = [
         case("to-pp1-dp4-z1", 1, sets=("train.steps=10", f"checkpoint.resume={saved}")),
@@ -36,15 +49,17 @@ def test_resume_is_exact_and_reshapes(tmp_path):
         case("to-tp2-pp2-z3", 3, sets=(*PP2, "parallel.tp=2", "train.steps=10",
                                        f"checkpoint.resume={saved}")),  # fmt: skip
     ]
-    got = run_cases(tmp_path, 4, [*straight.values(), half[1], rest[1], half[3], rest[3],
-                                  *reshaped])  # fmt: skip
-    for z in (1, 3):
-        full = got[f"straight-z{z}"]
-        assert [r["step"] for r in full] == list(range(1, 11))
-        first, second = got[f"halves-z{z}"], got[f"halves-z{z}-rest"]
-        assert [r["step"] for r in second] == list(range(6, 11))
-        for key in ("loss", "grad_norm", "lr"):
-            assert [r[key] for r in first + second] == [r[key] for r in full], (z, key)
+    bf16 = (*PP2, "ds.bf16.enabled=true")
+    got = run_cases(tmp_path, 4, [
+        *_exact_cases("z1", 1, *PP2),
+        *_exact_cases("z3", 3, *PP2),
+        *reshaped,
+        # bf16: the fp32 masters are saved, the bf16 weights restored from them
+        *_exact_cases("bf16-z0", 0, *bf16),  # FP16_UnfusedOptimizer (fp16/fp32 group lists)
+        *_exact_cases("bf16-z2", 2, *bf16),
+    ])  # fmt: skip
+    for tag in ("z1", "z3", "bf16-z0", "bf16-z2"):
+        _assert_exact(got, tag)
     want = got["straight-z3"][5:]
     for c in reshaped:
         rows = got[c["name"]]

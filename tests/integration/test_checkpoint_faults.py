@@ -8,7 +8,8 @@ then a flipped byte, then a run that has nothing left to do.
 2. The same command again resumes (checkpoint.resume=auto) from step 2, removes the temporary
    directory, and trains to step 6: steps 3 and 4 equal the killed run's, bit for bit.
 3. A flipped byte in the newest checkpoint: `checkpoint.resume=<root>` refuses it (exit 2, the
-   file named, before any process group starts); `auto` skips it with a warning and resumes from
+   file named, before any process group starts; `dsnd launch` before any rank starts); `auto`
+   skips it with a warning and resumes from
    the previous one (here on a different layout: one process, pp=1).
 4. A checkpoint already at train.steps: exit 0 and a message, nothing trained.
 """
@@ -76,6 +77,11 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
         f"dsnd: error: {bad}: SHA-256 does not match the manifest (corrupt)"
     )
     assert "Traceback" not in strict.stderr
+    refused = run_cli(["launch", "--nprocs", "2", *common, "--set", f"checkpoint.resume={root}"],
+                      timeout=TIMEOUT)  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == strict.stderr.strip().splitlines()[-1:]
+    assert "spawned" not in refused.stdout + refused.stderr  # no rank started
 
     # auto skips it for step 4, reshaped to one process (pp=1), and trains steps 5..6
     auto = run_cli(["train", "--set", f"log.dir={log_dir}", "--set", "train.steps=6"],
