@@ -8,6 +8,26 @@ import os
 from typing import Any
 
 
+class TensorBoardWriter:
+    """Scalars (``section/name``) and the resolved config as TensorBoard event files in
+    `log_dir`, written by global rank 0 (torch's SummaryWriter over the tensorboard package)."""
+
+    def __init__(self, log_dir: str, config_text: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=log_dir)
+        self._writer.add_text("config", "```yaml\n" + config_text + "\n```", 0)
+
+    def write(self, step: int, scalars: dict[str, float | None]) -> None:
+        for name, value in scalars.items():
+            if value is not None and math.isfinite(value):
+                self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsWriter:
     """Appends rows to ``<log_dir>/metrics.jsonl`` (global rank 0 only)."""
 

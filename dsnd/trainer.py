@@ -31,9 +31,11 @@ from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.dist.groups import ProcessGroups
-from dsnd.metrics import MetricsWriter
+from dsnd.flops import flops_per_token, peak_flops
+from dsnd.metrics import MetricsWriter, TensorBoardWriter
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
+from dsnd.telemetry import gather_stats, step_numbers
 from dsnd.zero import zero_stage
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,15 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
         yaml.safe_dump(dataclasses.asdict(res.run), f, sort_keys=False)
     with open(os.path.join(log_dir, "deepspeed.json"), "w", encoding="utf-8") as f:
         json.dump(res.ds, f, indent=2)
+
+
+def _peak(res: Resolved, engine) -> float | None:
+    name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
+    try:
+        return peak_flops(res.run.log.peak_flops, name, engine.bfloat16_enabled())
+    except ValueError as e:
+        log.warning("MFU not reported: %s", e)
+        return None
 
 
 def _should_save(run, done: int) -> bool:
@@ -79,8 +90,13 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
                 log.warning("the corpus differs from the checkpoint's (%s): same positions, "
                             "different data", manifest["corpus"]["name"])  # fmt: skip
     writer = MetricsWriter(run.log.dir) if is_writer else None
+    board = None
+    fpt, peak = flops_per_token(res.dims, run.model.seq_len), _peak(res, engine)
     if is_writer:
         save_resolved_configs(res, run.log.dir)
+        if run.log.tensorboard:
+            text = yaml.safe_dump(dataclasses.asdict(res.run), sort_keys=False)
+            board = TensorBoardWriter(run.log.dir, text)
         log.info(
             "training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, batch %s",
             run.model.preset, corpus.name, len(samples), res.topology.pp, res.topology.dp,
@@ -95,8 +111,11 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
                 samples, run.train.seed, step, res.batch.train, groups.coord.dp,
                 res.topology.dp, res.batch.micro,
             )  # fmt: skip
-            loss, norm = runner.report(runner.run(micro))
+            result = runner.run(micro)
+            loss, norm = runner.report(result)
             elapsed = time.perf_counter() - start
+            numbers = step_numbers(gather_stats(result.times, engine), res.topology, elapsed,
+                                   res.tokens_per_step, res.batch.train, fpt, peak)  # fmt: skip
             row = {
                 "step": step + 1,
                 "loss": loss,
@@ -104,10 +123,16 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
                 "grad_norm": norm,
                 "tokens_per_s": res.tokens_per_step / elapsed,
                 "step_time_s": elapsed,
+                "samples_per_s": numbers["perf/samples_per_s"],
+                "mfu": numbers["perf/mfu"],
+                "pipeline_bubble": numbers["pipeline/bubble_fraction"],
             }
             rows.append(row)
             if writer:
                 writer.write(row)
+            if board:
+                board.write(step + 1, {"train/loss": loss, "train/lr": lr,
+                                       "train/grad_norm": norm, **numbers})  # fmt: skip
                 if (step + 1) % max(run.log.every, 1) == 0 or step + 1 == run.train.steps:
                     log.info(
                         "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f",
@@ -123,5 +148,7 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
     finally:
         if writer:
             writer.close()
+        if board:
+            board.close()
         engine.destroy()
     return rows

@@ -92,15 +92,14 @@ class DsndPipeline:
     def step(self, micro: Batches) -> dict[str, float]:
         """One optimizer step: the stage's own time (`stage_s`), its receive waits, and the time
         until every stage knows the loss (`step_s`, like DeepSpeed's train_batch)."""
-        self.links.reset_recv_wait()
         dist.barrier()
         start = time.perf_counter()
         result = self.runner.run(micro)
         stage_s = time.perf_counter() - start
         loss, _ = self.runner.report(result)
         step_s = time.perf_counter() - start
-        return {"stage_s": stage_s, "step_s": step_s, "wait_s": self.links.recv_wait_s,
-                "loss": loss}  # fmt: skip
+        return {"stage_s": stage_s, "step_s": step_s, "loss": loss,
+                "wait_s": result.times["pipeline_wait"]}  # fmt: skip
 
 
 def deepspeed_pipeline(res: Resolved):
@@ -165,7 +164,7 @@ def bench_pipeline(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any
 def zero_state(res: Resolved) -> dict[str, int]:
     """Model-state bytes on this rank of a pp=1 engine, with gradients accumulating and Adam's
     state created (one full step done, then one micro-batch of the next)."""
-    from dsnd.bench.zero_state import state_bytes
+    from dsnd.memory import state_bytes
 
     groups = build_groups(res.topology)
     samples = _samples(res)

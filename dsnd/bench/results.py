@@ -99,42 +99,6 @@ def zero_state_bytes(
     }
 
 
-def claim_bytes(categories: Sequence[tuple[str, Iterable[tuple[int, int]]]]) -> dict[str, int]:
-    """Bytes of memory per category, each byte counted once, for the first category naming it.
-
-    Each category lists (address, nbytes) ranges of live tensors. Views share memory (ZeRO-1's
-    parameters are views into one flat buffer; ZeRO-3 uses the parameter shard as its master),
-    so a range already claimed — by an earlier category or an earlier range — adds nothing.
-    """
-    claimed: list[tuple[int, int]] = []  # disjoint [start, end), sorted
-    out: dict[str, int] = {}
-    for name, ranges in categories:
-        total = out.get(name, 0)
-        for start, nbytes in ranges:
-            if nbytes <= 0:
-                continue
-            total += _claim(claimed, start, start + nbytes)
-        out[name] = total
-    return out
-
-
-def _claim(claimed: list[tuple[int, int]], start: int, end: int) -> int:
-    """Add [start, end) to the disjoint sorted `claimed`; return how many bytes were new."""
-    new = end - start
-    merged_start, merged_end = start, end
-    keep = []
-    for lo, hi in claimed:
-        if hi <= start or lo >= end:
-            keep.append((lo, hi))
-            continue
-        new -= min(hi, end) - max(lo, start)
-        merged_start, merged_end = min(merged_start, lo), max(merged_end, hi)
-    keep.append((merged_start, merged_end))
-    keep.sort()
-    claimed[:] = keep
-    return new
-
-
 # --- targets and rows ------------------------------------------------------------------------
 
 

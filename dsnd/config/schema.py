@@ -104,6 +104,16 @@ class LogConfig:
         "Run directory: metrics.jsonl, the resolved configs, per-rank logs.", "runs/dsnd"
     )
     every: int = doc("Print a progress line every this many steps (rank 0).", 1)
+    tensorboard: bool = doc(
+        "Write TensorBoard event files into log.dir: loss, lr, grad norm, throughput, MFU, step "
+        "time by phase, pipeline bubble, memory per stage, and the resolved config.",
+        True,
+    )
+    peak_flops: float | None = doc(
+        "Peak FLOP/s of one device, for MFU; null = the table for known GPUs (bf16 or fp32 "
+        "dense), or a measured fp32 matmul rate on CPU.",
+        None,
+    )
 
 
 @dataclass

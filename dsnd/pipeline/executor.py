@@ -25,8 +25,9 @@ after ZeRO-0's data-parallel all-reduce (both are sums, so the order does not ma
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -62,10 +63,27 @@ class StageMath:
     sync_grads: Callable[[], None] | None = None  # once, after the step's last backward
 
 
+PHASES = ("forward", "backward", "comm", "optimizer", "pipeline_wait")
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor | None  # mean over this rank's micro-batches (last stage only)
     grad_norm: float | None  # ZeRO-0 only: DeepSpeed keeps no norm there (see zero.py)
+    # seconds per phase, disjoint: forward / backward compute (ZeRO-0's data-parallel all-reduce
+    # runs inside its last backward), comm (tied weights, sequence-parallel sums, ZeRO's coalesced
+    # reduction, waiting for sends), optimizer (the engine's step), pipeline_wait (blocked in
+    # receives: the pipeline bubble as this stage sees it)
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[phase] += time.perf_counter() - start
 
 
 def run_stage_step(
@@ -86,9 +104,13 @@ def run_stage_step(
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     losses: list[torch.Tensor] = []
+    result = StepResult(loss=None, grad_norm=None)
+    times = result.times
+    links.reset_recv_wait()
     ctx = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
     if tied:
-        tied.begin_step(engine.device)  # before posting receives: the weight comes first
+        with _timed(times, "comm"):
+            tied.begin_step(engine.device)  # before posting receives: the weight comes first
     links.begin_step(
         shape.activation,
         shape.dtype,
@@ -104,11 +126,12 @@ def run_stage_step(
                 else:
                     x = links.recv_activation().requires_grad_()
                     inputs[m] = x
-                out = engine(x)
-                if last:
-                    outputs[m] = math.loss_fn(out, micro_batches[m][1].to(engine.device))
-                    losses.append(outputs[m].detach())
-                else:
+                with _timed(times, "forward"):
+                    out = engine(x)
+                    if last:
+                        outputs[m] = math.loss_fn(out, micro_batches[m][1].to(engine.device))
+                        losses.append(outputs[m].detach())
+                if not last:
                     links.send_activation(out)
                     outputs[m] = out
             else:
@@ -116,24 +139,35 @@ def run_stage_step(
                 backwards_left -= 1
                 grad = None if last else links.recv_gradient()
                 if tied and backwards_left == 0:
-                    tied.before_last_backward(zero0=not coalesce)
-                if last:
-                    engine.backward(out)
-                else:
-                    engine.backward((out * grad).sum(), scale_wrt_gas=False)
+                    with _timed(times, "comm"):
+                        tied.before_last_backward(zero0=not coalesce)
+                with _timed(times, "backward"):
+                    if last:
+                        engine.backward(out)
+                    else:
+                        engine.backward((out * grad).sum(), scale_wrt_gas=False)
                 if not first:
                     links.send_gradient(inputs.pop(m).grad)
-                if tied and backwards_left == 0:
-                    tied.after_last_backward(zero0=not coalesce)
-                if math.sync_grads and backwards_left == 0:
-                    math.sync_grads()
+                if backwards_left == 0:
+                    with _timed(times, "comm"):
+                        if tied:
+                            tied.after_last_backward(zero0=not coalesce)
+                        if math.sync_grads:
+                            math.sync_grads()
                 if not coalesce:
                     if backwards_left == 0:  # gradients are final (and all-reduced): measure
                         grad_norm = replica_grad_norm(engine.module, math.norm_group, math.tp_rank)
-                    engine.step()
+                    with _timed(times, "optimizer"):
+                        engine.step()
+        block_end = time.perf_counter()
+    times["comm"] += time.perf_counter() - block_end  # ZeRO 1-3: the step's one reduction
     if coalesce:
-        for _ in micro_batches:
-            engine.step()
-    links.wait()
-    loss = torch.stack(losses).double().mean() if last else None
-    return StepResult(loss=loss, grad_norm=grad_norm)
+        with _timed(times, "optimizer"):
+            for _ in micro_batches:
+                engine.step()
+    with _timed(times, "comm"):
+        links.wait()
+    times["pipeline_wait"] = links.reset_recv_wait()
+    result.loss = torch.stack(losses).double().mean() if last else None
+    result.grad_norm = grad_norm
+    return result

@@ -11,6 +11,7 @@ import pytest
 
 from dsnd import cli
 from dsnd.bench import results as r
+from dsnd.memory import claim_bytes
 from dsnd.pipeline.schedule import BACKWARD, FORWARD, Action, one_f_one_b
 
 
@@ -108,7 +109,7 @@ def test_zero3_formula_ratio_falls_with_more_ranks():
 
 
 def test_claim_bytes_counts_shared_memory_once_for_the_first_category():
-    got = r.claim_bytes(
+    got = claim_bytes(
         [
             ("params", [(100, 40), (140, 20)]),  # adjacent views of one flat buffer
             ("grads", [(300, 10), (300, 10)]),  # the same tensor listed twice
@@ -121,8 +122,8 @@ def test_claim_bytes_counts_shared_memory_once_for_the_first_category():
 
 
 def test_claim_bytes_partial_overlap_counts_only_new_bytes():
-    assert r.claim_bytes([("a", [(0, 10)]), ("b", [(5, 10), (40, 5)])]) == {"a": 10, "b": 10}
-    assert r.claim_bytes([("a", [(10, 5)]), ("b", [(0, 30)])]) == {"a": 5, "b": 25}
+    assert claim_bytes([("a", [(0, 10)]), ("b", [(5, 10), (40, 5)])]) == {"a": 10, "b": 10}
+    assert claim_bytes([("a", [(10, 5)]), ("b", [(0, 30)])]) == {"a": 5, "b": 25}
 
 
 def test_targets():

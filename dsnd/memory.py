@@ -1,4 +1,4 @@
-"""Model-state bytes a ZeRO-1 or ZeRO-3 DeepSpeed engine holds on this rank, by part.
+"""Model-state bytes a DeepSpeed engine (ZeRO 0-3, fp32 or bf16) holds on this rank, by part.
 
 Counted from the tensors DeepSpeed 0.19.8 keeps (its attribute names, read, never changed):
 
@@ -6,8 +6,9 @@ Counted from the tensors DeepSpeed 0.19.8 keeps (its attribute names, read, neve
   parameter's `ds_tensor` shard, plus any parameter still gathered whole;
 - grads: gradients on the model's parameters (ZeRO-1 accumulates them whole) and, for ZeRO-3,
   the flat buffer of this rank's gradient partitions;
-- master: the fp32 partitions the optimizer steps (ZeRO-1 `single_partition_of_fp32_groups`,
-  ZeRO-3 `fp32_partitioned_groups_flat`) and their gradients;
+- master: the fp32 partitions the optimizer steps (ZeRO-1/2 `single_partition_of_fp32_groups`,
+  ZeRO-3 `fp32_partitioned_groups_flat`, bf16 at ZeRO-0 `fp32_groups`; none at ZeRO-0 fp32, where
+  the parameters are the masters) and their gradients;
 - adam: the inner optimizer's `exp_avg` / `exp_avg_sq` state.
 
 Memory shared between parts (ZeRO-3's master *is* its parameter shard) is counted once, for the
@@ -16,11 +17,9 @@ first part listed. Communication buckets are not model state and are left out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-
-from dsnd.bench.results import claim_bytes
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -49,15 +48,51 @@ def _masters(engine) -> list[torch.Tensor]:
     for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
         if hasattr(opt, name):
             return list(getattr(opt, name))
-    raise TypeError(f"{type(opt).__name__} is not a ZeRO-1/2/3 optimizer this bench knows")
+    return [m for group in getattr(opt, "fp32_groups", []) for m in group]
 
 
 def _adam(engine) -> Iterator[torch.Tensor]:
-    inner = engine.optimizer.optimizer
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for state in inner.state.values():
         for key in ADAM_KEYS:
             if key in state:
                 yield state[key]
+
+
+def claim_bytes(categories: Sequence[tuple[str, Iterable[tuple[int, int]]]]) -> dict[str, int]:
+    """Bytes of memory per category, each byte counted once, for the first category naming it.
+
+    Each category lists (address, nbytes) ranges of live tensors. Views share memory (ZeRO-1's
+    parameters are views into one flat buffer; ZeRO-3 uses the parameter shard as its master),
+    so a range already claimed — by an earlier category or an earlier range — adds nothing.
+    """
+    claimed: list[tuple[int, int]] = []  # disjoint [start, end), sorted
+    out: dict[str, int] = {}
+    for name, ranges in categories:
+        total = out.get(name, 0)
+        for start, nbytes in ranges:
+            if nbytes <= 0:
+                continue
+            total += _claim(claimed, start, start + nbytes)
+        out[name] = total
+    return out
+
+
+def _claim(claimed: list[tuple[int, int]], start: int, end: int) -> int:
+    """Add [start, end) to the disjoint sorted `claimed`; return how many bytes were new."""
+    new = end - start
+    merged_start, merged_end = start, end
+    keep = []
+    for lo, hi in claimed:
+        if hi <= start or lo >= end:
+            keep.append((lo, hi))
+            continue
+        new -= min(hi, end) - max(lo, start)
+        merged_start, merged_end = min(merged_start, lo), max(merged_end, hi)
+    keep.append((merged_start, merged_end))
+    keep.sort()
+    claimed[:] = keep
+    return new
 
 
 def state_bytes(engine) -> dict[str, int]:

@@ -1,0 +1,64 @@
+"""Per-step numbers beyond the loss: throughput, MFU, step time by phase, pipeline bubble and
+memory per stage. Every rank measures itself; one all-gather brings the numbers to every rank
+and `step_numbers` (pure) turns them into TensorBoard tags.
+
+Memory per rank: on CUDA, allocated and peak-allocated bytes; on CPU, the bytes of the model
+states the rank holds (parameters, gradients, fp32 masters, optimizer state; `dsnd.memory`) as
+"live", and the process's peak resident set as "peak" (all of Python and torch, an upper bound).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+import torch.distributed as dist
+
+from dsnd.memory import state_bytes
+from dsnd.pipeline.executor import PHASES
+from dsnd.topology import Topology
+
+STATS = (*PHASES, "live_bytes", "peak_bytes")
+
+
+def rank_memory(engine) -> tuple[float, float]:
+    if engine.device.type == "cuda":
+        return (float(torch.cuda.memory_allocated(engine.device)),
+                float(torch.cuda.max_memory_allocated(engine.device)))  # fmt: skip
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return float(sum(state_bytes(engine).values())), float(peak_kib * 1024)
+
+
+def gather_stats(times: dict[str, float], engine) -> torch.Tensor:
+    """(world, len(STATS)) float64: every rank's phase times and memory (collective)."""
+    mine = torch.tensor([times[p] for p in PHASES] + list(rank_memory(engine)),
+                        dtype=torch.float64, device=engine.device)  # fmt: skip
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return torch.stack(everyone).cpu()
+
+
+def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens: int,
+                 samples: int, flops_per_token: float,
+                 peak_flops: float | None) -> dict[str, float | None]:  # fmt: skip
+    """TensorBoard tags for one step. Times are means over ranks; the bubble is the mean share of
+    the step a rank spends blocked in pipeline receives; MFU = achieved model FLOP/s over the
+    peak of all ranks; memory is the largest rank of each pipeline stage."""
+    col = {name: i for i, name in enumerate(STATS)}
+    mean = stats.mean(dim=0)
+    tokens_per_s = tokens / elapsed
+    world = stats.shape[0]
+    out: dict[str, float | None] = {
+        "perf/tokens_per_s": tokens_per_s,
+        "perf/samples_per_s": samples / elapsed,
+        "perf/step_time_s": elapsed,
+        "perf/mfu": tokens_per_s * flops_per_token / (world * peak_flops) if peak_flops else None,
+        "pipeline/bubble_fraction": float(mean[col["pipeline_wait"]]) / elapsed,
+    }
+    for phase in PHASES:
+        out[f"time/{phase}_s"] = float(mean[col[phase]])
+    for stage in range(topology.pp):
+        ranks = [r for r in range(world) if topology.coord(r).pp == stage]
+        for kind in ("live_bytes", "peak_bytes"):
+            out[f"memory/stage{stage}_{kind}"] = float(stats[ranks, col[kind]].max())
+    return out
