@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | bench | env | ckpt.
+"""``dsnd``: train | launch | bench | env | ckpt | plot.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--micro-batches", type=int, default=8, help="gradient accumulation steps")
     bench.add_argument("--json", action="store_true", help="one JSON object per metric line")
 
+    plot = sub.add_parser("plot", help="loss and throughput curves of runs side by side (PNG)")
+    plot.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="a run's log.dir")
+    plot.add_argument("-o", "--out", required=True, help="the PNG to write")
+
     ckpt = sub.add_parser("ckpt", help="inspect, verify or export a saved dsnd checkpoint")
     what = ckpt.add_subparsers(dest="ckpt_command", required=True)
     where_help = "a checkpoint root (its 'latest') or a step directory"
@@ -132,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             from dsnd.commands.bench import run_bench
 
             return run_bench(args)
+        if args.command == "plot":
+            from dsnd.commands.plot import run_plot
+
+            return run_plot(args.log_dirs, args.out)
         if args.command == "ckpt":
             from dsnd.commands.ckpt import run_ckpt
 
