@@ -35,6 +35,7 @@ from dsnd.flops import flops_per_token, peak_flops
 from dsnd.metrics import MetricsWriter, TensorBoardWriter
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
+from dsnd.progress import Progress, RankLogFile
 from dsnd.telemetry import gather_stats, step_numbers
 from dsnd.zero import zero_stage
 
@@ -73,11 +74,16 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
     samples = SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name)
     root = checkpoint_root(run)
     is_writer = dist.get_rank() == 0
+    logfile = RankLogFile(run.log.dir, dist.get_rank(), groups.coord)
     if is_writer:
         for name in remove_temporaries(root):
             log.warning("removed %s/%s, left by a save that did not finish", root, name)
     runner = StageRunner(res, groups, load_hf=resume is None)
     engine = runner.engine
+    log.info("stage %d of %d holds global layers %s; %d parameters here, ZeRO-%d over dp=%d",
+             groups.coord.pp, res.topology.pp, list(engine.module.global_indices),
+             sum(p.numel() for p in engine.module.parameters()), zero_stage(engine),
+             res.topology.dp)  # fmt: skip
     start = 0
     if resume is not None:
         manifest = load_checkpoint(engine, res, resume)
@@ -103,17 +109,18 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
             res.topology.tp, zero_stage(engine), res.batch,
         )  # fmt: skip
     rows = []
+    progress = Progress(start, run.train.steps, run.log.every) if is_writer else None
     try:
         for step in range(start, run.train.steps):
             lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             micro = batch_for_step(
                 samples, run.train.seed, step, res.batch.train, groups.coord.dp,
                 res.topology.dp, res.batch.micro,
             )  # fmt: skip
             result = runner.run(micro)
             loss, norm = runner.report(result)
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - t0
             numbers = step_numbers(gather_stats(result.times, engine), res.topology, elapsed,
                                    res.tokens_per_step, res.batch.train, fpt, peak)  # fmt: skip
             row = {
@@ -133,12 +140,8 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
             if board:
                 board.write(step + 1, {"train/loss": loss, "train/lr": lr,
                                        "train/grad_norm": norm, **numbers})  # fmt: skip
-                if (step + 1) % max(run.log.every, 1) == 0 or step + 1 == run.train.steps:
-                    log.info(
-                        "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f",
-                        step + 1, run.train.steps, loss, lr, row["grad_norm"] or 0.0,
-                        row["tokens_per_s"],
-                    )  # fmt: skip
+            if progress:
+                progress.update(row)
             if _should_save(run, step + 1):
                 saved = save_checkpoint(engine, res, groups, step + 1, root, corpus)
                 if saved:
@@ -146,6 +149,7 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
         if run.checkpoint.export_hf:
             export_hf(engine.module, run.checkpoint.export_hf, res.dims, groups.data)
     finally:
+        logfile.close()
         if writer:
             writer.close()
         if board:

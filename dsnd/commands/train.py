@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.dist.init import init_world, shutdown, world_info
 from dsnd.pipeline.stage import check_stages
+from dsnd.progress import rank_prefix, use_console_prefix
 
 
 def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None]) -> int:
@@ -18,6 +20,8 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
     setup_logging(info.rank)
     # every check runs before the process group starts
     res = resolve(load(config, sets), info.world_size)
+    use_console_prefix(rank_prefix(info.rank, res.topology.coord(info.rank)),
+                       logging.INFO if info.rank == 0 else logging.WARNING)  # fmt: skip
     check_stages(res)
     resume = choose_resume(res.run)  # a checksum failure of a given path ends here (exit 2)
     if resume is not None:

@@ -1,5 +1,6 @@
 """TensorBoard output of a real 2-rank pipeline run (pp=2, ZeRO-1), read back with
-tensorboard's own EventAccumulator: every scalar is there, finite and plausible."""
+tensorboard's own EventAccumulator: every scalar is there, finite and plausible; and each rank's
+log file."""
 
 from __future__ import annotations
 
@@ -54,3 +55,9 @@ def test_pipeline_run_writes_every_scalar_to_tensorboard(tmp_path):
     assert scalars["perf/samples_per_s"][0] == pytest.approx(16 / scalars["perf/step_time_s"][0])
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "preset: llama-tiny" in text and "pp: 2" in text
+    # every rank's own log file, its lines prefixed with its coordinates
+    for rank in (0, 1):
+        lines = (tmp_path / "tb" / "logs" / f"rank_{rank:05d}.log").read_text().splitlines()
+        records = [line for line in lines if line.startswith("[r")]  # not continuation lines
+        assert records and all(r.startswith(f"[r{rank} pp{rank} dp0 tp0] ") for r in records)
+        assert any(f"stage {rank} of 2 holds global layers" in line for line in lines)

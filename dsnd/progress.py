@@ -1,0 +1,93 @@
+"""Rank 0's progress: a live line on a terminal, plain log lines elsewhere (files, CI, pipes);
+and every rank's full log in a file under `log.dir/logs/`.
+
+The live line is rewritten in place (carriage return) every step: step, loss, tokens/s and the
+estimated time left, from the mean step time so far. Off a terminal the same text goes to the
+log every `log.every` steps, so captured output stays readable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TextIO
+
+from dsnd.topology import Coord
+
+log = logging.getLogger("dsnd.progress")
+
+
+def rank_prefix(rank: int, coord: Coord) -> str:
+    return f"[r{rank} pp{coord.pp} dp{coord.dp} tp{coord.tp}]"
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    def __init__(self, first: int, total: int, every: int, stream: TextIO | None = None) -> None:
+        self.first, self.total, self.every = first, total, max(every, 1)
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = self.stream.isatty()
+        self.spent = 0.0
+
+    def line(self, row: dict) -> str:
+        """The progress text of a metrics row (step, loss, lr, grad_norm, tokens_per_s,
+        step_time_s)."""
+        step = row["step"]
+        self.spent += row["step_time_s"]
+        done = step - self.first
+        eta = self.spent / done * (self.total - step) if done else 0.0
+        return (f"step {step}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+                f"grad_norm {row['grad_norm'] or 0.0:.3f} tokens/s {row['tokens_per_s']:.0f} "
+                f"ETA {_clock(eta)}")  # fmt: skip
+
+    def update(self, row: dict) -> None:
+        step = row["step"]
+        text = self.line(row)
+        if self.live:
+            end = "\n" if step == self.total else ""
+            self.stream.write(f"\r\033[K{text}{end}")
+            self.stream.flush()
+        elif step % self.every == 0 or step == self.total:
+            log.info(text)
+
+
+def use_console_prefix(prefix: str, level: int) -> None:
+    """Console lines start with the rank's coordinates; the console keeps `level` even when a
+    logger is opened wider for the rank's log file."""
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(message)s",
+                                               datefmt="%H:%M:%S"))  # fmt: skip
+        handler.setLevel(level)
+
+
+class RankLogFile:
+    """Every record of this rank's `dsnd` and DeepSpeed loggers, at INFO and above, in
+    `<log_dir>/logs/rank_XXXXX.log` (other ranks are quiet on the console by default)."""
+
+    def __init__(self, log_dir: str, rank: int, coord: Coord) -> None:
+        os.makedirs(os.path.join(log_dir, "logs"), exist_ok=True)
+        self.path = os.path.join(log_dir, "logs", f"rank_{rank:05d}.log")
+        self.handler = logging.FileHandler(self.path, encoding="utf-8")
+        self.handler.setLevel(logging.INFO)
+        self.handler.setFormatter(
+            logging.Formatter(
+                f"{rank_prefix(rank, coord)} %(asctime)s %(levelname)s %(name)s: %(message)s"
+            )
+        )
+        self.loggers = [logging.getLogger("dsnd"), logging.getLogger("DeepSpeed")]
+        self.saved_levels = [lg.level for lg in self.loggers]
+        for lg in self.loggers:
+            lg.addHandler(self.handler)
+            if lg.getEffectiveLevel() > logging.INFO:  # console handlers keep their own level
+                lg.setLevel(logging.INFO)
+
+    def close(self) -> None:
+        for lg, level in zip(self.loggers, self.saved_levels, strict=True):
+            lg.removeHandler(self.handler)
+            lg.setLevel(level)
+        self.handler.close()

@@ -1,0 +1,47 @@
+"""Rank 0's progress line: live on a terminal (rewritten in place), plain log lines elsewhere."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from dsnd.progress import Progress, rank_prefix
+from dsnd.topology import Topology
+
+
+def row(step: int, step_time: float = 2.0) -> dict:
+    return {"step": step, "loss": 5.0 - 0.1 * step, "lr": 1e-3, "grad_norm": 1.5,
+            "tokens_per_s": 1234.4, "step_time_s": step_time}  # fmt: skip
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_live_line_on_a_terminal_with_eta():
+    out = Terminal()
+    progress = Progress(first=0, total=4, every=1, stream=out)
+    for step in range(1, 5):
+        progress.update(row(step))
+    text = out.getvalue()
+    assert text.count("\r\033[K") == 4 and text.endswith("\n") and text.count("\n") == 1
+    first = text.split("\r\033[K")[1]
+    assert first == "step 1/4 loss 4.9000 lr 1.00e-03 grad_norm 1.500 tokens/s 1234 ETA 0:00:06"
+
+
+def test_plain_lines_every_n_steps_off_a_terminal_and_eta_after_resume(caplog):
+    progress = Progress(first=10, total=15, every=2, stream=io.StringIO())
+    with caplog.at_level(logging.INFO, logger="dsnd.progress"):
+        for step in range(11, 16):
+            progress.update(row(step, step_time=60.0))
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split()[1] for line in lines] == ["12/15", "14/15", "15/15"]
+    assert lines[0].endswith("ETA 0:03:00")  # 3 steps left at 60 s each
+    assert lines[-1].endswith("ETA 0:00:00")
+
+
+def test_rank_prefix_names_the_coordinates():
+    topo = Topology(pp=2, dp=2, tp=2)
+    assert rank_prefix(7, topo.coord(7)) == "[r7 pp1 dp1 tp1]"
+    assert rank_prefix(2, topo.coord(2)) == "[r2 pp0 dp1 tp0]"
