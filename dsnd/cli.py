@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | bench | env | ckpt | plot.
+"""``dsnd``: train | launch | bench | env | ckpt | plot | data.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -84,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--micro-batches", type=int, default=8, help="gradient accumulation steps")
     bench.add_argument("--json", action="store_true", help="one JSON object per metric line")
 
+    data = sub.add_parser("data", help="prepare a pre-tokenized corpus")
+    data_what = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_what.add_parser("prepare", help="tokenize a text/JSONL file into OUT.bin")
+    prepare.add_argument("source", metavar="INPUT", help="a text or JSONL file")
+    prepare.add_argument("out", metavar="OUT", help="the token file to write (e.g. train.bin)")
+    prepare.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"))
+    prepare.add_argument("--text-field", default="text", help="JSONL field with the text")
+    prepare.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte (default) or a local transformers tokenizer directory",
+    )
+
     plot = sub.add_parser("plot", help="loss and throughput curves of runs side by side (PNG)")
     plot.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="a run's log.dir")
     plot.add_argument("-o", "--out", required=True, help="the PNG to write")
@@ -136,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             from dsnd.commands.bench import run_bench
 
             return run_bench(args)
+        if args.command == "data":
+            from dsnd.commands.data import run_prepare
+
+            return run_prepare(args.source, args.out, args.format, args.text_field,
+                               args.tokenizer)  # fmt: skip
         if args.command == "plot":
             from dsnd.commands.plot import run_plot
 

@@ -30,6 +30,7 @@ from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
+from dsnd.data.token_file import check_vocab
 from dsnd.dist.groups import ProcessGroups
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.metrics import MetricsWriter, TensorBoardWriter
@@ -71,6 +72,7 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
+    check_vocab(corpus.vocab_size, res.dims.vocab_size, corpus.name)
     samples = SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name)
     root = checkpoint_root(run)
     is_writer = dist.get_rank() == 0

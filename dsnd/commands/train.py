@@ -23,6 +23,13 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
     use_console_prefix(rank_prefix(info.rank, res.topology.coord(info.rank)),
                        logging.INFO if info.rank == 0 else logging.WARNING)  # fmt: skip
     check_stages(res)
+    data = res.run.data
+    if data.path and (
+        data.format == "tokens" or (data.format == "auto" and data.path.lower().endswith(".bin"))
+    ):
+        from dsnd.data.token_file import check_vocab, read_token_file
+
+        check_vocab(read_token_file(data.path, 0)[1]["vocab_size"], res.dims.vocab_size, data.path)
     resume = choose_resume(res.run)  # a checksum failure of a given path ends here (exit 2)
     if resume is not None:
         step = read_manifest(resume)["step"]

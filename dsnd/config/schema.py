@@ -59,9 +59,12 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     path: str | None = doc(
-        "Text or JSONL file to train on; null = the Python standard library's own source.", None
+        "Text, JSONL or pre-tokenized .bin file (dsnd data prepare) to train on; null = the "
+        "Python standard library's own source.",
+        None,
     )
-    format: str = doc("auto (by extension), text or jsonl.", "auto")
+    format: str = doc("auto (by extension: .jsonl/.json, .bin, else text), text, jsonl or "
+                      "tokens.", "auto")  # fmt: skip
     text_field: str = doc("JSONL field holding each document's text.", "text")
     max_bytes: int = doc("Read at most this many bytes of the corpus.", 4_000_000)
 
@@ -140,7 +143,7 @@ class RunConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.preset": ("llama-tiny", "gpt2-tiny"),
-    "data.format": ("auto", "text", "jsonl"),
+    "data.format": ("auto", "text", "jsonl", "tokens"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "train.lr_scaling": ("none", "linear", "sqrt"),
     "dist.backend": ("auto", "gloo", "nccl"),

@@ -5,7 +5,8 @@ Three sources, all read into memory at once (corpora here are small: the cap def
 * no path: the Python standard library's own ``.py`` sources — real, varied text present on every
   machine that runs dsnd, so a first run and every test need no download;
 * a plain text file: its raw bytes;
-* a JSONL file: one JSON object per line, the ``text_field`` of each joined with a blank line.
+* a JSONL file: one JSON object per line, the ``text_field`` of each joined with a blank line;
+* a pre-tokenized ``.bin`` file (`dsnd.data.token_file`), memory-mapped, not loaded.
 
 The fingerprint (sha256 of the token bytes) goes into checkpoint manifests so a resume can tell
 that it is reading the same data it was trained on.
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dsnd.data.token_file import read_token_file
 from dsnd.errors import UserError
 
-FORMATS = ("auto", "text", "jsonl")
+FORMATS = ("auto", "text", "jsonl", "tokens")
 
 # Directories of the stdlib tree that are not "the standard library's own sources": third-party
 # packages, the (huge, repetitive) test suites, and tooling that would dominate the first MBs.
@@ -48,6 +50,7 @@ class Corpus:
     tokens: np.ndarray
     name: str
     fingerprint: str
+    vocab_size: int | None = None  # a pre-tokenized file's vocabulary (None: bytes, 256)
 
 
 def load_corpus(
@@ -73,7 +76,15 @@ def load_corpus(
         if not os.path.isfile(path):
             raise UserError(f"data.path: not a regular file: {path}")
         if fmt == "auto":
-            fmt = "jsonl" if Path(path).suffix.lower() in (".jsonl", ".json") else "text"
+            suffix = Path(path).suffix.lower()
+            fmt = {".jsonl": "jsonl", ".json": "jsonl", ".bin": "tokens"}.get(suffix, "text")
+        if fmt == "tokens":  # max_bytes caps the file's bytes, as for text
+            tokens, meta = read_token_file(path, None)
+            if max_bytes is not None:
+                tokens = tokens[: max_bytes // tokens.dtype.itemsize]
+            fingerprint = hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
+            return Corpus(tokens=tokens, name=path, fingerprint=fingerprint,
+                          vocab_size=int(meta["vocab_size"]))  # fmt: skip
         data = (
             _jsonl_bytes(path, text_field, max_bytes)
             if fmt == "jsonl"
