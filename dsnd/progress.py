@@ -41,7 +41,8 @@ class Progress:
         self.spent += row["step_time_s"]
         done = step - self.first
         eta = self.spent / done * (self.total - step) if done else 0.0
-        return (f"step {step}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+        evaluated = f" eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+        return (f"step {step}/{self.total} loss {row['loss']:.4f}{evaluated} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm'] or 0.0:.3f} tokens/s {row['tokens_per_s']:.0f} "
                 f"ETA {_clock(eta)}")  # fmt: skip
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -52,6 +53,29 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
         json.dump(res.ds, f, indent=2)
 
 
+def split_samples(corpus, run) -> tuple[SampleSet, SampleSet | None]:
+    """Training samples and, when evaluation is on, the held-out last `eval.fraction` of them."""
+    if not run.eval.every:
+        return SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name), None
+    window = run.model.seq_len + 1
+    count = len(corpus.tokens) // window
+    cut = (count - max(1, int(count * run.eval.fraction))) * window
+    return (
+        SampleSet(corpus.tokens[:cut], run.model.seq_len, name=corpus.name),
+        SampleSet(corpus.tokens[cut:], run.model.seq_len, name=f"{corpus.name} (held out)"),
+    )
+
+
+def _evaluate(runner: StageRunner, res: Resolved, groups: ProcessGroups, held_out) -> float:
+    """Mean loss over `eval.batches` fixed global batches of the held-out samples."""
+    run, losses = res.run, []
+    for k in range(run.eval.batches):
+        micro = batch_for_step(held_out, run.train.seed, k, res.batch.train, groups.coord.dp,
+                               res.topology.dp, res.batch.micro)  # fmt: skip
+        losses.append(runner.evaluate(micro))
+    return sum(losses) / len(losses)
+
+
 def _peak(res: Resolved, engine) -> float | None:
     name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
     try:
@@ -73,7 +97,7 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
     check_vocab(corpus.vocab_size, res.dims.vocab_size, corpus.name)
-    samples = SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name)
+    samples, held_out = split_samples(corpus, run)
     root = checkpoint_root(run)
     is_writer = dist.get_rank() == 0
     logfile = RankLogFile(run.log.dir, dist.get_rank(), groups.coord)
@@ -137,11 +161,16 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
                 "pipeline_bubble": numbers["pipeline/bubble_fraction"],
             }
             rows.append(row)
+            if held_out is not None and (step + 1) % run.eval.every == 0:
+                row["eval_loss"] = _evaluate(runner, res, groups, held_out)
+                row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))
             if writer:
                 writer.write(row)
             if board:
                 board.write(step + 1, {"train/loss": loss, "train/lr": lr,
-                                       "train/grad_norm": norm, **numbers})  # fmt: skip
+                                       "train/grad_norm": norm, **numbers,
+                                       "eval/loss": row.get("eval_loss"),
+                                       "eval/perplexity": row.get("eval_perplexity")})  # fmt: skip
             if progress:
                 progress.update(row)
             if _should_save(run, step + 1):

@@ -101,6 +101,11 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         section, name = key.split(".")
         if getattr(getattr(run, section), name) < 0:
             raise UserError(f"{key} must be >= 0")
+    if run.eval.every < 0 or run.eval.batches < 1:
+        raise UserError(f"eval.every must be >= 0 and eval.batches >= 1, got {run.eval.every} "
+                        f"and {run.eval.batches}")  # fmt: skip
+    if run.eval.every and not 0 < run.eval.fraction < 1:
+        raise UserError(f"eval.fraction must be in (0, 1), got {run.eval.fraction}")
     if run.train.lr_reference_batch < 1:
         raise UserError("train.lr_reference_batch must be >= 1")
     if not math.isfinite(run.dist.timeout_s) or run.dist.timeout_s <= 0:

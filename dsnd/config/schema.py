@@ -102,6 +102,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = doc("Evaluate on the held-out split every this many steps; 0 = never.", 0)
+    fraction: float = doc(
+        "Share of the corpus's samples held out for evaluation (the last ones), when every > 0.",
+        0.02,
+    )
+    batches: int = doc("Global batches per evaluation (the same ones each time).", 2)
+
+
+@dataclass
 class LogConfig:
     dir: str = doc(
         "Run directory: metrics.jsonl, the resolved configs, per-rank logs.", "runs/dsnd"
@@ -137,6 +147,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(
         default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."}
     )
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"doc": "Held-out evaluation."})
     log: LogConfig = field(default_factory=LogConfig, metadata={"doc": "Logging."})
     dist: DistConfig = field(default_factory=DistConfig, metadata={"doc": "Process groups."})
 

@@ -77,6 +77,37 @@ class StepResult:
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
+@torch.no_grad()
+def run_stage_eval(
+    engine,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    links: StageLinks,
+    shape: StageShape,
+    math: StageMath,
+    tied: TiedWeights | None = None,
+) -> torch.Tensor | None:
+    """Forward only, no gradients: the mean loss over `micro_batches` on the last stage (None on
+    the others). Activations flow through the stages in micro-batch order."""
+    first, last = links.prev is None, links.next is None
+    engine.eval()
+    if tied:
+        tied.begin_step(engine.device)  # the borrower needs the current weight; none comes back
+    links.begin_step(shape.activation, shape.dtype,
+                     activations=0 if first else len(micro_batches), gradients=0)  # fmt: skip
+    losses = []
+    for x, y in micro_batches:
+        x = x.to(engine.device) if first else links.recv_activation()
+        out = engine(x)
+        if last:
+            losses.append(math.loss_fn(out, y.to(engine.device)).double())
+        else:
+            links.send_activation(out)
+    links.wait()
+    links.reset_recv_wait()
+    engine.train()
+    return torch.stack(losses).mean() if last else None
+
+
 @contextlib.contextmanager
 def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
     start = time.perf_counter()

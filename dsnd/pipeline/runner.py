@@ -15,7 +15,13 @@ from dsnd.config.resolve import Resolved
 from dsnd.dist.groups import ProcessGroups
 from dsnd.model import layer_specs
 from dsnd.model.hf_io import load_hf_stage
-from dsnd.pipeline.executor import StageMath, StageShape, StepResult, run_stage_step
+from dsnd.pipeline.executor import (
+    StageMath,
+    StageShape,
+    StepResult,
+    run_stage_eval,
+    run_stage_step,
+)
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.schedule import schedule
 from dsnd.pipeline.stage import build_stage, stage_parts, tensor_parallel
@@ -60,17 +66,29 @@ class StageRunner:
         return run_stage_step(self.engine, self.actions, micro_batches, self.links, self.shape,
                               self.math, self.tied)  # fmt: skip
 
+    def evaluate(self, micro_batches: Batches) -> float:
+        """Mean loss of the model as it is over the global batch `micro_batches` (forward only),
+        on every rank."""
+        loss = run_stage_eval(self.engine, micro_batches, self.links, self.shape, self.math,
+                              self.tied)  # fmt: skip
+        return self._global_loss(loss)
+
     def report(self, result: StepResult) -> tuple[float, float | None]:
         """(loss over the global batch, gradient norm over all stages), on every rank."""
+        loss = self._global_loss(result.loss)
+        norm = result.grad_norm
+        if norm is None:
+            norm = self.engine.get_global_grad_norm()
+        return loss, None if norm is None else float(norm)
+
+    def _global_loss(self, local: torch.Tensor | None) -> float:
+        """The last stage's mean over its data-parallel replicas, sent to every stage."""
         device = self.engine.device
         loss = torch.zeros((), dtype=torch.float64, device=device)
-        if result.loss is not None:  # the last stage: mean over its data-parallel replicas
-            loss = result.loss.to(device).double()
+        if local is not None:
+            loss = local.to(device).double()
             dist.all_reduce(loss, group=self.groups.data)
             loss /= dist.get_world_size(self.groups.data)
         last = dist.get_process_group_ranks(self.groups.pipe)[-1]
         dist.broadcast(loss, src=last, group=self.groups.pipe)
-        norm = result.grad_norm
-        if norm is None:
-            norm = self.engine.get_global_grad_norm()
-        return loss.item(), None if norm is None else float(norm)
+        return loss.item()
