@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | bench | env | ckpt | plot | data.
+"""``dsnd``: train | launch | bench | env | ckpt | plot | data | generate.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="byte (default) or a local transformers tokenizer directory",
     )
 
+    gen = sub.add_parser("generate", help="sample text from a checkpoint of any layout")
+    gen.add_argument("checkpoint", metavar="CKPT", help="a checkpoint root or step directory")
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--tokens", type=int, default=64, help="how many tokens to add")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+
     plot = sub.add_parser("plot", help="loss and throughput curves of runs side by side (PNG)")
     plot.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="a run's log.dir")
     plot.add_argument("-o", "--out", required=True, help="the PNG to write")
@@ -154,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_prepare(args.source, args.out, args.format, args.text_field,
                                args.tokenizer)  # fmt: skip
+        if args.command == "generate":
+            from dsnd.commands.generate import run_generate
+
+            return run_generate(args.checkpoint, args.prompt, args.tokens, args.temperature,
+                                args.seed)  # fmt: skip
         if args.command == "plot":
             from dsnd.commands.plot import run_plot
 

@@ -328,3 +328,26 @@ def test_export_refuses_a_non_empty_output(capsys, ckpt, tmp_path):
     assert (rc, out) == (2, "")
     assert err == f"dsnd: error: {tmp_path / 'hf'}: already exists and is not an empty directory\n"
     assert os.listdir(tmp_path / "hf") == ["keep.txt"]
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_generate_samples_from_the_checkpointed_weights(capsys, pristine, preset):
+    """`dsnd generate` continues the prompt exactly as the model the checkpoint was written from
+    (seeded sampling at temperature 1 depends on every logit); seed 4's weights differ."""
+    from dsnd.commands.generate import generate
+    from dsnd.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prompt = torch.as_tensor(tok.encode("def main("), dtype=torch.long).view(1, -1)
+    args = ("generate", pristine[preset], "--prompt", "def main(", "--tokens", "24",
+            "--temperature", "1.0", "--seed", "5")  # fmt: skip
+    rc, out, _ = run(capsys, *args)
+    assert rc == 0
+    texts = {}
+    for seed in (3, 4):
+        model = build_model(PRESETS[preset], seed=seed).eval()
+        ids = generate(model, prompt, 24, PRESETS[preset].max_seq_len, 1.0,
+                       torch.Generator().manual_seed(5))  # fmt: skip
+        texts[seed] = tok.decode(ids[0].tolist()) + "\n"
+    assert out == texts[3] and out.startswith("def main(")
+    assert texts[4] != texts[3]

@@ -418,7 +418,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "unknown command": (
             ["lanch"],
             "argument command: invalid choice: 'lanch' (choose from env, train, launch, bench, "
-            "data, plot, ckpt) (see 'dsnd --help')",
+            "data, generate, plot, ckpt) (see 'dsnd --help')",
         ),
     }
 

@@ -1,0 +1,51 @@
+"""``dsnd generate CKPT --prompt TEXT``: sample text from a checkpoint of any layout.
+
+One process, no process group: the checkpoint's full tensors (they are stored whole, by name)
+load into the single-process model, which then continues the prompt token by token (byte-level
+tokens; temperature 0 = greedy). Checksums are verified first, as for every load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsnd.checkpoint.layout import check_intact, read_manifest, resolve_step_dir
+from dsnd.commands.ckpt import read_params
+from dsnd.config.presets import ModelDims
+from dsnd.data.tokenizer import ByteTokenizer
+from dsnd.errors import UserError
+from dsnd.model import build_model
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, max_seq_len: int,
+             temperature: float, generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """`ids` (1, n) continued by `new_tokens` tokens (no KV cache: the tiny models need none)."""
+    for _ in range(new_tokens):
+        logits = model(ids[:, -max_seq_len:])[0, -1].float()
+        if temperature <= 0:
+            nxt = logits.argmax().view(1)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids
+
+
+def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
+    step_dir = resolve_step_dir(path)
+    check_intact(step_dir)
+    manifest = read_manifest(step_dir)
+    dims = ModelDims(**manifest["model"])
+    model = build_model(dims, seed=0).eval()
+    missing, unexpected = model.load_state_dict(read_params(step_dir, manifest), strict=False)
+    if missing or unexpected:
+        raise UserError(f"{step_dir}: does not fit {dims.family} (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")  # fmt: skip
+    tok = ByteTokenizer()
+    ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long).view(1, -1)
+    if ids.numel() == 0:
+        raise UserError("--prompt must not be empty")
+    out = generate(model, ids, tokens, dims.max_seq_len, temperature,
+                   torch.Generator().manual_seed(seed))  # fmt: skip
+    print(tok.decode(out[0].tolist()))
+    return 0
