@@ -159,6 +159,10 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
                 "samples_per_s": numbers["perf/samples_per_s"],
                 "mfu": numbers["perf/mfu"],
                 "pipeline_bubble": numbers["pipeline/bubble_fraction"],
+                # the largest rank's model-state bytes (CPU) or allocated bytes (CUDA)
+                "memory_live_bytes": max(
+                    v for k, v in numbers.items() if k.endswith("_live_bytes")
+                ),  # fmt: skip
             }
             rows.append(row)
             if held_out is not None and (step + 1) % run.eval.every == 0:
