@@ -43,8 +43,10 @@ def model_dims(run: RunConfig) -> ModelDims:
         num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads,
         ffn_size=m.ffn_size,
+        vocab_size=m.vocab_size,
     )
-    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size"):
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
+                 "vocab_size"):  # fmt: skip
         if getattr(dims, name) < 1:
             raise UserError(f"model.{name} must be >= 1, got {getattr(dims, name)}")
     if dims.hidden_size % dims.num_heads:

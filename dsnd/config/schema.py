@@ -25,6 +25,11 @@ class ModelConfig:
     num_heads: int | None = doc("Override the preset's number of attention heads.", None)
     num_kv_heads: int | None = doc("Override the preset's key/value heads (Llama GQA).", None)
     ffn_size: int | None = doc("Override the preset's MLP hidden size.", None)
+    vocab_size: int | None = doc(
+        "Override the preset's vocabulary (256 byte tokens), e.g. for a token file prepared with "
+        "a transformers tokenizer; with tp > 1 it is padded to a multiple of tp.",
+        None,
+    )
     init_from: str | None = doc(
         "A transformers checkpoint directory (safetensors, as save_pretrained writes it) to "
         "start from instead of the seeded initialisation; null = seeded init.",

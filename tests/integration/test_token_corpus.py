@@ -46,3 +46,9 @@ def test_jsonl_and_its_token_file_train_the_same(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"dsnd: error: data.path={big}: tokens from a vocabulary of "
                                    "50257, the model has 256")  # fmt: skip
+    # with the model's vocabulary raised to the tokenizer's, it trains
+    proc = run_cli(["train", "--set", f"data.path={big}", "--set", f"log.dir={tmp_path / 'c'}",
+                    "--set", "model.vocab_size=50257", "--set", "train.steps=2"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = _losses(tmp_path / "c")[0]
+    assert abs(first - 10.825) < 0.1  # ln(50257): a fresh model over the larger vocabulary
