@@ -18,7 +18,13 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from dsnd.checkpoint import rng
-from dsnd.checkpoint.layout import CheckpointError, optim_file, read_manifest, rng_file
+from dsnd.checkpoint.layout import (
+    MANIFEST,
+    CheckpointError,
+    optim_file,
+    read_manifest,
+    rng_file,
+)
 from dsnd.checkpoint.state import (
     materialise_optimizer_state,
     set_full_state,
@@ -82,3 +88,30 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
         with open(rng_path, encoding="utf-8") as f:
             rng.restore(json.load(f))
     return manifest
+
+
+def read_full_model(step_dir: str, manifest: dict) -> dict:
+    """Every tensor manifest["params"] lists, whole, by dsnd name (for one process: export,
+    generate); each file must be one the manifest's checksums cover."""
+    by_file: dict[str, dict[str, list[int]]] = {}
+    for name, meta in manifest["params"].items():
+        by_file.setdefault(meta["file"], {})[name] = list(meta["shape"])
+    tensors = {}
+    for rel, shapes in sorted(by_file.items()):
+        path = os.path.join(step_dir, rel)
+        if rel not in manifest["files"]:  # read only files the checksums cover
+            raise CheckpointError(f"{path}: holds parameters but is not in {MANIFEST}'s files")
+        with safe_open(path, framework="pt") as f:
+            stored = set(f.keys())
+            for name, shape in shapes.items():
+                if name not in stored:
+                    raise CheckpointError(f"{path}: no tensor {name}")
+                tensor = f.get_tensor(name)
+                if list(tensor.shape) != shape:
+                    raise CheckpointError(
+                        f"{path}: {name} has shape {list(tensor.shape)}, {MANIFEST} says {shape}"
+                    )
+                tensors[name] = tensor
+    if not tensors:
+        raise CheckpointError(f"{step_dir}: {MANIFEST} lists no parameters")
+    return tensors

@@ -140,34 +140,6 @@ def run_verify(path: str) -> int:
     return 0
 
 
-def read_params(step_dir: str, manifest: dict) -> dict:
-    """Every tensor manifest["params"] lists, by dsnd name (safetensors only)."""
-    from safetensors import safe_open
-
-    by_file: dict[str, dict[str, list[int]]] = {}
-    for name, meta in manifest["params"].items():
-        by_file.setdefault(meta["file"], {})[name] = list(meta["shape"])
-    tensors = {}
-    for rel, shapes in sorted(by_file.items()):
-        path = os.path.join(step_dir, rel)
-        if rel not in manifest["files"]:  # read only files the checksums cover
-            raise CheckpointError(f"{path}: holds parameters but is not in {MANIFEST}'s files")
-        with safe_open(path, framework="pt") as f:
-            stored = set(f.keys())
-            for name, shape in shapes.items():
-                if name not in stored:
-                    raise CheckpointError(f"{path}: no tensor {name}")
-                tensor = f.get_tensor(name)
-                if list(tensor.shape) != shape:
-                    raise CheckpointError(
-                        f"{path}: {name} has shape {list(tensor.shape)}, {MANIFEST} says {shape}"
-                    )
-                tensors[name] = tensor
-    if not tensors:
-        raise CheckpointError(f"{step_dir}: {MANIFEST} lists no parameters")
-    return tensors
-
-
 def run_export(path: str, out: str) -> int:
     from dsnd.config.presets import ModelDims
     from dsnd.model.hf_io import write_hf_dir
@@ -181,7 +153,9 @@ def run_export(path: str, out: str) -> int:
         dims = ModelDims(**manifest["model"])
     except TypeError as e:
         raise CheckpointError(f"{step_dir}: {MANIFEST} 'model' is not a dsnd model ({e})") from e
-    tensors = read_params(step_dir, manifest)
+    from dsnd.checkpoint.load import read_full_model  # torch/DeepSpeed: only for export
+
+    tensors = read_full_model(step_dir, manifest)
     write_hf_dir(out, dims, tensors)
     print(f"wrote {out}: {dims.family}, {len(tensors)} tensors from {step_dir}")
     return 0

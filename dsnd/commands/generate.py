@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsnd.checkpoint.layout import check_intact, read_manifest, resolve_step_dir
-from dsnd.commands.ckpt import read_params
+from dsnd.checkpoint.load import read_full_model
 from dsnd.config.presets import ModelDims
 from dsnd.data.tokenizer import ByteTokenizer
 from dsnd.errors import UserError
@@ -37,7 +37,7 @@ def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: 
     manifest = read_manifest(step_dir)
     dims = ModelDims(**manifest["model"])
     model = build_model(dims, seed=0).eval()
-    missing, unexpected = model.load_state_dict(read_params(step_dir, manifest), strict=False)
+    missing, unexpected = model.load_state_dict(read_full_model(step_dir, manifest), strict=False)
     if missing or unexpected:
         raise UserError(f"{step_dir}: does not fit {dims.family} (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")  # fmt: skip
