@@ -18,7 +18,7 @@ from dsnd.memory import state_bytes
 from dsnd.pipeline.executor import PHASES
 from dsnd.topology import Topology
 
-STATS = (*PHASES, "live_bytes", "peak_bytes")
+STATS = (*PHASES, "live_bytes", "peak_bytes", "stop_requested")
 
 
 def rank_memory(engine) -> tuple[float, float]:
@@ -29,13 +29,21 @@ def rank_memory(engine) -> tuple[float, float]:
     return float(sum(state_bytes(engine).values())), float(peak_kib * 1024)
 
 
-def gather_stats(times: dict[str, float], engine) -> torch.Tensor:
-    """(world, len(STATS)) float64: every rank's phase times and memory (collective)."""
-    mine = torch.tensor([times[p] for p in PHASES] + list(rank_memory(engine)),
+def gather_stats(times: dict[str, float], engine, stop_requested: bool = False) -> torch.Tensor:
+    """(world, len(STATS)) float64: every rank's phase times, memory and stop request
+    (collective). The stop request rides along so that all ranks agree on the step to stop at
+    without a collective of its own."""
+    mine = torch.tensor([times[p] for p in PHASES] + list(rank_memory(engine))
+                        + [float(stop_requested)],
                         dtype=torch.float64, device=engine.device)  # fmt: skip
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return torch.stack(everyone).cpu()
+
+
+def stop_agreed(stats: torch.Tensor) -> bool:
+    """True when any rank asked to stop at this step (the same answer on every rank)."""
+    return bool(stats[:, STATS.index("stop_requested")].max() > 0)
 
 
 def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens: int,

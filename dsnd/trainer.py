@@ -38,7 +38,9 @@ from dsnd.metrics import MetricsWriter, TensorBoardWriter
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
 from dsnd.progress import Progress, RankLogFile
-from dsnd.telemetry import gather_stats, step_numbers
+from dsnd.secrets import mask_config
+from dsnd.stop_request import StopRequest
+from dsnd.telemetry import gather_stats, step_numbers, stop_agreed
 from dsnd.zero import zero_stage
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,9 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
     """The run's resolved YAML and DeepSpeed JSON, so any run can be reproduced from log.dir."""
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(dataclasses.asdict(res.run), f, sort_keys=False)
+        yaml.safe_dump(mask_config(dataclasses.asdict(res.run)), f, sort_keys=False)
     with open(os.path.join(log_dir, "deepspeed.json"), "w", encoding="utf-8") as f:
-        json.dump(res.ds, f, indent=2)
+        json.dump(mask_config(res.ds), f, indent=2)
 
 
 def split_samples(corpus, run) -> tuple[SampleSet, SampleSet | None]:
@@ -90,9 +92,17 @@ def _should_save(run, done: int) -> bool:
     return done == run.train.steps or (every > 0 and done % every == 0)
 
 
-def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> list[dict[str, Any]]:
+def train(
+    res: Resolved,
+    groups: ProcessGroups,
+    resume: str | None = None,
+    stop: StopRequest | None = None,
+) -> list[dict[str, Any]]:
     """Train up to `train.steps` optimizer steps, from the checkpoint `resume` (a verified step
-    directory) if given; returns the metric rows of the steps run (identical on every rank)."""
+    directory) if given; returns the metric rows of the steps run (identical on every rank).
+
+    When `stop` is requested on any rank (SIGTERM, Ctrl-C), every rank finishes the same step,
+    a checkpoint is saved there, and training ends early (the last row has "stopped": True)."""
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
@@ -127,7 +137,7 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
     if is_writer:
         save_resolved_configs(res, run.log.dir)
         if run.log.tensorboard:
-            text = yaml.safe_dump(dataclasses.asdict(res.run), sort_keys=False)
+            text = yaml.safe_dump(mask_config(dataclasses.asdict(res.run)), sort_keys=False)
             board = TensorBoardWriter(run.log.dir, text)
         log.info(
             "training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, batch %s",
@@ -147,8 +157,10 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
             result = runner.run(micro)
             loss, norm = runner.report(result)
             elapsed = time.perf_counter() - t0
-            numbers = step_numbers(gather_stats(result.times, engine), res.topology, elapsed,
-                                   res.tokens_per_step, res.batch.train, fpt, peak)  # fmt: skip
+            stats = gather_stats(result.times, engine, stop is not None and stop.requested)
+            numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step,
+                                   res.batch.train, fpt, peak)  # fmt: skip
+            stopping = stop_agreed(stats)
             row = {
                 "step": step + 1,
                 "loss": loss,
@@ -177,11 +189,17 @@ def train(res: Resolved, groups: ProcessGroups, resume: str | None = None) -> li
                                        "eval/perplexity": row.get("eval_perplexity")})  # fmt: skip
             if progress:
                 progress.update(row)
-            if _should_save(run, step + 1):
+            if _should_save(run, step + 1) or stopping:
                 saved = save_checkpoint(engine, res, groups, step + 1, root, corpus)
                 if saved:
                     log.info("checkpoint %s committed", saved)
-        if run.checkpoint.export_hf:
+            if stopping:
+                row["stopped"] = True
+                if is_writer:
+                    log.warning("stopped at step %d on request (%s); relaunch to resume",
+                                step + 1, (stop and stop.signal_name) or "another rank")  # fmt: skip
+                break
+        if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             export_hf(engine.module, run.checkpoint.export_hf, res.dims, groups.data)
     finally:
         logfile.close()

@@ -30,6 +30,7 @@ from dsnd.data.corpus import Corpus
 from dsnd.dist.groups import ProcessGroups
 from dsnd.model.specs import layer_of
 from dsnd.pipeline.stage import stage_parts
+from dsnd.secrets import mask_config
 
 # Test hook (tests/dist/test_checkpoint_*.py): "STEP:RANK" makes that rank SIGKILL itself in the
 # middle of that step's save, after writing its own files and before the commit.
@@ -70,7 +71,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },  # fmt: skip
-        "config": {"run": dataclasses.asdict(res.run), "deepspeed": res.ds},
+        "config": mask_config({"run": dataclasses.asdict(res.run), "deepspeed": res.ds}),
         "corpus": {
             "name": corpus.name,
             "tokens": int(corpus.tokens.size),

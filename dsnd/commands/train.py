@@ -11,11 +11,22 @@ from dsnd.checkpoint.resume import choose_resume
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.dist.init import init_world, shutdown, world_info
+from dsnd.heartbeat import start_heartbeat
 from dsnd.pipeline.stage import check_stages
+from dsnd.stop_request import StopRequest
 from dsnd.progress import rank_prefix, use_console_prefix
 
 
 def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None]) -> int:
+    start_heartbeat()
+    # from here on SIGTERM / Ctrl-C mean "save at the next step boundary and exit 0"
+    with StopRequest() as stop:
+        return _run_train(config, sets, setup_logging, stop)
+
+
+def _run_train(
+    config: str | None, sets: list[str], setup_logging: Callable[[int], None], stop: StopRequest
+) -> int:
     info = world_info(dict(os.environ))
     setup_logging(info.rank)
     # every check runs before the process group starts
@@ -48,7 +59,7 @@ def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int]
 
     init_world(info, res.run.dist.timeout_s, res.run.dist.backend)
     try:
-        train(res, build_groups(res.topology), resume)
+        train(res, build_groups(res.topology), resume, stop)
     finally:
         shutdown()
     return 0

@@ -1,0 +1,240 @@
+"""A host's agent: starts this host's ranks, watches them, and ends them together.
+
+`python -m dsnd.launch.agent` reads its `AgentSpec` from stdin (see `protocol`), then:
+- starts one process per rank, each in its own session (a signal to the group reaches the rank's
+  children too) and set to die with the agent (PR_SET_PDEATHSIG), so no rank outlives it;
+- passes each rank's stdout and stderr through, line by line;
+- a rank that exits non-zero, or whose heartbeat file is older than `hang_timeout_s` (stopped,
+  frozen), ends every rank on this host at once and is reported as an event;
+- `term` from the launcher sends SIGTERM to every rank (they save at the next step and exit 0);
+  `kill`, or the launcher going away (end of stdin: its ssh connection closed), SIGKILLs them;
+- when every rank has ended, a last `exit` event lists how each one ended.
+
+DeepSpeed's launch.py cannot serve here: it gives stopped ranks 30 s after SIGTERM, exits 1 on
+SIGTERM, and its multi-node runner `pkill`s by command line on every host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import BinaryIO
+
+from dsnd.heartbeat import ENV_FILE
+from dsnd.launch.protocol import AgentSpec, RankOutcome, describe_exit, event_line
+
+_PR_SET_PDEATHSIG = 1
+POLL_S = 0.2
+
+
+def die_with_parent() -> None:
+    """In a child before exec: default SIGINT/SIGHUP (an agent ignores them, and ignored signals
+    are inherited), and the kernel SIGKILLs the child when its parent exits (Linux)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state (R, S, D, T = stopped, Z, ...), or '?' when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+class Output:
+    """Whole lines to one stream, one writer at a time, so events never split a rank's line."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream, self.lock = stream, threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+            except (BrokenPipeError, ValueError):  # the launcher is gone; keep ending ranks
+                pass
+
+
+def _pump(source: BinaryIO, sink: Output) -> None:
+    for line in iter(source.readline, b""):
+        sink.write(line)
+    source.close()
+
+
+class Rank:
+    """One rank's process, its heartbeat file and how it ended."""
+
+    def __init__(self, spec: AgentSpec, local_rank: int, beats: str, inbox: queue.Queue) -> None:
+        self.rank, self.host = spec.ranks[local_rank], spec.host
+        self.heartbeat = os.path.join(beats, f"rank_{self.rank:05d}")
+        open(self.heartbeat, "wb").close()
+        os.utime(self.heartbeat, (0, 0))  # mtime 0 = has not beaten yet
+        self.started = time.time()
+        self.ended_by_agent, self.reason = False, ""
+        self.ended_at, self.age_at_end = 0.0, None
+        env = {**os.environ, **spec.rank_env(local_rank), ENV_FILE: self.heartbeat}
+        self.proc = subprocess.Popen(
+            spec.argv, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+        self.inbox = inbox
+
+    def watch(self) -> None:
+        """Thread: report this rank's exit to the agent's inbox the moment it happens."""
+        self.proc.wait()
+        self.ended_at = time.time()
+        if self.age_at_end is None:
+            self.age_at_end = self.heartbeat_age()
+        self.inbox.put(("exited", self))
+
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the last beat; None if it has never beaten."""
+        try:
+            mtime = os.stat(self.heartbeat).st_mtime
+        except OSError:
+            return None
+        return None if mtime == 0 else max(0.0, time.time() - mtime)
+
+    def silent_for(self) -> float:
+        """Seconds without a sign of life: since the last beat, or since start if none yet."""
+        age = self.heartbeat_age()
+        return time.time() - self.started if age is None else age
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        try:
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        if self.running():
+            self.age_at_end = self.heartbeat_age()
+            self.ended_by_agent = True
+            self.signal(signal.SIGKILL, group=True)
+
+    def outcome(self) -> RankOutcome:
+        return RankOutcome(self.rank, self.host, self.proc.returncode, self.age_at_end,
+                           self.ended_by_agent, self.ended_at, self.reason)  # fmt: skip
+
+
+def _read_commands(stdin: BinaryIO, inbox: queue.Queue) -> None:
+    for line in iter(stdin.readline, b""):
+        inbox.put(("command", line.strip().decode()))
+    inbox.put(("command", "eof"))
+
+
+class Agent:
+    def __init__(self, spec: AgentSpec, stdin: BinaryIO, out: Output, err: Output) -> None:
+        self.spec, self.out = spec, out
+        self.inbox: queue.Queue = queue.Queue()
+        self.beats = tempfile.mkdtemp(prefix="dsnd-agent-")
+        self.ranks = [Rank(spec, i, self.beats, self.inbox) for i in range(len(spec.ranks))]
+        self.ending: str | None = None  # None, "term" or "kill"
+        self.threads = [threading.Thread(target=_read_commands, args=(stdin, self.inbox),
+                                         daemon=True)]  # fmt: skip
+        for r in self.ranks:
+            self.threads += [
+                threading.Thread(target=r.watch, daemon=True),
+                threading.Thread(target=_pump, args=(r.proc.stdout, out), daemon=True),
+                threading.Thread(target=_pump, args=(r.proc.stderr, err), daemon=True),
+            ]
+        for t in self.threads:
+            t.start()
+        self.out.write(event_line("started", host=spec.host,
+                                  pids={r.rank: r.proc.pid for r in self.ranks}))  # fmt: skip
+
+    def _fail(self, rank: Rank, what: str) -> None:
+        """The first failure on this host: report it and end the other ranks now."""
+        if self.ending == "kill":
+            return
+        self.out.write(event_line("failed", rank=rank.rank, host=self.spec.host, what=what))
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        self.ending = "kill"
+        for r in self.ranks:
+            r.kill()
+
+    def _on_command(self, word: str) -> None:
+        if word == "term" and self.ending is None:
+            self.ending = "term"
+            for r in self.ranks:
+                r.signal(signal.SIGTERM)
+        elif word in ("kill", "eof"):
+            self._kill_all()
+
+    def _check_heartbeats(self) -> None:
+        for r in self.ranks:
+            if r.running() and r.silent_for() > self.spec.hang_timeout_s:
+                stopped = process_state(r.proc.pid) == "T"
+                r.reason = (
+                    f"stopped responding: no heartbeat for {r.silent_for():.0f} s "
+                    f"(dist.timeout_s={self.spec.hang_timeout_s:g})"
+                    + ("; the process is stopped (SIGSTOP)" if stopped else "")
+                )
+                self._fail(r, r.reason)
+                return
+
+    def run(self) -> int:
+        ended: set[int] = set()
+        while len(ended) < len(self.ranks):
+            try:
+                kind, item = self.inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                kind, item = None, None
+            if kind == "command":
+                self._on_command(item)
+            elif kind == "exited":
+                ended.add(item.rank)
+                if item.proc.returncode != 0 and not item.ended_by_agent:
+                    self._fail(item, describe_exit(item.proc.returncode))
+            if self.ending != "kill":
+                self._check_heartbeats()
+        for r in self.ranks:  # whatever a rank left behind in its session goes too
+            r.signal(signal.SIGKILL, group=True)
+        for t in self.threads[1:]:
+            t.join(timeout=5)
+        shutil.rmtree(self.beats, ignore_errors=True)
+        outcomes = [dataclasses.asdict(r.outcome()) for r in self.ranks]
+        self.out.write(event_line("exit", host=self.spec.host, outcomes=outcomes))
+        return 0 if all(r.proc.returncode == 0 for r in self.ranks) else 1
+
+
+def main() -> int:
+    stdin = sys.stdin.buffer
+    spec = AgentSpec.from_line(stdin.readline())
+    # the launcher's Ctrl-C reaches us only as `term`/`kill`; a hangup (ssh gone) is end of stdin
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # handled as a command below
+    agent = Agent(spec, stdin, Output(sys.stdout.buffer), Output(sys.stderr.buffer))
+    signal.signal(signal.SIGTERM, lambda *_: agent.inbox.put(("command", "term")))
+    return agent.run()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not sys.exit: the thread blocked reading stdin would abort the shutdown

@@ -1,0 +1,115 @@
+"""What the launcher and a host's agent say to each other, as pure data.
+
+The launcher writes one JSON line (the `AgentSpec`) to the agent's stdin, then single words:
+`term` (SIGTERM every rank: save at the next step and exit) or `kill` (SIGKILL every rank now).
+The agent writes its ranks' output lines to stdout unchanged, and its events as lines starting
+with EVENT_PREFIX. The spec travels over stdin rather than the command line, so variable values
+never pass through a remote shell (quotes, `$`, newlines arrive byte for byte) and never show in
+`ps`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import asdict, dataclass, field
+
+EVENT_PREFIX = b"@@dsnd-agent "
+HUNG_AFTER_S = 5.0
+"""A rank whose heartbeat is this old when the job ends was frozen: a live rank beats every 1 s."""
+
+
+@dataclass
+class AgentSpec:
+    """Everything one host's agent needs to start and watch its ranks."""
+
+    host: str
+    ranks: list[int]  # global ranks on this host; local rank = position in this list
+    world_size: int
+    master_addr: str
+    master_port: int
+    argv: list[str]  # the program every rank runs
+    cwd: str
+    env: dict[str, str] = field(default_factory=dict)  # added to the agent's own environment
+    hang_timeout_s: float = 300.0  # a heartbeat older than this ends the job
+
+    def to_line(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def from_line(cls, line: bytes) -> AgentSpec:
+        return cls(**json.loads(line))
+
+    def rank_env(self, local_rank: int) -> dict[str, str]:
+        """The variables torchrun / DeepSpeed's launch.py set for a rank, plus the spec's."""
+        return {
+            **self.env,
+            "RANK": str(self.ranks[local_rank]),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(len(self.ranks)),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def event_line(kind: str, **data) -> bytes:
+    return EVENT_PREFIX + json.dumps({"event": kind, **data}).encode() + b"\n"
+
+
+def parse_event(line: bytes) -> dict | None:
+    """The event in an agent's output line, or None for a rank's own output."""
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    return json.loads(line[len(EVENT_PREFIX) :])
+
+
+@dataclass
+class RankOutcome:
+    """How one rank ended, as its agent saw it."""
+
+    rank: int
+    host: str
+    code: int | None  # exit code; negative = killed by that signal; None = never started
+    heartbeat_age_s: float | None  # age of its last heartbeat when it ended; None = never beat
+    ended_by_agent: bool  # the agent killed it because the job was ending
+    ended_at: float = 0.0  # wall-clock time it ended (the hosts' clocks are assumed in sync)
+    reason: str = ""  # the agent's own finding (hung, ...)
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not start"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def diagnose(outcomes: list[RankOutcome]) -> str | None:
+    """One line naming the rank that brought the job down, or None when every rank succeeded.
+
+    A frozen rank (stale heartbeat) is the cause even when a peer's collective timed out first.
+    Otherwise a rank killed by a signal it did not get from its agent (SIGKILL, SIGSEGV, the OOM
+    killer) comes before ranks that exited with an error, since a peer's death makes the others'
+    collectives fail a few milliseconds later; among equals, the earliest.
+    """
+    if all(o.code == 0 for o in outcomes):
+        return None
+    frozen = [
+        o for o in outcomes
+        if o.reason or (o.ended_by_agent and (o.heartbeat_age_s or 0.0) >= HUNG_AFTER_S)
+    ]  # fmt: skip
+    if frozen:
+        o = max(frozen, key=lambda o: (bool(o.reason), o.heartbeat_age_s or 0.0))
+        what = o.reason or f"stopped responding (no heartbeat for {o.heartbeat_age_s:.0f} s)"
+        return f"rank {o.rank} on host {o.host} {what}"
+    failed = [o for o in outcomes if o.code != 0 and not o.ended_by_agent]
+    failed.sort(key=lambda o: ((o.code or 0) >= 0, o.ended_at, o.rank))
+    if failed:
+        o = failed[0]
+        return f"rank {o.rank} on host {o.host} {describe_exit(o.code)}"
+    o = next(o for o in outcomes if o.code != 0)
+    return f"rank {o.rank} on host {o.host} {describe_exit(o.code)}"

@@ -1,0 +1,135 @@
+"""The launcher's side of a dsnd job: one agent per host, their output, their fate as one.
+
+Each host's agent runs as a child of this process (locally, or as `ssh HOST ...`), in its own
+session so that a Ctrl-C in the terminal reaches only this process, and set to die with it. This
+process relays the agents' output, and:
+- on the first rank failure any agent reports, tells every agent to `kill` (the failing host's
+  agent has already ended its own ranks), so the whole job ends within seconds;
+- on SIGTERM, or a first Ctrl-C, tells every agent to `term`: all ranks agree on a step, save
+  and exit 0; a second Ctrl-C means `kill`;
+- an agent that vanishes (ssh dropped, host down) counts as a failure of that host;
+- agents that do not finish within KILL_GRACE_S of `kill` are killed with their ssh client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import BinaryIO
+
+from dsnd.launch.agent import die_with_parent
+from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, parse_event
+
+KILL_GRACE_S = 15.0
+
+
+@dataclasses.dataclass
+class AgentLaunch:
+    host: str
+    argv: list[str]  # starts `python -m dsnd.launch.agent` on the host
+    spec: AgentSpec
+
+
+@dataclasses.dataclass
+class JobResult:
+    outcomes: list[RankOutcome]
+    failure: str | None  # one line naming the cause; None when every rank exited 0
+    stop_signal: str | None  # the signal that asked the job to stop, if any
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+class _Agent:
+    def __init__(self, launch: AgentLaunch, inbox: queue.Queue, out: BinaryIO) -> None:
+        self.host, self.inbox, self.out = launch.host, inbox, out
+        self.proc = subprocess.Popen(
+            launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+        self.reported = False
+        self.send(launch.spec.to_line())
+
+    def send(self, data: bytes) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it is gone; its end is reported by `relay`
+
+    def relay(self) -> None:
+        """Thread: events to the inbox, everything else to our stdout; then the agent's end."""
+        assert self.proc.stdout is not None
+        for line in iter(self.proc.stdout.readline, b""):
+            event = parse_event(line)
+            if event is None:
+                self.out.write(line)
+                self.out.flush()
+            else:
+                self.inbox.put(("event", self, event))
+        self.inbox.put(("ended", self, self.proc.wait()))
+
+
+def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobResult:
+    """Run a job to its end; returns how every rank ended. Installs SIGINT/SIGTERM handlers for
+    the duration (main thread only)."""
+    out = out or sys.stdout.buffer
+    inbox: queue.Queue = queue.Queue()
+    agents = [_Agent(launch, inbox, out) for launch in launches]
+    for agent in agents:
+        threading.Thread(target=agent.relay, daemon=True).start()
+    stop_signal: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        inbox.put(("signal", None, signal.Signals(signum).name))
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    outcomes: list[RankOutcome] = []
+    lost: list[str] = []
+    alive = set(agents)
+    kill_deadline: float | None = None
+
+    def broadcast(word: str) -> None:
+        nonlocal kill_deadline
+        if word == "kill" and kill_deadline is None:
+            kill_deadline = time.monotonic() + KILL_GRACE_S
+        for agent in alive:
+            agent.send(word.encode() + b"\n")
+
+    try:
+        while alive:
+            try:
+                kind, agent, item = inbox.get(timeout=0.5)
+            except queue.Empty:
+                kind, agent, item = None, None, None
+            if kind == "signal":
+                again = bool(stop_signal)
+                stop_signal.append(item)
+                broadcast("kill" if again and item == "SIGINT" else "term")
+            elif kind == "event" and item["event"] == "failed":
+                broadcast("kill")
+            elif kind == "event" and item["event"] == "exit":
+                agent.reported = True
+                outcomes += [RankOutcome(**o) for o in item["outcomes"]]
+            elif kind == "ended":
+                alive.discard(agent)
+                if not agent.reported:
+                    lost.append(f"the agent on host {agent.host} ended without a report "
+                                f"(exit code {item}; unreachable or killed?)")  # fmt: skip
+                    broadcast("kill")
+            if kill_deadline is not None and time.monotonic() > kill_deadline:
+                for a in alive:
+                    a.proc.kill()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    outcomes.sort(key=lambda o: o.rank)
+    failure = diagnose(outcomes) or (lost[0] if lost else None)
+    return JobResult(outcomes, failure, stop_signal[0] if stop_signal else None)
