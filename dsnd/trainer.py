@@ -196,8 +196,9 @@ def train(
             if stopping:
                 row["stopped"] = True
                 if is_writer:
+                    why = (stop and stop.signal_name) or "another rank"
                     log.warning("stopped at step %d on request (%s); relaunch to resume",
-                                step + 1, (stop and stop.signal_name) or "another rank")  # fmt: skip
+                                step + 1, why)  # fmt: skip
                 break
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             export_hf(engine.module, run.checkpoint.export_hf, res.dims, groups.data)

@@ -13,8 +13,8 @@ from dsnd.config.resolve import resolve
 from dsnd.dist.init import init_world, shutdown, world_info
 from dsnd.heartbeat import start_heartbeat
 from dsnd.pipeline.stage import check_stages
-from dsnd.stop_request import StopRequest
 from dsnd.progress import rank_prefix, use_console_prefix
+from dsnd.stop_request import StopRequest
 
 
 def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None]) -> int:
