@@ -69,7 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     where = launch.add_mutually_exclusive_group(required=True)
     where.add_argument("--nprocs", type=int, help="ranks on this machine (deepspeed --num_gpus)")
     where.add_argument("--hostfile", help="DeepSpeed hostfile: 'HOST slots=N' per line")
-    launch.add_argument("--launcher", choices=("pdsh", "openmpi", "mpich"), default="pdsh")
+    launch.add_argument(
+        "--launcher",
+        choices=("dsnd", "pdsh", "openmpi", "mpich"),
+        default="dsnd",
+        help="dsnd (default): a dsnd agent per host (ssh) supervises its ranks; pdsh: deepspeed "
+        "--hostfile; openmpi, mpich: mpirun",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="relaunch a failed job up to N times from its last committed checkpoint",
+    )
     launch.add_argument("--include", help="DeepSpeed resource filter, e.g. host1@host2:0,1")
     launch.add_argument("--exclude", help="DeepSpeed resource filter")
     launch.add_argument("--master-addr", help="rendezvous address (default: the first host)")

@@ -1,34 +1,49 @@
-"""``dsnd launch``: check everything in this process, then start every rank.
+"""``dsnd launch``: check everything in this process, then start every rank, and see it through.
 
 The whole config (YAML, DeepSpeed JSON, batch math, layout) is resolved for the launch's world
 size before any rank starts, so a bad input costs one line and exit code 2, not a hung job.
+
+With the default launcher (`dsnd`) every host runs a dsnd agent (`dsnd.launch.agent`, over ssh
+for remote hosts) that starts and watches its ranks; this process supervises the agents
+(`dsnd.launch.supervisor`). Before that, `preflight` asks every host for its versions, the
+rendezvous port and the checkpoint directory. `--max-restarts N` relaunches a failed job from its
+last committed checkpoint. The `pdsh`, `openmpi` and `mpich` launchers hand the job to
+`deepspeed --hostfile` or `mpirun` instead (restarts still apply; failure detection and the
+coordinated SIGTERM save are theirs, weaker: see README "Faults").
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import uuid
+from collections.abc import Callable
 
-from dsnd.checkpoint.resume import choose_resume
+from dsnd.checkpoint.resume import checkpoint_root, choose_resume
 from dsnd.config.load import load
-from dsnd.config.resolve import resolve
+from dsnd.config.resolve import Resolved, resolve
 from dsnd.errors import UserError
-from dsnd.launch import commands
+from dsnd.launch import commands, preflight
+from dsnd.launch.environment import describe, passed_env
 from dsnd.launch.hostfile import (
     deepspeed_env_paths,
     parse_hostfile,
     read_deepspeed_env,
     select_slots,
 )
+from dsnd.launch.protocol import AgentSpec
 from dsnd.launch.rank_table import format_rank_table, rank_rows
+from dsnd.launch.supervisor import AgentLaunch, JobResult, supervise
 from dsnd.pipeline.stage import check_stages
 
 LOCALHOST = "127.0.0.1"
+PREFLIGHT_TIMEOUT_S = 60
 
 
 def _tool(name: str) -> str:
@@ -39,8 +54,9 @@ def _tool(name: str) -> str:
 
 
 def _only_this_machine(slots: dict[str, list[int]]) -> bool:
-    """DeepSpeed runs a single selected host with its local launcher, even a remote one; dsnd
-    forces the multi-node path unless that host really is this machine."""
+    """A single selected host that is this machine runs without ssh (DeepSpeed does the same;
+    for pdsh dsnd forces the multi-node path otherwise, as DeepSpeed would run even a remote
+    single host locally)."""
     return len(slots) == 1 and next(iter(slots)) in ("localhost", LOCALHOST)
 
 
@@ -51,72 +67,216 @@ def _train_args(config: str | None, sets: list[str]) -> list[str]:
     return args
 
 
-def plan(args: argparse.Namespace) -> tuple[list[str], dict[str, list[int]], dict[str, str]]:
-    """(argv, host -> slots, extra environment) for this launch; pure apart from file reads."""
-    env_file = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
-    extra_env = read_deepspeed_env(
-        deepspeed_env_paths(os.path.expanduser("~"), os.getcwd(), env_file)
-    )
-    train_args = _train_args(args.config, args.sets)
+def _slots(args: argparse.Namespace) -> dict[str, list[int]]:
     if args.nprocs is not None:
         if args.nprocs < 1:
             raise UserError(f"--nprocs must be >= 1, got {args.nprocs}")
         if args.include or args.exclude:
             raise UserError("--include/--exclude need --hostfile")
-        slots = {"localhost": list(range(args.nprocs))}
-        addr = args.master_addr or LOCALHOST
-        argv = commands.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
-        return [_tool("deepspeed"), *argv[1:]], slots, extra_env
+        return {"localhost": list(range(args.nprocs))}
     hostfile = os.path.abspath(args.hostfile)
-    slots = select_slots(parse_hostfile(hostfile), args.include, args.exclude)
-    addr = args.master_addr or next(iter(slots))
+    return select_slots(parse_hostfile(hostfile), args.include, args.exclude)
+
+
+def _master_addr(args: argparse.Namespace, slots: dict[str, list[int]]) -> str:
+    if args.master_addr:
+        return args.master_addr
+    first = next(iter(slots))
+    return LOCALHOST if first == "localhost" else first
+
+
+def external_argv(
+    args: argparse.Namespace, slots: dict[str, list[int]], env: dict[str, str], sets: list[str]
+) -> list[str]:
+    """`deepspeed` or `mpirun` argv for the pdsh / openmpi / mpich launchers."""
+    train_args = _train_args(args.config, sets)
+    addr = _master_addr(args, slots)
+    if args.nprocs is not None:
+        argv = commands.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
+        return [_tool("deepspeed"), *argv[1:]]
     if args.launcher == "pdsh":
         argv = commands.deepspeed_hostfile_argv(
-            hostfile, "pdsh", addr, args.master_port, args.include, args.exclude, train_args,
-            force_multi=not _only_this_machine(slots),
+            os.path.abspath(args.hostfile), "pdsh", addr, args.master_port, args.include,
+            args.exclude, train_args, force_multi=not _only_this_machine(slots),
         )  # fmt: skip
-        return [_tool("deepspeed"), *argv[1:]], slots, extra_env
+        return [_tool("deepspeed"), *argv[1:]]
     argv = commands.mpirun_argv(
-        args.launcher, slots, addr, args.master_port, extra_env, sys.executable, train_args,
+        args.launcher, slots, addr, args.master_port, env, sys.executable, train_args,
         as_root=os.geteuid() == 0,
     )  # fmt: skip
-    return [_tool("mpirun"), *argv[1:]], slots, extra_env
+    return [_tool("mpirun"), *argv[1:]]
 
 
-def run_launch(args: argparse.Namespace) -> int:
-    argv, slots, extra_env = plan(args)
+def agent_launches(
+    args: argparse.Namespace,
+    slots: dict[str, list[int]],
+    res: Resolved,
+    env: dict[str, str],
+    sets: list[str],
+) -> list[AgentLaunch]:
+    """One dsnd agent per host: where it runs and what it starts (ranks in placement order)."""
+    program = [sys.executable, "-u", "-m", "dsnd", "train", *_train_args(args.config, sets)]
     world = sum(len(s) for s in slots.values())
-    res = resolve(load(args.config, args.sets), world)
-    check_stages(res)
-    rows = rank_rows(res.topology, commands.placement(slots))
-    if args.dry_run:
-        if args.json:
-            print(json.dumps({"command": argv, "world_size": world, "ranks": rows}, indent=2))
-        else:
-            print(shlex.join(argv))
-            print(format_rank_table(rows))
-        return 0
-    # a checkpoint given by path must verify before any rank starts (exit 2 naming the file);
-    # with auto, a corrupt one is skipped now (warned) and again by every rank
-    choose_resume(res.run)
-    return _run(argv, {**os.environ, **extra_env})
+    launches, first = [], 0
+    for host, host_slots in slots.items():
+        ranks = list(range(first, first + len(host_slots)))
+        first += len(host_slots)
+        spec = AgentSpec(host, ranks, world, _master_addr(args, slots), args.master_port, program,
+                         os.getcwd(), env, res.run.dist.timeout_s)  # fmt: skip
+        launches.append(AgentLaunch(host, _module_argv(slots, host, "dsnd.launch.agent"), spec))
+    return launches
 
 
-def _run(argv: list[str], env: dict[str, str]) -> int:
-    """Run the launcher; Ctrl-C and SIGTERM are passed on to it, its exit code is ours."""
+def _module_argv(slots: dict[str, list[int]], host: str, module: str) -> list[str]:
+    remote = None if _only_this_machine(slots) else host
+    return commands.python_module_argv(remote, sys.executable, module, os.getcwd(),
+                                       os.environ.get("PYTHONPATH"))  # fmt: skip
+
+
+def _ask(argv: list[str], request: dict) -> dict | str:
+    """A preflight report from one host, or the reason there is none."""
+    try:
+        proc = subprocess.run(argv, input=json.dumps(request) + "\n", capture_output=True,
+                              text=True, timeout=PREFLIGHT_TIMEOUT_S)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"no answer within {PREFLIGHT_TIMEOUT_S} s"
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        said = (proc.stderr.strip().splitlines() or [""])[-1]
+        return f"{shlex.join(argv[:4])} ... exited with code {proc.returncode}: {said}".rstrip()
+
+
+def run_preflight(
+    launches: list[AgentLaunch], slots: dict[str, list[int]], res: Resolved
+) -> list[str]:
+    """Every host's report, checked; the marker file in the checkpoint directory is removed."""
+    root = os.path.abspath(checkpoint_root(res.run))
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        return [f"checkpoint directory {root}: cannot create it ({e.strerror})"]
+    marker, nonce = preflight.MARKER_PREFIX + uuid.uuid4().hex[:12], uuid.uuid4().hex
+    path = os.path.join(root, marker)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(nonce)
+    base = {"port": launches[0].spec.master_port, "dir": root, "marker": marker, "nonce": nonce}
+    requests = {a.host: {**base, "addr": a.spec.master_addr if i == 0 else None}
+                for i, a in enumerate(launches)}  # fmt: skip
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(launches))) as pool:
+            futures = {}
+            for a in launches:
+                if _only_this_machine(slots):
+                    futures[a.host] = pool.submit(preflight.probe, requests[a.host])
+                else:
+                    argv = _module_argv(slots, a.host, "dsnd.launch.preflight")
+                    futures[a.host] = pool.submit(_ask, argv, requests[a.host])
+            reports = {host: f.result() for host, f in futures.items()}
+    finally:
+        os.remove(path)
+    return preflight.problems(reports, preflight.versions(),
+                              {**base, "addr": launches[0].spec.master_addr})  # fmt: skip
+
+
+def _run(argv: list[str], env: dict[str, str], forwarded: list[str]) -> int:
+    """Run an external launcher; Ctrl-C and SIGTERM are passed on to it (and their names added
+    to `forwarded`); its exit code is returned."""
     proc = subprocess.Popen(argv, env=env)
 
     def forward(signum, _frame):
+        forwarded.append(signal.Signals(signum).name)
         proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        rc = proc.wait()
+        return proc.wait()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    if rc != 0:
-        print(f"dsnd: launch failed: {os.path.basename(argv[0])} exited with code {rc}",
-              file=sys.stderr)  # fmt: skip
-        return 1
-    return 0
+
+
+def _supervise(launches: list[AgentLaunch]) -> JobResult:
+    return supervise(launches)
+
+
+def with_restarts(attempt: Callable[[list[str]], tuple[str | None, bool]], sets: list[str],
+                  max_restarts: int) -> int:  # fmt: skip
+    """Run `attempt(sets)` -> (failure line or None, stopped on request) until it succeeds, was
+    stopped on request, or `max_restarts` relaunches have failed too. A relaunch resumes from
+    the newest committed checkpoint (`checkpoint.resume=auto`)."""
+    for i in range(max_restarts + 1):
+        failure, stopped = attempt(sets if i == 0 else [*sets, "checkpoint.resume=auto"])
+        if failure is None:
+            return 0
+        if stopped or i == max_restarts:
+            break
+        print(f"dsnd: attempt {i + 1} of {max_restarts + 1} failed: {failure}; restarting from "
+              "the last committed checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+    print(f"dsnd: job failed: {failure}", file=sys.stderr, flush=True)
+    return 1
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    env_file = read_deepspeed_env(deepspeed_env_paths(
+        os.path.expanduser("~"), os.getcwd(), os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+    ))  # fmt: skip
+    slots = _slots(args)
+    world = sum(len(s) for s in slots.values())
+    res = resolve(load(args.config, args.sets), world)
+    check_stages(res)
+    rows = rank_rows(res.topology, commands.placement(slots))
+    if args.launcher != "dsnd":
+        return _launch_external(args, slots, env_file, rows, res)
+    env = passed_env(dict(os.environ), res.run.launch.env, env_file)
+    launches = agent_launches(args, slots, res, env, args.sets)
+    if args.dry_run:
+        plan = [{"host": a.host, "ranks": a.spec.ranks, "command": a.argv} for a in launches]
+        if args.json:
+            print(json.dumps({"command": launches[0].spec.argv, "agents": plan,
+                              "world_size": world, "ranks": rows}, indent=2))  # fmt: skip
+        else:
+            print(shlex.join(launches[0].spec.argv))
+            for a in plan:
+                print(f"agent on {a['host']}: {shlex.join(a['command'])}")
+            print(format_rank_table(rows))
+        return 0
+    problems = run_preflight(launches, slots, res)
+    if problems:
+        for line in problems:
+            print(f"dsnd: error: preflight: {line}", file=sys.stderr)
+        return 2
+    # a checkpoint given by path must verify before any rank starts (exit 2 naming the file);
+    # with auto, a corrupt one is skipped now (warned) and again by every rank
+    choose_resume(res.run)
+    if env:
+        print(f"dsnd: {describe(env)}", flush=True)
+
+    def attempt(sets: list[str]) -> tuple[str | None, bool]:
+        result = _supervise(agent_launches(args, slots, res, env, sets))
+        return result.failure, result.stop_signal is not None
+
+    return with_restarts(attempt, args.sets, args.max_restarts)
+
+
+def _launch_external(args, slots, env_file, rows, res) -> int:
+    argv = external_argv(args, slots, env_file, args.sets)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps({"command": argv, "world_size": len(rows), "ranks": rows}, indent=2))
+        else:
+            print(shlex.join(argv))
+            print(format_rank_table(rows))
+        return 0
+    choose_resume(res.run)
+    forwarded: list[str] = []
+
+    def attempt(sets: list[str]) -> tuple[str | None, bool]:
+        argv = external_argv(args, slots, env_file, sets)
+        rc = _run(argv, {**os.environ, **env_file}, forwarded)
+        return (None if rc == 0 else f"{os.path.basename(argv[0])} exited with code {rc}",
+                bool(forwarded))  # fmt: skip
+
+    return with_restarts(attempt, args.sets, args.max_restarts)

@@ -46,8 +46,9 @@ def render() -> str:
             meaning = f.metadata["doc"]
             if key in schema.CHOICES:
                 meaning += " One of: " + ", ".join(schema.CHOICES[key]) + "."
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             lines.append(f"| `{key}` | {_type_name(section_hints[f.name])} | "
-                         f"`{_value(f.default)}` | {meaning} |")  # fmt: skip
+                         f"`{_value(default)}` | {meaning} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,11 @@ def scale_lr(ds: dict[str, Any], factor: float) -> None:
             sched_params[key] = value * factor
 
 
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT")  # fmt: skip
+"""Set per rank by every launcher; never copied from the launching environment."""
+
+
 def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     """Check composition rules and derive the DeepSpeed dict for `world_size` ranks."""
     run = loaded.run
@@ -114,6 +120,11 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         raise UserError(f"dist.timeout_s must be a finite number > 0, got {run.dist.timeout_s}")
     if run.data.max_bytes < 1:
         raise UserError(f"data.max_bytes must be >= 1, got {run.data.max_bytes}")
+    for name in run.launch.env:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise UserError(f"launch.env: {name!r} is not a variable name")
+        if name in RANK_VARIABLES:
+            raise UserError(f"launch.env: {name} is set for each rank by the launcher")
 
     ds = copy.deepcopy(loaded.ds)
     batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), topology.dp, loaded.ds_path)

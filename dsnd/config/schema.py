@@ -136,8 +136,22 @@ class LogConfig:
 
 @dataclass
 class DistConfig:
-    timeout_s: float = doc("Collective timeout in seconds: a dead peer ends the job.", 300.0)
+    timeout_s: float = doc(
+        "Collective timeout in seconds: a dead peer ends the job. Under `dsnd launch` it is also "
+        "how long a rank may go without a heartbeat (stopped, frozen) before the job is ended.",
+        300.0,
+    )
     backend: str = doc("auto (gloo on CPU, nccl on CUDA), gloo or nccl.", "auto")
+
+
+@dataclass
+class LaunchConfig:
+    env: list = field(default_factory=list, metadata={"doc": (
+        "Names of variables that `dsnd launch` copies from its own environment to every rank on "
+        "every host, byte for byte (with .deepspeed_env's KEY=VALUE lines). Values never enter "
+        "the config, logs or checkpoints; those of names containing KEY, TOKEN, SECRET or "
+        "PASSWORD are masked wherever dsnd prints them."
+    )})  # fmt: skip
 
 
 @dataclass
@@ -155,6 +169,9 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"doc": "Held-out evaluation."})
     log: LogConfig = field(default_factory=LogConfig, metadata={"doc": "Logging."})
     dist: DistConfig = field(default_factory=DistConfig, metadata={"doc": "Process groups."})
+    launch: LaunchConfig = field(
+        default_factory=LaunchConfig, metadata={"doc": "What `dsnd launch` passes to the ranks."}
+    )
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -8,6 +8,8 @@ dsnd's CLI strips. Through mpirun, dsnd starts the ranks itself and the rank ord
 
 from __future__ import annotations
 
+import shlex
+
 from dsnd.errors import UserError
 
 # Set from the explicit arguments; an env file cannot override them (as in DeepSpeed, whose
@@ -112,3 +114,22 @@ def mpirun_argv(
             argv += ["-genv", key, value]
         return argv + program
     raise ValueError(f"unknown MPI flavor {flavor!r}; expected 'openmpi' or 'mpich'")
+
+
+SSH = ["ssh", "-o", "BatchMode=yes"]  # never wait for a password prompt
+
+
+def python_module_argv(
+    host: str | None, python: str, module: str, cwd: str, pythonpath: str | None
+) -> list[str]:
+    """Run `python -m module` in `cwd`: here when `host` is None, else over ssh on `host`.
+
+    The remote command is the only shell text dsnd sends; every part of it is quoted. The same
+    interpreter path and working directory are assumed on every host (a shared environment), as
+    DeepSpeed's runner assumes. PYTHONPATH goes along so the agent imports the same dsnd.
+    """
+    program = [python, "-u", "-m", module]
+    if host is None:
+        return program
+    prefix = ["env", f"PYTHONPATH={pythonpath}"] if pythonpath else []
+    return [*SSH, host, f"cd {shlex.quote(cwd)} && exec {shlex.join(prefix + program)}"]

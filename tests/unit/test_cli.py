@@ -15,6 +15,7 @@ import pytest
 
 from dsnd import cli
 from dsnd.commands import launch as launch_cmd
+from dsnd.launch.supervisor import JobResult
 from dsnd.config.load import default_config_path
 
 HEADER = ["rank", "host", "local_rank", "pp", "dp", "tp"]
@@ -26,11 +27,16 @@ def launches(monkeypatch, tmp_path):
     """Record would-be launches instead of starting them; isolate cwd, HOME and the accelerator."""
     started: list[tuple[list[str], dict[str, str]]] = []
 
-    def fake_run(argv, env):
+    def fake_run(argv, env, forwarded):
         started.append((argv, env))
         return 0
 
+    def fake_supervise(launches):
+        started.append(([a.argv for a in launches], [a.spec for a in launches]))
+        return JobResult([], None, None)
+
     monkeypatch.setattr(launch_cmd, "_run", fake_run)
+    monkeypatch.setattr(launch_cmd, "_supervise", fake_supervise)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     home = tmp_path / "home"
     home.mkdir()
@@ -49,10 +55,12 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def table(text: str) -> tuple[str, list[dict]]:
-    """(command line, rows) from a dry run's stdout; every row cell but host as int."""
+    """(command line, rows) from a dry run's stdout; every row cell but host as int.
+    The dsnd launcher prints an `agent on HOST: ...` line per host between the two."""
     lines = text.rstrip("\n").split("\n")
-    command, header, body = lines[0], lines[1].split(), lines[2:]
-    assert header == HEADER
+    at = next(i for i, line in enumerate(lines) if line.split() == HEADER)
+    command, body = lines[0], lines[at + 1 :]
+    assert all(line.startswith("agent on ") for line in lines[1:at])
     rows = []
     for line in body:
         cells = line.split()
@@ -85,7 +93,7 @@ def hostfile(tmp_path, text: str, name: str = "hosts") -> str:
 def test_acceptance_dry_run_pp2_tp2_on_4(capsys, launches):
     rc, out, err = run(
         capsys, "launch", "--nprocs", "4", "--dry-run", "--set", "parallel.pp=2",
-        "--set", "parallel.tp=2",
+        "--set", "parallel.tp=2", "--launcher", "pdsh",
     )  # fmt: skip
     assert (rc, err) == (0, "")
     command, rows = table(out)
@@ -124,6 +132,7 @@ def test_dry_run_json(capsys):
     rc, out, err = run(
         capsys, "launch", "--nprocs", "4", "--dry-run", "--json", "--set", "parallel.pp=2",
         "--set", "parallel.tp=2", "--master-port", "1234", "--master-addr", "10.1.2.3",
+        "--launcher", "pdsh",
     )  # fmt: skip
     assert (rc, err) == (0, "")
     plan = json.loads(out)
@@ -150,7 +159,8 @@ def test_dry_run_passes_an_absolute_config_path(capsys, tmp_path):
 
 def test_hostfile_dry_run_master_addr_is_the_first_host(capsys, tmp_path):
     hf = hostfile(tmp_path, "# two nodes\nnode-b slots=2\nnode-a slots=2  # second\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--dry-run", "--set", "parallel.tp=2")
+    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--dry-run", "--set", "parallel.tp=2",
+                       "--launcher", "pdsh")  # fmt: skip
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert rows == expected_rows([("node-b", 2), ("node-a", 2)], pp=1, dp=2, tp=2)
@@ -163,7 +173,8 @@ def test_hostfile_dry_run_master_addr_is_the_first_host(capsys, tmp_path):
 
 def test_hostfile_include(capsys, tmp_path):
     hf = hostfile(tmp_path, "h1 slots=2\nh2 slots=4\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--include", "h2:1,3", "--dry-run")
+    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--include", "h2:1,3", "--dry-run",
+                       "--launcher", "pdsh")  # fmt: skip
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert rows == expected_rows([("h2", 2)], pp=1, dp=2, tp=1)
@@ -174,7 +185,8 @@ def test_hostfile_include(capsys, tmp_path):
 
 def test_hostfile_exclude(capsys, tmp_path):
     hf = hostfile(tmp_path, "h1 slots=2\nh2 slots=4\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--exclude", "h2:2,3", "--dry-run")
+    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--exclude", "h2:2,3", "--dry-run",
+                       "--launcher", "pdsh")  # fmt: skip
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert rows == expected_rows([("h1", 2), ("h2", 2)], pp=1, dp=4, tp=1)
@@ -219,7 +231,8 @@ def test_hostfile_mpi_dry_run(capsys, tmp_path, flavor):
 
 def test_launch_without_dry_run_starts_the_launcher_once(capsys, launches, tmp_path):
     (tmp_path / "work" / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\n")
-    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--set", "train.steps=3")
+    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--set", "train.steps=3",
+                       "--launcher", "pdsh")  # fmt: skip
     assert (rc, out, err) == (0, "", "")
     assert len(launches) == 1
     argv, env = launches[0]
@@ -412,7 +425,8 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "unknown launcher": (
             ["launch", "--hostfile", hf["ok"], "--launcher", "srun", D],
-            "argument --launcher: invalid choice: 'srun' (choose from pdsh, openmpi, mpich) "
+            "argument --launcher: invalid choice: 'srun' (choose from dsnd, pdsh, openmpi, "
+            "mpich) "
             "(see 'dsnd launch --help')",
         ),
         "unknown command": (

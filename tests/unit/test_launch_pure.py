@@ -1,0 +1,143 @@
+"""Pure parts of dsnd's own launcher: failure diagnosis, secrets, passed environment, preflight
+verdicts, remote command lines, restarts."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from dsnd.commands.launch import with_restarts
+from dsnd.errors import UserError
+from dsnd.launch.commands import python_module_argv
+from dsnd.launch.environment import describe, passed_env
+from dsnd.launch.preflight import problems
+from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, event_line, parse_event
+from dsnd.secrets import MASK, is_secret, mask_config, mask_env
+
+
+def outcome(rank, code, age=0.5, by_agent=False, at=0.0, reason="", host="h"):
+    return RankOutcome(rank, host, code, age, by_agent, at, reason)
+
+
+def test_diagnose_all_ok_is_none():
+    assert diagnose([outcome(0, 0), outcome(1, 0)]) is None
+
+
+def test_diagnose_names_the_killed_rank_before_peers_that_errored_earlier_or_later():
+    # rank 1 SIGKILLed; rank 0's collective failed right after (exit 1); rank 2 ended by its agent
+    got = diagnose([outcome(0, 1, at=10.02), outcome(1, -9, at=10.00, host="b"),
+                    outcome(2, -9, by_agent=True, at=10.5)])  # fmt: skip
+    assert got == "rank 1 on host b was killed by SIGKILL"
+    # a signal death wins even when the exit-1 peer was recorded first
+    got = diagnose([outcome(0, 1, at=9.0), outcome(3, -11, at=9.5)])
+    assert got == "rank 3 on host h was killed by SIGSEGV"
+
+
+def test_diagnose_earliest_error_exit():
+    got = diagnose([outcome(0, 1, at=5.0), outcome(1, 2, at=4.0), outcome(2, 0)])
+    assert got == "rank 1 on host h exited with code 2"
+
+
+def test_diagnose_frozen_rank_beats_the_peer_whose_collective_timed_out():
+    got = diagnose([outcome(0, 1, at=30.0), outcome(1, -9, age=29.6, by_agent=True, host="b"),
+                    outcome(2, -9, age=0.4, by_agent=True)])  # fmt: skip
+    assert got == "rank 1 on host b stopped responding (no heartbeat for 30 s)"
+    found = outcome(1, -9, age=31.0, by_agent=True, reason="stopped responding: no heartbeat")
+    assert diagnose([outcome(0, -9, by_agent=True), found]) == (
+        "rank 1 on host h stopped responding: no heartbeat"
+    )
+    # a rank that never beat (still starting) is not called frozen
+    assert diagnose([outcome(0, 1, at=1.0), outcome(1, -9, age=None, by_agent=True)]) == (
+        "rank 0 on host h exited with code 1"
+    )
+
+
+def test_spec_and_events_round_trip():
+    spec = AgentSpec("h", [2, 3], 4, "127.0.0.1", 29500, ["python", "-c", "x"], "/w",
+                     {"A": "it's \"$HOME\"\n{\"json\": [1]}"}, 12.5)  # fmt: skip
+    assert AgentSpec.from_line(spec.to_line()) == spec
+    env = spec.rank_env(1)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+        "3", "1", "4", "2",
+    )  # fmt: skip
+    assert env["A"] == spec.env["A"]
+    assert parse_event(event_line("failed", rank=3)) == {"event": "failed", "rank": 3}
+    assert parse_event(b"[r0] step 1 loss 5.6\n") is None
+
+
+def test_secrets_are_matched_by_name_and_masked():
+    for name in ("HF_TOKEN", "WANDB_API_KEY", "aws_secret_access_key", "DB_PASSWORD", "api_key"):
+        assert is_secret(name), name
+    for name in ("OMP_NUM_THREADS", "PATH", "num_kv_heads"):
+        assert not is_secret(name), name
+    assert is_secret("tokenizer_dir")  # substring match: over-masking is the accepted cost
+    assert mask_env({"HF_TOKEN": "hf_abc", "X": "1"}) == {"HF_TOKEN": MASK, "X": "1"}
+    cfg = {"comet": {"api_key": "abc", "enabled": True}, "steps": [1, {"password": 5}]}
+    assert mask_config(cfg) == {"comet": {"api_key": MASK, "enabled": True},
+                                "steps": [1, {"password": MASK}]}  # fmt: skip
+    assert cfg["comet"]["api_key"] == "abc"  # a copy
+
+
+def test_passed_env_prefixes_names_and_env_file():
+    environ = {"PYTHONPATH": "/p", "NCCL_DEBUG": "INFO", "HOME": "/root", "HF_TOKEN": "hf_x",
+               "RANK": "7", "DSND_FAULT": "1"}  # fmt: skip
+    got = passed_env(environ, ["HF_TOKEN"], {"OMP_NUM_THREADS": "1", "MASTER_PORT": "1"})
+    assert got == {"DSND_FAULT": "1", "HF_TOKEN": "hf_x", "NCCL_DEBUG": "INFO",
+                   "OMP_NUM_THREADS": "1", "PYTHONPATH": "/p"}  # fmt: skip
+    line = describe(got)
+    assert "hf_x" not in line and f"HF_TOKEN={MASK}" in line and 'PYTHONPATH="/p"' in line
+    with pytest.raises(UserError, match="launch.env: MISSING not set"):
+        passed_env(environ, ["MISSING"], {})
+
+
+def test_remote_module_command_is_quoted_and_local_is_plain():
+    assert python_module_argv(None, "/v/py", "m", "/w", None) == ["/v/py", "-u", "-m", "m"]
+    argv = python_module_argv("h2", "/v/py", "m", "/my dir/$x", "/a b:/c")
+    assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "h2"]
+    assert shlex.split(argv[4]) == ["cd", "/my dir/$x", "&&", "exec", "env", "PYTHONPATH=/a b:/c",
+                                    "/v/py", "-u", "-m", "m"]  # fmt: skip
+
+
+def test_preflight_problems_one_line_each():
+    want = {"dsnd": "0.1.0", "deepspeed": "0.19.8", "torch": "2.13.0"}
+    request = {"addr": "127.0.0.1", "port": 29500, "dir": "/ck"}
+    ok = {"versions": want, "port_free": True, "dir_problem": None}
+    assert problems({"a": ok, "b": {**ok, "port_free": None}}, want, request) == []
+    bad = {
+        "a": {**ok, "port_free": False},
+        "b": {"versions": {**want, "torch": "2.12.0"}, "dir_problem": "is not writable (x)"},
+        "c": "ssh exited with code 255: Connection refused",
+    }
+    assert problems(bad, want, request) == [
+        "host a: rendezvous port 127.0.0.1:29500 is in use (pick another with --master-port)",
+        "host b: torch 2.12.0, but the launcher has 2.13.0",
+        "host b: checkpoint directory /ck is not writable (x)",
+        "host c: unreachable: ssh exited with code 255: Connection refused",
+    ]
+
+
+def test_with_restarts(capsys):
+    calls = []
+
+    def flaky(fail_times):
+        def attempt(sets):
+            calls.append(sets)
+            return ("rank 1 on host h was killed by SIGKILL" if len(calls) <= fail_times
+                    else None, False)  # fmt: skip
+        return attempt
+
+    assert with_restarts(flaky(1), ["a=1"], 1) == 0
+    assert calls == [["a=1"], ["a=1", "checkpoint.resume=auto"]]
+    assert "attempt 1 of 2 failed: rank 1 on host h was killed by SIGKILL; restarting" in (
+        capsys.readouterr().err
+    )
+    calls.clear()
+    assert with_restarts(flaky(5), [], 2) == 1
+    assert len(calls) == 3
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "dsnd: job failed: rank 1 on host h was killed by SIGKILL"
+    )
+    calls.clear()
+    assert with_restarts(lambda s: (calls.append(s) or "stopped late", True), [], 3) == 1
+    assert len(calls) == 1  # a job stopped on request is not restarted
