@@ -1,0 +1,140 @@
+"""dsnd's agents and supervisor with real processes on this machine (two local "hosts", each an
+agent process), ranks being stand-ins that beat like `dsnd train` (agent_rank.py): a failing,
+killed, stopped or orphan-making rank ends the whole job quickly and is named; SIGTERM reaches
+every rank; the launcher going away takes every rank with it; variables arrive byte for byte."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dsnd.launch.protocol import AgentSpec
+from dsnd.launch.supervisor import AgentLaunch, supervise
+from tests.procs import ROOT
+
+RANK_PROGRAM = os.path.join(ROOT, "tests", "integration", "agent_rank.py")
+AGENT = [sys.executable, "-m", "dsnd.launch.agent"]
+
+
+@pytest.fixture(autouse=True)
+def importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # the agents import this checkout
+
+
+def launches(out_dir, hosts, actions=(), hang_s=60.0, env=None):
+    world = sum(len(r) for r in hosts)
+    program = [sys.executable, RANK_PROGRAM, str(out_dir), *actions]
+    env = {"PYTHONPATH": ROOT, **(env or {})}
+    return [AgentLaunch(f"host{i}", AGENT, AgentSpec(f"host{i}", ranks, world, "127.0.0.1", 1,
+                                                     program, ROOT, env, hang_s))
+            for i, ranks in enumerate(hosts)]  # fmt: skip
+
+
+def record(out_dir, rank, timeout=30.0) -> dict:
+    path = os.path.join(out_dir, f"rank_{rank}.json")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) or os.path.getsize(path) == 0:
+        assert time.monotonic() < deadline, f"rank {rank} never started"
+        time.sleep(0.05)
+    with open(path) as f:
+        return json.load(f)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def after_start(out_dir, ranks, act):
+    """In a thread: once every rank in `ranks` has started, call act(records)."""
+
+    def run():
+        act({r: record(out_dir, r) for r in ranks})
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_failing_rank_ends_every_rank_on_every_host(tmp_path):
+    t0 = time.monotonic()
+    result = supervise(launches(tmp_path, [[0, 1], [2]], ["1=exit3"]), out=io.BytesIO())
+    assert result.failure == "rank 1 on host host0 exited with code 3"
+    codes = {o.rank: (o.code, o.ended_by_agent) for o in result.outcomes}
+    assert codes == {0: (-9, True), 1: (3, False), 2: (-9, True)}
+    assert time.monotonic() - t0 < 20
+    assert not any(alive(record(tmp_path, r)["pid"]) for r in range(3))
+
+
+def test_sigkill_of_a_rank_is_named_and_grandchildren_go_too(tmp_path):
+    ranks = [0, 1, 2]
+    seen = {}
+
+    def kill(records):
+        seen.update(records)
+        time.sleep(1.5)  # a few heartbeats
+        os.kill(records[2]["pid"], signal.SIGKILL)
+
+    after_start(tmp_path, ranks, kill)
+    result = supervise(launches(tmp_path, [[0], [1, 2]], ["0=child"]), out=io.BytesIO())
+    assert result.failure == "rank 2 on host host1 was killed by SIGKILL"
+    assert not alive(seen[0]["child"])  # the rank's own child: no orphan
+    assert not any(alive(seen[r]["pid"]) for r in ranks)
+
+
+def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path):
+    stopped_at = []
+
+    def stop(records):
+        time.sleep(1.5)
+        os.kill(records[1]["pid"], signal.SIGSTOP)
+        stopped_at.append(time.monotonic())
+
+    after_start(tmp_path, [0, 1], stop)
+    result = supervise(launches(tmp_path, [[0], [1]], hang_s=3.0), out=io.BytesIO())
+    took = time.monotonic() - stopped_at[0]
+    assert result.failure.startswith("rank 1 on host host1 stopped responding: no heartbeat for")
+    assert result.failure.endswith("(dist.timeout_s=3); the process is stopped (SIGSTOP)")
+    assert 3.0 - 1.0 <= took < 3.0 + 5, took  # counted from the last beat (1 s period)
+    assert not any(alive(record(tmp_path, r)["pid"]) for r in (0, 1))
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
+    after_start(tmp_path, [0, 1, 2], lambda _: os.kill(os.getpid(), signal.SIGTERM))
+    result = supervise(launches(tmp_path, [[0, 1], [2]]), out=io.BytesIO())
+    assert (result.failure, result.stop_signal) == (None, "SIGTERM")
+    assert all(os.path.exists(tmp_path / f"rank_{r}.term") for r in range(3))
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+
+
+def test_the_launcher_going_away_ends_the_ranks(tmp_path):
+    (launch,) = launches(tmp_path, [[0, 1]])
+    agent = subprocess.Popen(AGENT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    agent.stdin.write(launch.spec.to_line())
+    agent.stdin.flush()
+    pids = [record(tmp_path, r)["pid"] for r in (0, 1)]
+    agent.stdin.close()  # what a closed ssh connection looks like to the agent
+    assert agent.wait(timeout=20) == 1
+    assert not any(alive(p) for p in pids)
+
+
+def test_variables_arrive_byte_for_byte(tmp_path):
+    value = "it's \"$HOME\" `x` \\n\n{\"json\": [1, 2]}\t$(echo no) ünï"
+    env = {"DUMP_ENV": "TRICKY,HF_TOKEN", "TRICKY": value, "HF_TOKEN": "hf_secret"}
+    after_start(tmp_path, [0, 1], lambda _: os.kill(os.getpid(), signal.SIGTERM))
+    out = io.BytesIO()
+    result = supervise(launches(tmp_path, [[0], [1]], env=env), out=out)
+    assert result.failure is None
+    for r in (0, 1):
+        assert record(tmp_path, r)["env"] == {"TRICKY": value, "HF_TOKEN": "hf_secret"}
