@@ -15,8 +15,8 @@ import pytest
 
 from dsnd import cli
 from dsnd.commands import launch as launch_cmd
-from dsnd.launch.supervisor import JobResult
 from dsnd.config.load import default_config_path
+from dsnd.launch.supervisor import JobResult
 
 HEADER = ["rank", "host", "local_rank", "pp", "dp", "tp"]
 PACKAGED_DS = os.path.join(os.path.dirname(default_config_path()), "zero0.json")

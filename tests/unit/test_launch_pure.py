@@ -125,6 +125,7 @@ def test_with_restarts(capsys):
             calls.append(sets)
             return ("rank 1 on host h was killed by SIGKILL" if len(calls) <= fail_times
                     else None, False)  # fmt: skip
+
         return attempt
 
     assert with_restarts(flaky(1), ["a=1"], 1) == 0
