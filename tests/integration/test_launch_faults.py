@@ -1,0 +1,190 @@
+"""Faults through real `dsnd launch` runs across the loopback cluster (tests/cluster.py): two
+"hosts" (127.0.0.1, 127.0.0.2) reached over a real sshd, one rank each (pp=2), llama-tiny.
+
+- reference: 12 uninterrupted steps, checkpoints every 3; a secret passed through `launch.env`
+  is masked in the launcher's output and appears in no file of the run;
+- SIGKILL of rank 1 at step 7 with --max-restarts 1: the job restarts from step 6 and finishes;
+  steps 7..12 equal the reference bit for bit; the failure line names rank 1 and its host;
+- SIGTERM to the launcher: every rank stops at the same step, a checkpoint is saved there, exit
+  0; a relaunch resumes and steps after it equal the reference bit for bit;
+- SIGSTOP of rank 1: the job ends within dist.timeout_s + 10 s naming rank 1; no process left;
+- preflight: an unreachable host and a busy rendezvous port are refused before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.cluster import environ_of, processes_with_env
+from tests.procs import ROOT, free_port, rank_env
+
+STEPS = 12
+TIMEOUT = 400
+SECRET = "hf_do_not_leak_0123456789"
+PASSED = '["OMP_NUM_THREADS","MKL_NUM_THREADS","DS_ACCELERATOR","HF_TOKEN"]'
+
+
+class Launch:
+    """`dsnd launch --hostfile` across the cluster, in its own run directory."""
+
+    def __init__(self, cluster, tmp_path, name: str, *extra: str, steps: int = STEPS):
+        self.tag = uuid.uuid4().hex
+        self.log_dir = tmp_path / name
+        self.root = self.log_dir / "checkpoints"
+        hostfile = cluster.hostfile(str(tmp_path / "hosts"), slots=1)
+        self.argv = [sys.executable, "-m", "dsnd", "launch", "--hostfile", hostfile,
+                     "--master-port", str(free_port()), "--set", "parallel.pp=2",
+                     "--set", f"train.steps={steps}", "--set", "checkpoint.every=3",
+                     "--set", f"log.dir={self.log_dir}", "--set", "log.tensorboard=false",
+                     "--set", f"launch.env={PASSED}", *extra]  # fmt: skip
+        self.env = rank_env({**cluster.env, "DSND_TEST_RUN": self.tag, "HF_TOKEN": SECRET})
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Launch:
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+        return self
+
+    def finish(self, timeout: float = TIMEOUT) -> tuple[int, str, str]:
+        assert self.proc is not None
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def run(self) -> tuple[int, str, str]:
+        return self.start().finish()
+
+    def rows(self) -> list[dict]:
+        try:
+            with open(self.log_dir / "metrics.jsonl") as f:
+                return [json.loads(line) for line in f]
+        except FileNotFoundError:
+            return []
+
+    def wait_for(self, ready, what: str, timeout: float = TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.proc.poll() is None, f"launch ended before {what}: {self.finish()}"
+            assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+            time.sleep(0.2)
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the `dsnd train` process of `rank` (wherever its agent started it)."""
+        for pid in processes_with_env("DSND_TEST_RUN", self.tag):
+            if environ_of(pid).get("RANK") == str(rank):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"dsnd\0train" in f.read():
+                        return pid
+        raise AssertionError(f"rank {rank} is not running")
+
+    def leftovers(self) -> list[int]:
+        return processes_with_env("DSND_TEST_RUN", self.tag)
+
+
+def same_steps(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", "lr"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    run = Launch(cluster, tmp_path_factory.mktemp("faults"), "reference")
+    rc, out, err = run.run()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    return run, out + err
+
+
+def test_reference_run_across_two_hosts_masks_its_secret(reference):
+    run, output = reference
+    rows = run.rows()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert "HF_TOKEN=****" in output and SECRET not in output
+    assert sorted(os.listdir(run.root)) == ["latest", *(f"step_{s:08d}" for s in (3, 6, 9, 12))]
+    for folder, _, files in os.walk(run.log_dir):  # logs, configs, checkpoints
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                assert SECRET.encode() not in f.read(), os.path.join(folder, name)
+    assert run.leftovers() == []
+
+
+def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster, tmp_path):
+    run = Launch(cluster, tmp_path, "killed", "--max-restarts", "1").start()
+    latest = run.root / "latest"
+    run.wait_for(lambda: latest.exists() and latest.read_text() == "step_00000006\n",
+                 "the step-6 checkpoint")  # fmt: skip
+    os.kill(run.rank_pid(1), signal.SIGKILL)
+    rc, out, err = run.finish()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert ("dsnd: attempt 1 of 2 failed: rank 1 on host 127.0.0.2 was killed by SIGKILL; "
+            "restarting from the last committed checkpoint") in err  # fmt: skip
+    assert f"resumed from {run.root}/step_00000006 at step 6" in out + err
+    rows = run.rows()
+    after = rows[[r["step"] for r in rows].index(6) + 1 :]
+    same_steps(after, reference[0].rows()[6:])
+    assert run.leftovers() == []
+
+
+def test_sigterm_saves_the_current_step_and_resume_continues_exactly(reference, cluster,
+                                                                     tmp_path):  # fmt: skip
+    run = Launch(cluster, tmp_path, "preempted").start()
+    run.wait_for(lambda: len(run.rows()) >= 4, "step 4")
+    run.proc.send_signal(signal.SIGTERM)
+    rc, out, err = run.finish()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    stopped = run.rows()[-1]["step"]
+    assert 4 <= stopped < STEPS
+    assert f"stopped at step {stopped} on request (SIGTERM)" in out + err
+    assert (run.root / "latest").read_text() == f"step_{stopped:08d}\n"
+    assert run.leftovers() == []
+    rc, out, err = run.run()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert f"resumed from {run.root}/step_{stopped:08d} at step {stopped}" in out + err
+    same_steps(run.rows()[stopped:], reference[0].rows()[stopped:])
+
+
+def test_sigstop_ends_the_job_within_the_timeout_naming_the_rank(cluster, tmp_path):
+    timeout_s = 20
+    run = Launch(cluster, tmp_path, "stopped", "--set", f"dist.timeout_s={timeout_s}").start()
+    run.wait_for(lambda: len(run.rows()) >= 2, "step 2")
+    os.kill(run.rank_pid(1), signal.SIGSTOP)
+    t0 = time.monotonic()
+    rc, out, err = run.finish()
+    took = time.monotonic() - t0
+    assert rc == 1, out[-3000:] + err[-3000:]
+    assert took < timeout_s + 10, took
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dsnd: job failed: rank 1 on host 127.0.0.2 stopped responding"), err
+    assert run.leftovers() == []
+
+
+def test_preflight_refuses_an_unreachable_host_and_a_busy_port(cluster, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=1\n127.0.0.3 slots=1\n")  # no sshd on 127.0.0.3
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "dsnd", "launch", "--hostfile", str(hostfile),
+             "--master-port", str(port), "--set", "parallel.pp=2",
+             "--set", f"log.dir={tmp_path / 'run'}"],
+            cwd=ROOT, env=rank_env(cluster.env), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == (f"dsnd: error: preflight: host 127.0.0.1: rendezvous port "
+                        f"127.0.0.1:{port} is in use (pick another with --master-port)")  # fmt: skip
+    assert lines[1].startswith("dsnd: error: preflight: host 127.0.0.3: unreachable: ")
+    assert len(lines) == 2
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []  # the marker file is gone
