@@ -130,7 +130,7 @@ def test_the_launcher_going_away_ends_the_ranks(tmp_path):
 
 
 def test_variables_arrive_byte_for_byte(tmp_path):
-    value = "it's \"$HOME\" `x` \\n\n{\"json\": [1, 2]}\t$(echo no) ünï"
+    value = 'it\'s "$HOME" `x` \\n\n{"json": [1, 2]}\t$(echo no) ünï'
     env = {"DUMP_ENV": "TRICKY,HF_TOKEN", "TRICKY": value, "HF_TOKEN": "hf_secret"}
     after_start(tmp_path, [0, 1], lambda _: os.kill(os.getpid(), signal.SIGTERM))
     out = io.BytesIO()

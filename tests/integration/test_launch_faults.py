@@ -182,8 +182,10 @@ def test_preflight_refuses_an_unreachable_host_and_a_busy_port(cluster, tmp_path
         )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert lines[0] == (f"dsnd: error: preflight: host 127.0.0.1: rendezvous port "
-                        f"127.0.0.1:{port} is in use (pick another with --master-port)")  # fmt: skip
+    assert lines[0] == (
+        f"dsnd: error: preflight: host 127.0.0.1: rendezvous port 127.0.0.1:{port} is in use "
+        "(pick another with --master-port)"
+    )
     assert lines[1].startswith("dsnd: error: preflight: host 127.0.0.3: unreachable: ")
     assert len(lines) == 2
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
