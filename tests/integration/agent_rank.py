@@ -5,7 +5,7 @@
 Every rank writes OUT_DIR/rank_N.json (its pid and the variables named in DUMP_ENV, comma
 separated) and then, by its action: `sleep` (default: until SIGTERM, which writes
 OUT_DIR/rank_N.term and exits 0), `exit3` (exit code 3 after 1 s), `child` (start a grandchild
-`sleep 600`, record its pid, then sleep).
+`sleep 600`, record its pid, then sleep), `stubborn` (SIGTERM only writes rank_N.term).
 """
 
 import json
@@ -27,7 +27,8 @@ record = {"pid": os.getpid(), "env": {n: os.environ.get(n) for n in names}}
 
 def on_term(*_):
     open(os.path.join(out, f"rank_{rank}.term"), "w").close()
-    sys.exit(0)
+    if action != "stubborn":
+        sys.exit(0)
 
 
 signal.signal(signal.SIGTERM, on_term)

@@ -16,6 +16,9 @@ import time
 
 import pytest
 
+from dsnd.launch.commands import python_module_argv
+from dsnd.launch.environment import passed_env
+from dsnd.launch.hostfile import read_deepspeed_env
 from dsnd.launch.protocol import AgentSpec
 from dsnd.launch.supervisor import AgentLaunch, supervise
 from tests.procs import ROOT
@@ -118,6 +121,25 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
 
 
+def test_ctrl_c_asks_once_then_kills(tmp_path):
+    def twice(_):
+        os.kill(os.getpid(), signal.SIGINT)  # first: SIGTERM to every rank (save and exit)
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(tmp_path / f"rank_{r}.term") for r in (0, 1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # second: now
+
+    after_start(tmp_path, [0, 1], twice)
+    t0 = time.monotonic()
+    result = supervise(launches(tmp_path, [[0], [1]], ["0=stubborn", "1=stubborn"]),
+                       out=io.BytesIO())  # fmt: skip
+    assert result.stop_signal == "SIGINT"
+    assert {(o.code, o.ended_by_agent) for o in result.outcomes} == {(-9, True)}
+    assert time.monotonic() - t0 < 20
+    assert not any(alive(record(tmp_path, r)["pid"]) for r in (0, 1))
+
+
 def test_the_launcher_going_away_ends_the_ranks(tmp_path):
     (launch,) = launches(tmp_path, [[0, 1]])
     agent = subprocess.Popen(AGENT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
@@ -138,3 +160,24 @@ def test_variables_arrive_byte_for_byte(tmp_path):
     assert result.failure is None
     for r in (0, 1):
         assert record(tmp_path, r)["env"] == {"TRICKY": value, "HF_TOKEN": "hf_secret"}
+
+
+def test_variables_reach_remote_hosts_byte_for_byte(cluster, tmp_path, monkeypatch):
+    """Over ssh to both loopback hosts, with the environment `dsnd launch` builds: a launch.env
+    variable with shell-hostile bytes and a .deepspeed_env line."""
+    value = 'a\'b "$HOME" `id` $(id) ;|& \\ \n\n{"k": ["v"]}\t✓'
+    env_file = tmp_path / ".deepspeed_env"
+    env_file.write_text('FROM_FILE={"json": "$x y"}\n')
+    monkeypatch.setenv("TRICKY", value)
+    env = passed_env(dict(os.environ), ["TRICKY"], read_deepspeed_env([str(env_file)]))
+    env["DUMP_ENV"] = "TRICKY,FROM_FILE"
+    specs = launches(tmp_path, [[0], [1]], env=env)
+    for launch, host in zip(specs, cluster.hosts, strict=True):
+        launch.host = launch.spec.host = host
+        launch.argv = python_module_argv(host, sys.executable, "dsnd.launch.agent", ROOT, ROOT)
+    monkeypatch.setenv("PATH", cluster.env["PATH"])
+    after_start(tmp_path, [0, 1], lambda _: os.kill(os.getpid(), signal.SIGTERM))
+    result = supervise(specs, out=io.BytesIO())
+    assert result.failure is None
+    for r in (0, 1):
+        assert record(tmp_path, r)["env"] == {"TRICKY": value, "FROM_FILE": '{"json": "$x y"}'}
