@@ -174,7 +174,10 @@ def test_variables_reach_remote_hosts_byte_for_byte(cluster, tmp_path, monkeypat
     specs = launches(tmp_path, [[0], [1]], env=env)
     for launch, host in zip(specs, cluster.hosts, strict=True):
         launch.host = launch.spec.host = host
-        launch.argv = python_module_argv(host, sys.executable, "dsnd.launch.agent", ROOT, ROOT)
+        launch.argv = [
+            *cluster.prefix,
+            *python_module_argv(host, sys.executable, "dsnd.launch.agent", ROOT, ROOT),
+        ]
     monkeypatch.setenv("PATH", cluster.env["PATH"])
     after_start(tmp_path, [0, 1], lambda _: os.kill(os.getpid(), signal.SIGTERM))
     result = supervise(specs, out=io.BytesIO())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,8 +40,9 @@ class Launch:
         self.log_dir = tmp_path / name
         self.root = self.log_dir / "checkpoints"
         hostfile = cluster.hostfile(str(tmp_path / "hosts"), slots=1)
-        self.argv = [sys.executable, "-m", "dsnd", "launch", "--hostfile", hostfile,
-                     "--master-port", str(free_port()), "--set", "parallel.pp=2",
+        self.argv = [*cluster.prefix, sys.executable, "-m", "dsnd", "launch",
+                     "--hostfile", hostfile, "--master-port", str(free_port()),
+                     "--set", "parallel.pp=2",
                      "--set", f"train.steps={steps}", "--set", "checkpoint.every=3",
                      "--set", f"log.dir={self.log_dir}", "--set", "log.tensorboard=false",
                      "--set", f"launch.env={PASSED}", *extra]  # fmt: skip
@@ -170,16 +170,24 @@ def test_sigstop_ends_the_job_within_the_timeout_naming_the_rank(cluster, tmp_pa
 def test_preflight_refuses_an_unreachable_host_and_a_busy_port(cluster, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1 slots=1\n127.0.0.3 slots=1\n")  # no sshd on 127.0.0.3
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    port = free_port()
+    listen = (
+        "import socket, sys, time; s = socket.socket(); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); print('up', flush=True); time.sleep(120)"
+    )
+    busy = subprocess.Popen([*cluster.prefix, sys.executable, "-c", listen],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert busy.stdout.readline() == "up\n"  # the port is taken where the hosts are
         proc = subprocess.run(
-            [sys.executable, "-m", "dsnd", "launch", "--hostfile", str(hostfile),
+            [*cluster.prefix, sys.executable, "-m", "dsnd", "launch", "--hostfile", str(hostfile),
              "--master-port", str(port), "--set", "parallel.pp=2",
              "--set", f"log.dir={tmp_path / 'run'}"],
             cwd=ROOT, env=rank_env(cluster.env), capture_output=True, text=True, timeout=120,
         )  # fmt: skip
+    finally:
+        busy.kill()
+        busy.wait()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines[0] == (
