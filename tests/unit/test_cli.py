@@ -472,3 +472,47 @@ def test_train_refuses_bad_config_before_any_process_group(capsys, monkeypatch):
         "dsnd: error: world size 1 is not divisible by parallel.pp * parallel.tp = 2 * 1 = 2\n"
     )
     assert not dist.is_initialized()
+
+
+# ---- dsnd's own launcher (agents) ----------------------------------------------------------------
+
+
+def test_dsnd_launcher_plans_one_agent_per_host_over_ssh(capsys, tmp_path):
+    hf = hostfile(tmp_path, "h1 slots=2\nh2 slots=2\n")
+    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--dry-run", "--json",
+                       "--master-port", "4321", "--set", "parallel.pp=2")  # fmt: skip
+    assert (rc, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["command"][1:] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2"]
+    assert [(a["host"], a["ranks"]) for a in plan["agents"]] == [("h1", [0, 1]), ("h2", [2, 3])]
+    for agent in plan["agents"]:
+        ssh = agent["command"]
+        assert ssh[:4] == ["ssh", "-o", "BatchMode=yes", agent["host"]]
+        assert ssh[4].startswith(f"cd {tmp_path / 'work'} && exec ")
+        assert ssh[4].endswith("-u -m dsnd.launch.agent")
+    assert plan["ranks"] == expected_rows([("h1", 2), ("h2", 2)], pp=2, dp=2, tp=1)
+
+
+def test_dsnd_launcher_passes_env_masks_secrets_and_checks_first(capsys, launches, tmp_path,
+                                                                 monkeypatch):  # fmt: skip
+    (tmp_path / "work" / ".deepspeed_env").write_text('NCCL_DEBUG=INFO\nJSON={"a": "$b"}\n')
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--set", "train.steps=3",
+                       "--set", 'launch.env=["HF_TOKEN"]', "--master-port", "0")  # fmt: skip
+    assert (rc, err) == (0, "")
+    assert "hf_secret_value" not in out and "HF_TOKEN=****" in out
+    assert 'JSON="{\\"a\\": \\"$b\\"}"' in out
+    ((argvs, specs),) = launches
+    assert argvs == [[sys.executable, "-u", "-m", "dsnd.launch.agent"]]  # this machine: no ssh
+    (spec,) = specs
+    assert (spec.ranks, spec.world_size, spec.master_addr) == ([0, 1], 2, "127.0.0.1")
+    assert spec.env["HF_TOKEN"] == "hf_secret_value" and spec.env["JSON"] == '{"a": "$b"}'
+    assert spec.env["NCCL_DEBUG"] == "INFO" and spec.hang_timeout_s == 300.0
+    # the preflight left nothing behind in the checkpoint directory it checked
+    assert os.listdir(tmp_path / "work" / "runs" / "dsnd" / "checkpoints") == []
+
+    monkeypatch.delenv("HF_TOKEN")
+    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--set", 'launch.env=["HF_TOKEN"]')
+    assert (rc, out) == (2, "")
+    assert err == "dsnd: error: launch.env: HF_TOKEN not set in the launching environment\n"
+    assert len(launches) == 1  # nothing more started
