@@ -11,14 +11,12 @@ from dsnd.checkpoint.resume import choose_resume
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.dist.init import init_world, shutdown, world_info
-from dsnd.heartbeat import start_heartbeat
 from dsnd.pipeline.stage import check_stages
 from dsnd.progress import rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
 
 
 def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None]) -> int:
-    start_heartbeat()
     # from here on SIGTERM / Ctrl-C mean "save at the next step boundary and exit 0"
     with StopRequest() as stop:
         return _run_train(config, sets, setup_logging, stop)

@@ -138,7 +138,7 @@ class LogConfig:
 class DistConfig:
     timeout_s: float = doc(
         "Collective timeout in seconds: a dead peer ends the job. Under `dsnd launch` it is also "
-        "how long a rank may go without a heartbeat (stopped, frozen) before the job is ended.",
+        "how long a rank may stay stopped (SIGSTOP, a debugger) before the job is ended.",
         300.0,
     )
     backend: str = doc("auto (gloo on CPU, nccl on CUDA), gloo or nccl.", "auto")

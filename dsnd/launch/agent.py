@@ -4,8 +4,8 @@
 - starts one process per rank, each in its own session (a signal to the group reaches the rank's
   children too) and set to die with the agent (PR_SET_PDEATHSIG), so no rank outlives it;
 - passes each rank's stdout and stderr through, line by line;
-- a rank that exits non-zero, or whose heartbeat file is older than `hang_timeout_s` (stopped,
-  frozen), ends every rank on this host at once and is reported as an event;
+- a rank that exits non-zero, or stays stopped (process state T: SIGSTOP, a debugger) longer
+  than `hang_timeout_s`, ends every rank on this host at once and is reported as an event;
 - `term` from the launcher sends SIGTERM to every rank (they save at the next step and exit 0);
   `kill`, or the launcher going away (end of stdin: its ssh connection closed), SIGKILLs them;
 - when every rank has ended, a last `exit` event lists how each one ended.
@@ -20,16 +20,13 @@ import ctypes
 import dataclasses
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import BinaryIO
 
-from dsnd.heartbeat import ENV_FILE
 from dsnd.launch.protocol import AgentSpec, RankOutcome, describe_exit, event_line
 
 _PR_SET_PDEATHSIG = 1
@@ -76,17 +73,19 @@ def _pump(source: BinaryIO, sink: Output) -> None:
 
 
 class Rank:
-    """One rank's process, its heartbeat file and how it ended."""
+    """One rank's process, how long it has been stopped, and how it ended.
 
-    def __init__(self, spec: AgentSpec, local_rank: int, beats: str, inbox: queue.Queue) -> None:
+    Liveness is read from outside, in /proc: a rank-side heartbeat thread was tried first, but
+    on these machines such a thread sometimes never woke from its one-second sleep (3 of 12
+    ranks, py-spy: idle in the sleep), which would end healthy jobs. A rank that is alive but
+    stuck ends through its peers' collective timeout (`dist.timeout_s`) instead."""
+
+    def __init__(self, spec: AgentSpec, local_rank: int, inbox: queue.Queue) -> None:
         self.rank, self.host = spec.ranks[local_rank], spec.host
-        self.heartbeat = os.path.join(beats, f"rank_{self.rank:05d}")
-        open(self.heartbeat, "wb").close()
-        os.utime(self.heartbeat, (0, 0))  # mtime 0 = has not beaten yet
-        self.started = time.time()
+        self.stopped_since: float | None = None  # monotonic time it was first seen stopped
         self.ended_by_agent, self.reason = False, ""
-        self.ended_at, self.age_at_end = 0.0, None
-        env = {**os.environ, **spec.rank_env(local_rank), ENV_FILE: self.heartbeat}
+        self.ended_at, self.stopped_at_end = 0.0, 0.0
+        env = {**os.environ, **spec.rank_env(local_rank)}
         self.proc = subprocess.Popen(
             spec.argv, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -98,22 +97,16 @@ class Rank:
         """Thread: report this rank's exit to the agent's inbox the moment it happens."""
         self.proc.wait()
         self.ended_at = time.time()
-        if self.age_at_end is None:
-            self.age_at_end = self.heartbeat_age()
         self.inbox.put(("exited", self))
 
-    def heartbeat_age(self) -> float | None:
-        """Seconds since the last beat; None if it has never beaten."""
-        try:
-            mtime = os.stat(self.heartbeat).st_mtime
-        except OSError:
-            return None
-        return None if mtime == 0 else max(0.0, time.time() - mtime)
-
-    def silent_for(self) -> float:
-        """Seconds without a sign of life: since the last beat, or since start if none yet."""
-        age = self.heartbeat_age()
-        return time.time() - self.started if age is None else age
+    def stopped_for(self) -> float:
+        """Seconds it has been stopped without a break, as seen at each call (every tick)."""
+        if process_state(self.proc.pid) not in ("T", "t"):
+            self.stopped_since = None
+            return 0.0
+        now = time.monotonic()
+        self.stopped_since = self.stopped_since or now
+        return now - self.stopped_since
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -129,13 +122,21 @@ class Rank:
 
     def kill(self) -> None:
         if self.running():
-            self.age_at_end = self.heartbeat_age()
+            self.stopped_at_end = self.stopped_for()
             self.ended_by_agent = True
             self.signal(signal.SIGKILL, group=True)
 
     def outcome(self) -> RankOutcome:
-        return RankOutcome(self.rank, self.host, self.proc.returncode, self.age_at_end,
+        return RankOutcome(self.rank, self.host, self.proc.returncode, self.stopped_at_end,
                            self.ended_by_agent, self.ended_at, self.reason)  # fmt: skip
+
+
+def tick(inbox: queue.Queue, item: tuple) -> None:
+    """Thread: put `item` every POLL_S, so that the owner can block in inbox.get() (no timed
+    lock waits: see `Rank`) and still look around regularly."""
+    while True:
+        time.sleep(POLL_S)
+        inbox.put(item)
 
 
 def _read_commands(stdin: BinaryIO, inbox: queue.Queue) -> None:
@@ -148,18 +149,16 @@ class Agent:
     def __init__(self, spec: AgentSpec, stdin: BinaryIO, out: Output, err: Output) -> None:
         self.spec, self.out = spec, out
         self.inbox: queue.Queue = queue.Queue()
-        self.beats = tempfile.mkdtemp(prefix="dsnd-agent-")
-        self.ranks = [Rank(spec, i, self.beats, self.inbox) for i in range(len(spec.ranks))]
+        self.ranks = [Rank(spec, i, self.inbox) for i in range(len(spec.ranks))]
         self.ending: str | None = None  # None, "term" or "kill"
-        self.threads = [threading.Thread(target=_read_commands, args=(stdin, self.inbox),
-                                         daemon=True)]  # fmt: skip
-        for r in self.ranks:
-            self.threads += [
-                threading.Thread(target=r.watch, daemon=True),
-                threading.Thread(target=_pump, args=(r.proc.stdout, out), daemon=True),
-                threading.Thread(target=_pump, args=(r.proc.stderr, err), daemon=True),
-            ]
-        for t in self.threads:
+        self.pumps = [threading.Thread(target=_pump, args=(pipe, sink), daemon=True)
+                      for r in self.ranks
+                      for pipe, sink in ((r.proc.stdout, out), (r.proc.stderr, err))]  # fmt: skip
+        others = [threading.Thread(target=r.watch, daemon=True) for r in self.ranks] + [
+            threading.Thread(target=_read_commands, args=(stdin, self.inbox), daemon=True),
+            threading.Thread(target=tick, args=(self.inbox, ("tick", None)), daemon=True),
+        ]
+        for t in self.pumps + others:
             t.start()
         self.out.write(event_line("started", host=spec.host,
                                   pids={r.rank: r.proc.pid for r in self.ranks}))  # fmt: skip
@@ -184,25 +183,18 @@ class Agent:
         elif word in ("kill", "eof"):
             self._kill_all()
 
-    def _check_heartbeats(self) -> None:
+    def _check_stopped(self) -> None:
         for r in self.ranks:
-            if r.running() and r.silent_for() > self.spec.hang_timeout_s:
-                stopped = process_state(r.proc.pid) == "T"
-                r.reason = (
-                    f"stopped responding: no heartbeat for {r.silent_for():.0f} s "
-                    f"(dist.timeout_s={self.spec.hang_timeout_s:g})"
-                    + ("; the process is stopped (SIGSTOP)" if stopped else "")
-                )
+            if r.running() and (stopped := r.stopped_for()) > self.spec.hang_timeout_s:
+                r.reason = (f"was stopped (SIGSTOP or a debugger) for {stopped:.0f} s "
+                            f"(dist.timeout_s={self.spec.hang_timeout_s:g})")  # fmt: skip
                 self._fail(r, r.reason)
                 return
 
     def run(self) -> int:
         ended: set[int] = set()
         while len(ended) < len(self.ranks):
-            try:
-                kind, item = self.inbox.get(timeout=POLL_S)
-            except queue.Empty:
-                kind, item = None, None
+            kind, item = self.inbox.get()  # a "tick" arrives every POLL_S
             if kind == "command":
                 self._on_command(item)
             elif kind == "exited":
@@ -210,12 +202,11 @@ class Agent:
                 if item.proc.returncode != 0 and not item.ended_by_agent:
                     self._fail(item, describe_exit(item.proc.returncode))
             if self.ending != "kill":
-                self._check_heartbeats()
+                self._check_stopped()
         for r in self.ranks:  # whatever a rank left behind in its session goes too
             r.signal(signal.SIGKILL, group=True)
-        for t in self.threads[1:]:
+        for t in self.pumps:  # the last lines of output (the rank's group is gone: pipes close)
             t.join(timeout=5)
-        shutil.rmtree(self.beats, ignore_errors=True)
         outcomes = [dataclasses.asdict(r.outcome()) for r in self.ranks]
         self.out.write(event_line("exit", host=self.spec.host, outcomes=outcomes))
         return 0 if all(r.proc.returncode == 0 for r in self.ranks) else 1

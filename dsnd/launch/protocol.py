@@ -15,8 +15,8 @@ import signal
 from dataclasses import asdict, dataclass, field
 
 EVENT_PREFIX = b"@@dsnd-agent "
-HUNG_AFTER_S = 5.0
-"""A rank whose heartbeat is this old when the job ends was frozen: a live rank beats every 1 s."""
+STOPPED_AFTER_S = 5.0
+"""A rank that had been stopped this long when the job ended was frozen, whatever failed first."""
 
 
 @dataclass
@@ -31,7 +31,7 @@ class AgentSpec:
     argv: list[str]  # the program every rank runs
     cwd: str
     env: dict[str, str] = field(default_factory=dict)  # added to the agent's own environment
-    hang_timeout_s: float = 300.0  # a heartbeat older than this ends the job
+    hang_timeout_s: float = 300.0  # a rank stopped for longer ends the job
 
     def to_line(self) -> bytes:
         return json.dumps(asdict(self)).encode() + b"\n"
@@ -71,7 +71,7 @@ class RankOutcome:
     rank: int
     host: str
     code: int | None  # exit code; negative = killed by that signal; None = never started
-    heartbeat_age_s: float | None  # age of its last heartbeat when it ended; None = never beat
+    stopped_s: float  # how long it had been stopped (process state T) when it ended
     ended_by_agent: bool  # the agent killed it because the job was ending
     ended_at: float = 0.0  # wall-clock time it ended (the hosts' clocks are assumed in sync)
     reason: str = ""  # the agent's own finding (hung, ...)
@@ -91,7 +91,7 @@ def describe_exit(code: int | None) -> str:
 def diagnose(outcomes: list[RankOutcome]) -> str | None:
     """One line naming the rank that brought the job down, or None when every rank succeeded.
 
-    A frozen rank (stale heartbeat) is the cause even when a peer's collective timed out first.
+    A frozen (stopped) rank is the cause even when a peer's collective timed out first.
     Otherwise a rank killed by a signal it did not get from its agent (SIGKILL, SIGSEGV, the OOM
     killer) comes before ranks that exited with an error, since a peer's death makes the others'
     collectives fail a few milliseconds later; among equals, the earliest.
@@ -100,11 +100,11 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
         return None
     frozen = [
         o for o in outcomes
-        if o.reason or (o.ended_by_agent and (o.heartbeat_age_s or 0.0) >= HUNG_AFTER_S)
+        if o.reason or (o.ended_by_agent and o.stopped_s >= STOPPED_AFTER_S)
     ]  # fmt: skip
     if frozen:
-        o = max(frozen, key=lambda o: (bool(o.reason), o.heartbeat_age_s or 0.0))
-        what = o.reason or f"stopped responding (no heartbeat for {o.heartbeat_age_s:.0f} s)"
+        o = max(frozen, key=lambda o: (bool(o.reason), o.stopped_s))
+        what = o.reason or f"was stopped (frozen for {o.stopped_s:.0f} s)"
         return f"rank {o.rank} on host {o.host} {what}"
     failed = [o for o in outcomes if o.code != 0 and not o.ended_by_agent]
     failed.sort(key=lambda o: ((o.code or 0) >= 0, o.ended_at, o.rank))

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import BinaryIO
 
-from dsnd.launch.agent import die_with_parent
+from dsnd.launch.agent import die_with_parent, tick
 from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, parse_event
 
 KILL_GRACE_S = 15.0
@@ -85,6 +85,7 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
     agents = [_Agent(launch, inbox, out) for launch in launches]
     for agent in agents:
         threading.Thread(target=agent.relay, daemon=True).start()
+    threading.Thread(target=tick, args=(inbox, ("tick", None, None)), daemon=True).start()
     stop_signal: list[str] = []
 
     def on_signal(signum, _frame) -> None:
@@ -105,10 +106,7 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
 
     try:
         while alive:
-            try:
-                kind, agent, item = inbox.get(timeout=0.5)
-            except queue.Empty:
-                kind, agent, item = None, None, None
+            kind, agent, item = inbox.get()  # a "tick" arrives every POLL_S
             if kind == "signal":
                 again = bool(stop_signal)
                 stop_signal.append(item)

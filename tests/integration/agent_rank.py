@@ -1,4 +1,4 @@
-"""A stand-in rank for agent tests: beats its heartbeat like `dsnd train`, then acts.
+"""A stand-in rank for agent tests.
 
     python agent_rank.py OUT_DIR [RANK=ACTION ...]
 
@@ -15,9 +15,6 @@ import subprocess
 import sys
 import time
 
-from dsnd.heartbeat import start_heartbeat
-
-start_heartbeat()
 out, rank = sys.argv[1], int(os.environ["RANK"])
 actions = dict(item.split("=") for item in sys.argv[2:])
 action = actions.get(str(rank), "sleep")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def test_sigkill_of_a_rank_is_named_and_grandchildren_go_too(tmp_path):
 
     def kill(records):
         seen.update(records)
-        time.sleep(1.5)  # a few heartbeats
+        time.sleep(1.5)
         os.kill(records[2]["pid"], signal.SIGKILL)
 
     after_start(tmp_path, ranks, kill)
@@ -96,7 +97,7 @@ def test_sigkill_of_a_rank_is_named_and_grandchildren_go_too(tmp_path):
     assert not any(alive(seen[r]["pid"]) for r in ranks)
 
 
-def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path):
+def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path):
     stopped_at = []
 
     def stop(records):
@@ -107,9 +108,9 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(tmp_path):
     after_start(tmp_path, [0, 1], stop)
     result = supervise(launches(tmp_path, [[0], [1]], hang_s=3.0), out=io.BytesIO())
     took = time.monotonic() - stopped_at[0]
-    assert result.failure.startswith("rank 1 on host host1 stopped responding: no heartbeat for")
-    assert result.failure.endswith("(dist.timeout_s=3); the process is stopped (SIGSTOP)")
-    assert 3.0 - 1.0 <= took < 3.0 + 5, took  # counted from the last beat (1 s period)
+    assert re.fullmatch(r"rank 1 on host host1 was stopped \(SIGSTOP or a debugger\) for \d s "
+                        r"\(dist\.timeout_s=3\)", result.failure)  # fmt: skip
+    assert 3.0 <= took < 3.0 + 5, took
     assert not any(alive(record(tmp_path, r)["pid"]) for r in (0, 1))
 
 
