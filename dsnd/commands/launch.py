@@ -39,7 +39,7 @@ from dsnd.launch.hostfile import (
 )
 from dsnd.launch.protocol import AgentSpec
 from dsnd.launch.rank_table import format_rank_table, rank_rows
-from dsnd.launch.supervisor import AgentLaunch, JobResult, supervise
+from dsnd.launch.supervisor import AgentLaunch, supervise
 from dsnd.pipeline.stage import check_stages
 
 LOCALHOST = "127.0.0.1"
@@ -196,10 +196,6 @@ def _run(argv: list[str], env: dict[str, str], forwarded: list[str]) -> int:
             signal.signal(s, handler)
 
 
-def _supervise(launches: list[AgentLaunch]) -> JobResult:
-    return supervise(launches)
-
-
 def with_restarts(attempt: Callable[[list[str]], tuple[str | None, bool]], sets: list[str],
                   max_restarts: int) -> int:  # fmt: skip
     """Run `attempt(sets)` -> (failure line or None, stopped on request) until it succeeds, was
@@ -215,6 +211,22 @@ def with_restarts(attempt: Callable[[list[str]], tuple[str | None, bool]], sets:
               "the last committed checkpoint", file=sys.stderr, flush=True)  # fmt: skip
     print(f"dsnd: job failed: {failure}", file=sys.stderr, flush=True)
     return 1
+
+
+def _print_plan(command: list[str], rows: list[dict], as_json: bool,
+                agents: list[dict] | None = None) -> int:  # fmt: skip
+    """--dry-run: the command every rank (or the launcher) runs, each dsnd agent's command, and
+    the rank table; as one JSON object with --json."""
+    if as_json:
+        plan = {"command": command, **({"agents": agents} if agents is not None else {}),
+                "world_size": len(rows), "ranks": rows}  # fmt: skip
+        print(json.dumps(plan, indent=2))
+        return 0
+    print(shlex.join(command))
+    for a in agents or []:
+        print(f"agent on {a['host']}: {shlex.join(a['command'])}")
+    print(format_rank_table(rows))
+    return 0
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -233,16 +245,8 @@ def run_launch(args: argparse.Namespace) -> int:
     env = passed_env(dict(os.environ), res.run.launch.env, env_file)
     launches = agent_launches(args, slots, res, env, args.sets)
     if args.dry_run:
-        plan = [{"host": a.host, "ranks": a.spec.ranks, "command": a.argv} for a in launches]
-        if args.json:
-            print(json.dumps({"command": launches[0].spec.argv, "agents": plan,
-                              "world_size": world, "ranks": rows}, indent=2))  # fmt: skip
-        else:
-            print(shlex.join(launches[0].spec.argv))
-            for a in plan:
-                print(f"agent on {a['host']}: {shlex.join(a['command'])}")
-            print(format_rank_table(rows))
-        return 0
+        agents = [{"host": a.host, "ranks": a.spec.ranks, "command": a.argv} for a in launches]
+        return _print_plan(launches[0].spec.argv, rows, args.json, agents)
     problems = run_preflight(launches, slots, res)
     if problems:
         for line in problems:
@@ -255,7 +259,7 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"dsnd: {describe(env)}", flush=True)
 
     def attempt(sets: list[str]) -> tuple[str | None, bool]:
-        result = _supervise(agent_launches(args, slots, res, env, sets))
+        result = supervise(agent_launches(args, slots, res, env, sets))
         return result.failure, result.stop_signal is not None
 
     return with_restarts(attempt, args.sets, args.max_restarts)
@@ -264,12 +268,7 @@ def run_launch(args: argparse.Namespace) -> int:
 def _launch_external(args, slots, env_file, rows, res) -> int:
     argv = external_argv(args, slots, env_file, args.sets)
     if args.dry_run:
-        if args.json:
-            print(json.dumps({"command": argv, "world_size": len(rows), "ranks": rows}, indent=2))
-        else:
-            print(shlex.join(argv))
-            print(format_rank_table(rows))
-        return 0
+        return _print_plan(argv, rows, args.json)
     choose_resume(res.run)
     forwarded: list[str] = []
 

@@ -131,10 +131,10 @@ class Rank:
                            self.ended_by_agent, self.ended_at, self.reason)  # fmt: skip
 
 
-def tick(inbox: queue.Queue, item: tuple) -> None:
-    """Thread: put `item` every POLL_S, so that the owner can block in inbox.get() (no timed
-    lock waits: see `Rank`) and still look around regularly."""
-    while True:
+def tick(inbox: queue.Queue, item: tuple, done: threading.Event | None = None) -> None:
+    """Thread: put `item` every POLL_S until `done` is set, so that the owner can block in
+    inbox.get() (no timed lock waits: see `Rank`) and still look around regularly."""
+    while done is None or not done.is_set():
         time.sleep(POLL_S)
         inbox.put(item)
 

@@ -41,10 +41,6 @@ class JobResult:
     failure: str | None  # one line naming the cause; None when every rank exited 0
     stop_signal: str | None  # the signal that asked the job to stop, if any
 
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
-
 
 class _Agent:
     def __init__(self, launch: AgentLaunch, inbox: queue.Queue, out: BinaryIO) -> None:
@@ -85,7 +81,8 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
     agents = [_Agent(launch, inbox, out) for launch in launches]
     for agent in agents:
         threading.Thread(target=agent.relay, daemon=True).start()
-    threading.Thread(target=tick, args=(inbox, ("tick", None, None)), daemon=True).start()
+    done = threading.Event()
+    threading.Thread(target=tick, args=(inbox, ("tick", None, None), done), daemon=True).start()
     stop_signal: list[str] = []
 
     def on_signal(signum, _frame) -> None:
@@ -126,6 +123,7 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
                 for a in alive:
                     a.proc.kill()
     finally:
+        done.set()
         for s, handler in previous.items():
             signal.signal(s, handler)
     outcomes.sort(key=lambda o: o.rank)

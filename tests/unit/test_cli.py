@@ -36,7 +36,7 @@ def launches(monkeypatch, tmp_path):
         return JobResult([], None, None)
 
     monkeypatch.setattr(launch_cmd, "_run", fake_run)
-    monkeypatch.setattr(launch_cmd, "_supervise", fake_supervise)
+    monkeypatch.setattr(launch_cmd, "supervise", fake_supervise)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     home = tmp_path / "home"
     home.mkdir()
