@@ -8,31 +8,66 @@ downloaded); a model trained on it needs a vocabulary at least as large.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import numpy as np
 
-from dsnd.data.corpus import load_corpus
-from dsnd.data.token_file import write_token_file
+from dsnd.data.corpus import corpus_format, load_corpus
+from dsnd.data.token_file import meta_path, write_token_file
 from dsnd.errors import UserError
+
+
+def _load_tokenizer(path: str) -> Any:
+    """A transformers tokenizer from local directory `path`. Its loader raises whatever the
+    files provoke (OSError, ValueError, KeyError, TypeError, JSONDecodeError), all of them the
+    user's files to fix, so any exception becomes one line."""
+    if not os.path.isdir(path):
+        raise UserError(f"--tokenizer {path}: not a directory; expected 'byte' or a local "
+                        "transformers tokenizer directory")  # fmt: skip
+    try:
+        os.listdir(path)
+    except OSError as e:
+        raise UserError(f"--tokenizer {path}: cannot read the directory ({e.strerror})") from e
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # any failure: see the docstring
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(f"--tokenizer {path}: not a local transformers tokenizer "
+                        f"({type(e).__name__}: {first})") from e  # fmt: skip
 
 
 def _encode(data: bytes, tokenizer: str) -> tuple[np.ndarray, int]:
     if tokenizer == "byte":
         return np.frombuffer(data, dtype=np.uint8), 256
-    from transformers import AutoTokenizer
+    tok = _load_tokenizer(tokenizer)
+    ids = np.asarray(tok(data.decode("utf-8", errors="replace"),
+                         add_special_tokens=False)["input_ids"], dtype=np.int64)  # fmt: skip
+    # ids past len(tok) (gaps in a vocabulary) would make the sidecar refuse its own tokens
+    return ids, max(len(tok), int(ids.max()) + 1 if len(ids) else 0)
 
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--tokenizer {tokenizer}: not a local transformers tokenizer ({e})") from e
-    ids = tok(data.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
-    return np.asarray(ids, dtype=np.int64), len(tok)
+
+def _check_output(source: str, out: str) -> None:
+    """Writing OUT or its sidecar over INPUT would destroy the input mid-run."""
+    for target in (out, meta_path(out)):
+        if os.path.isfile(target) and os.path.samefile(source, target):
+            raise UserError(f"OUT {out}: writing {target} would overwrite INPUT {source}")
 
 
 def run_prepare(source: str, out: str, fmt: str, text_field: str, tokenizer: str) -> int:
+    corpus_format(source, fmt, what="INPUT")  # "INPUT: file not found", not "data.path: ..."
+    _check_output(source, out)
     corpus = load_corpus(source, fmt, text_field, max_bytes=None)
     if corpus.vocab_size is not None:
         raise UserError(f"{source}: already a token file")
+    if not len(corpus.tokens):
+        raise UserError(f"INPUT {source}: no text to tokenize (0 bytes)")
     ids, vocab = _encode(corpus.tokens.tobytes(), tokenizer)
+    if not len(ids):
+        raise UserError(f"INPUT {source}: --tokenizer {tokenizer} made no tokens of its "
+                        f"{len(corpus.tokens)} bytes")  # fmt: skip
     meta = write_token_file(out, ids, vocab, tokenizer, source)
     print(f"wrote {out}: {meta['tokens']} tokens ({meta['dtype']}, vocabulary {vocab})")
     return 0

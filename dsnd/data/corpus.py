@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsnd.data.token_file import read_token_file
+from dsnd.data.token_file import check_file, read_token_file
 from dsnd.errors import UserError
 
 FORMATS = ("auto", "text", "jsonl", "tokens")
@@ -61,41 +61,50 @@ def load_corpus(
 ) -> Corpus:
     """Load a corpus; `max_bytes` caps its size (None: no cap).
 
-    Raises `UserError` for a missing file, an unknown format or a malformed JSONL line. A corpus
-    too short for one sample is not checked here: only the sampler knows the sequence length.
+    Raises `UserError` for a missing or unreadable file, an unknown format, a malformed JSONL line
+    or a token file whose metadata does not match it. A corpus too short for one sample is not
+    checked here: only the sampler knows the sequence length.
     """
-    if fmt not in FORMATS:
-        raise UserError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    fmt = corpus_format(path, fmt)
     if max_bytes is not None and max_bytes < 1:
         raise UserError(f"corpus max_bytes must be at least 1, got {max_bytes}")
     if path is None:
         data, name = _stdlib_bytes(max_bytes), _stdlib_name()
+    elif fmt == "tokens":  # max_bytes caps the file's bytes, as for text
+        tokens, meta = read_token_file(path, None)
+        if max_bytes is not None:
+            tokens = tokens[: max_bytes // tokens.dtype.itemsize]
+        fingerprint = hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
+        return Corpus(tokens=tokens, name=path, fingerprint=fingerprint,
+                      vocab_size=meta["vocab_size"])  # fmt: skip
     else:
-        if not os.path.exists(path):
-            raise UserError(f"data.path: file not found: {path}")
-        if not os.path.isfile(path):
-            raise UserError(f"data.path: not a regular file: {path}")
-        if fmt == "auto":
-            suffix = Path(path).suffix.lower()
-            fmt = {".jsonl": "jsonl", ".json": "jsonl", ".bin": "tokens"}.get(suffix, "text")
-        if fmt == "tokens":  # max_bytes caps the file's bytes, as for text
-            tokens, meta = read_token_file(path, None)
-            if max_bytes is not None:
-                tokens = tokens[: max_bytes // tokens.dtype.itemsize]
-            fingerprint = hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
-            return Corpus(tokens=tokens, name=path, fingerprint=fingerprint,
-                          vocab_size=int(meta["vocab_size"]))  # fmt: skip
-        data = (
-            _jsonl_bytes(path, text_field, max_bytes)
-            if fmt == "jsonl"
-            else _text_bytes(path, max_bytes)
-        )
+        read = _jsonl_bytes if fmt == "jsonl" else _text_bytes
+        try:
+            data = read(path, text_field, max_bytes)
+        except OSError as e:  # unreadable (permissions, I/O error) after the checks passed
+            raise UserError(f"{path}: cannot read ({e.strerror or e})") from e
         name = path
     tokens = np.frombuffer(data, dtype=np.uint8).copy()
     return Corpus(tokens=tokens, name=name, fingerprint=hashlib.sha256(data).hexdigest())
 
 
-def _text_bytes(path: str, max_bytes: int | None) -> bytes:
+def corpus_format(path: str | None, fmt: str, what: str = "data.path") -> str:
+    """The format `path` is read as (`auto` resolved by extension), after refusing an unknown
+    format and a path that is missing or not a regular file; the stdlib corpus (no path) is
+    bytes, read as text."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if path is None:
+        return "text"
+    check_file(path, what)
+    if fmt != "auto":
+        return fmt
+    return {".jsonl": "jsonl", ".json": "jsonl", ".bin": "tokens"}.get(
+        Path(path).suffix.lower(), "text"
+    )
+
+
+def _text_bytes(path: str, _text_field: str, max_bytes: int | None) -> bytes:
     """The raw bytes of a file (no decoding: the byte tokenizer takes any bytes)."""
     with open(path, "rb") as f:
         return f.read() if max_bytes is None else f.read(max_bytes)
@@ -113,8 +122,7 @@ def _jsonl_bytes(path: str, text_field: str, max_bytes: int | None) -> bytes:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
-            text = _record_text(raw, path, lineno, text_field)
-            encoded = text.encode("utf-8")
+            encoded = _record_bytes(raw, path, lineno, text_field)
             parts.append(encoded)
             total += len(encoded) + len(_DOC_SEPARATOR)
             if max_bytes is not None and total >= max_bytes:
@@ -123,20 +131,10 @@ def _jsonl_bytes(path: str, text_field: str, max_bytes: int | None) -> bytes:
     return data if max_bytes is None else data[:max_bytes]
 
 
-def _record_text(raw: bytes, path: str, lineno: int, text_field: str) -> str:
-    """The text of one JSONL line, or a UserError naming file:line and the field."""
+def _record_bytes(raw: bytes, path: str, lineno: int, text_field: str) -> bytes:
+    """The UTF-8 text of one JSONL line, or a UserError naming file:line and the field."""
     where = f"{path}:{lineno}"
-    try:
-        record = json.loads(raw)
-    except json.JSONDecodeError as e:  # its own "line 1" would contradict `where`; keep column
-        raise UserError(
-            f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected an "
-            f"object with field {text_field!r}"
-        ) from None
-    except UnicodeDecodeError:
-        raise UserError(
-            f"{where}: not valid UTF-8; expected a JSON object with field {text_field!r}"
-        ) from None
+    record = _parse_record(raw, where, text_field)
     if not isinstance(record, dict):
         raise UserError(
             f"{where}: expected a JSON object with field {text_field!r}, "
@@ -150,7 +148,31 @@ def _record_text(raw: bytes, path: str, lineno: int, text_field: str) -> str:
         raise UserError(
             f"{where}: field {text_field!r} must be a string, got {type(text).__name__}"
         )
-    return text
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's \ud800 escapes decode to str no UTF-8 can hold
+        raise UserError(f"{where}: field {text_field!r} holds a lone surrogate "
+                        f"{text[e.start]!r} at character {e.start}, which has no UTF-8 "
+                        "encoding") from None  # fmt: skip
+
+
+def _parse_record(raw: bytes, where: str, text_field: str) -> object:
+    """json.loads of one line; its failures (bad syntax, bad UTF-8, nesting deeper than the
+    recursion limit, an integer longer than Python converts) as one line naming `where`."""
+    expected = f"expected a JSON object with field {text_field!r}"
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:  # its own "line 1" would contradict `where`; keep column
+        raise UserError(
+            f"{where}: not valid JSON ({e.msg} at column {e.colno}); {expected}"
+        ) from None
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: not valid UTF-8; {expected}") from None
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested too deeply to read; {expected}") from None
+    except ValueError as e:  # the int digit limit: keep its first clause, not its sys.* advice
+        reason = str(e).split(";")[0]
+        raise UserError(f"{where}: JSON not readable ({reason}); {expected}") from None
 
 
 def _stdlib_name() -> str:

@@ -6,6 +6,10 @@ Megatron's way: nothing is tokenized at training time, and the file is paged in,
 
 `dsnd data prepare INPUT corpus.bin` writes both from a text or JSONL file, with the byte-level
 tokenizer or any `transformers` tokenizer in a local directory.
+
+The sidecar is input like any other: a hand-edited or stale one is refused here with one line,
+because numpy would otherwise read the bytes as whatever dtype it names (float32 trains on
+garbage) and a wrong count or vocabulary only shows up as an index error deep in the model.
 """
 
 from __future__ import annotations
@@ -13,34 +17,113 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 
 from dsnd.errors import UserError
+
+# Token ids are non-negative integers; a signed dtype is allowed (other tools write int32/int64)
+# but its minimum is checked (dsnd.data.check). Anything else is refused by name.
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
+_REQUIRED = {"dtype": str, "vocab_size": int, "tokens": int, "sha256": str}
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+               float: "number", type(None): "null"}  # fmt: skip
 
 
 def meta_path(path: str) -> str:
     return path + ".json"
 
 
+def check_file(path: str, what: str) -> None:
+    """Refuse a missing path or one that is not a regular file (a directory, a FIFO) before
+    opening it, so the error names the setting instead of an OS traceback."""
+    if not os.path.exists(path):
+        raise UserError(f"{what}: file not found: {path}")
+    if not os.path.isfile(path):
+        raise UserError(f"{what}: not a regular file: {path}")
+
+
 def read_token_file(path: str, max_tokens: int | None) -> tuple[np.ndarray, dict]:
-    """(token ids as a read-only memmap, capped at `max_tokens`; the sidecar's metadata)."""
+    """(token ids as a read-only memmap, capped at `max_tokens`; the sidecar's metadata).
+
+    Checks the sidecar's schema and that the file's size matches it; the checks that read every
+    token (SHA-256, id range) are `dsnd.data.check.check_token_file`'s.
+    """
+    meta = read_meta(path)
+    tokens = _map_tokens(path, meta)
+    return (tokens if max_tokens is None else tokens[:max_tokens]), meta
+
+
+def read_meta(path: str) -> dict:
+    """The sidecar of token file `path`, schema-checked."""
+    where = meta_path(path)
     try:
-        with open(meta_path(path), encoding="utf-8") as f:
+        with open(where, encoding="utf-8") as f:
             meta = json.load(f)
     except OSError as e:
-        raise UserError(f"{meta_path(path)}: cannot read the token file's metadata "
+        raise UserError(f"{where}: cannot read the token file's metadata "
                         f"({e.strerror}); write both with 'dsnd data prepare'") from e  # fmt: skip
-    except ValueError as e:
-        raise UserError(f"{meta_path(path)}: not valid JSON ({e})") from e
-    dtype = np.dtype(meta.get("dtype", "uint16"))
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"{where}: not valid JSON ({e})") from e
+    _check_meta(meta, where)
+    return meta
+
+
+def _check_meta(meta: object, where: str) -> None:
+    """Required keys with their JSON types, a token dtype, sane counts and a hex digest."""
+    keys = ", ".join(_REQUIRED)
+    if not isinstance(meta, dict):
+        raise UserError(f"{where}: expected a JSON object with keys {keys}, "
+                        f"got {_json_type(meta)}")  # fmt: skip
+    missing = [k for k in _REQUIRED if k not in meta]
+    if missing:
+        raise UserError(f"{where}: missing {', '.join(missing)} (needs {keys}); "
+                        "write it again with 'dsnd data prepare'")  # fmt: skip
+    for key, kind in _REQUIRED.items():
+        value = meta[key]
+        if type(value) is not kind:  # bool is an int subclass, and true is no vocabulary
+            got = _json_type(value)
+            if not isinstance(value, (dict, list, type(None))):
+                got += f" {json.dumps(value)}"
+            article = "an" if kind is int else "a"
+            raise UserError(f"{where}: {key} must be {article} {_JSON_TYPES[kind]}, got {got}")
+    if meta["dtype"] not in TOKEN_DTYPES:
+        raise UserError(f"{where}: dtype {meta['dtype']!r} is not a token id type; "
+                        f"expected one of {', '.join(TOKEN_DTYPES)}")  # fmt: skip
+    if meta["vocab_size"] < 1:
+        raise UserError(f"{where}: vocab_size must be at least 1, got {meta['vocab_size']}")
+    if meta["tokens"] < 0:
+        raise UserError(f"{where}: tokens must be at least 0, got {meta['tokens']}")
+    if not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]):
+        raise UserError(f"{where}: sha256 must be 64 lowercase hex digits, "
+                        f"got {meta['sha256'][:80]!r}")  # fmt: skip
+
+
+def _json_type(value: object) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _map_tokens(path: str, meta: dict) -> np.ndarray:
+    """Memory-map `path` after checking its size against the sidecar (numpy cannot map an empty
+    file, and a size that disagrees means the two were not written together)."""
+    check_file(path, "token file")
+    dtype = np.dtype(meta["dtype"])
     size = os.path.getsize(path)
+    if size == 0:
+        raise UserError(f"{path}: empty (0 bytes), {meta_path(path)} says {meta['tokens']} "
+                        "tokens; write it again with 'dsnd data prepare'")  # fmt: skip
     if size % dtype.itemsize:
-        raise UserError(f"{path}: {size} bytes is not a whole number of {dtype} tokens")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    if len(tokens) != meta.get("tokens", len(tokens)):
-        raise UserError(f"{path}: {len(tokens)} tokens, its metadata says {meta['tokens']}")
-    return (tokens if max_tokens is None else tokens[:max_tokens]), meta
+        raise UserError(f"{path}: {size} bytes is not a whole number of {dtype} tokens "
+                        f"({dtype.itemsize} bytes each)")  # fmt: skip
+    count = size // dtype.itemsize
+    if count != meta["tokens"]:
+        raise UserError(f"{path}: {size} bytes hold {count} {dtype} tokens, "
+                        f"{meta_path(path)} says {meta['tokens']}")  # fmt: skip
+    try:
+        return np.memmap(path, dtype=dtype, mode="r")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the token file ({e.strerror or e})") from e
 
 
 def check_vocab(vocab_size: int | None, model_vocab: int, path: str) -> None:
@@ -54,12 +137,19 @@ def write_token_file(path: str, ids: np.ndarray, vocab_size: int, tokenizer: str
     """Write `ids` and the sidecar; returns the metadata."""
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     data = np.asarray(ids, dtype=dtype).tobytes()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokens": len(ids),
             "tokenizer": tokenizer, "source": source,
             "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
-    with open(meta_path(path), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):  # makedirs would say "File exists"
+        raise UserError(f"{path}: cannot write the token file ({parent} is not a directory)")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        with open(meta_path(path), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+    except OSError as e:  # an output that is a directory, under a file, read-only, disk full
+        raise UserError(f"{e.filename or path}: cannot write the token file "
+                        f"({e.strerror or e})") from e  # fmt: skip
     return meta
