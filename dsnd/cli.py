@@ -14,6 +14,7 @@ import sys
 
 from dsnd import __version__
 from dsnd.errors import UserError
+from dsnd.extensions import use_environment_dir
 
 log = logging.getLogger("dsnd")
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(strip_local_rank(sys.argv[1:] if argv is None else argv))
         pin_accelerator()
+        use_environment_dir()  # before DeepSpeed is imported: its ops build per environment
         if args.command == "env":
             from dsnd.commands.env import run_env
 

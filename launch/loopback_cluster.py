@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.cluster import start_cluster  # noqa: E402
+from tests.cluster import remove_files, start_cluster  # noqa: E402
 
 DEFAULT_DIR = "/tmp/dsnd-loopback-cluster"
 
@@ -61,23 +61,34 @@ def start(workdir: str, nhosts: int, slots: int) -> int:
 
 
 def stop(workdir: str) -> int:
+    """Stop the directory's sshd, delete its network namespace and remove every file `start`
+    wrote there (the private key included), also when sshd is already gone."""
     pid = _running_pid(workdir)
     if pid is None:
         print(f"no cluster running from {workdir}")
-        _remove_netns(workdir)
-        return 0
+    else:
+        _terminate(pid, workdir)
+        print(f"stopped sshd (pid {pid})")
+    _remove_netns(workdir)
+    _remove_files(workdir)
+    return 0
+
+
+def _terminate(pid: int, workdir: str) -> None:
     os.kill(pid, signal.SIGTERM)
     for _ in range(100):
         if _running_pid(workdir) is None:
-            break
+            return
         time.sleep(0.1)
-    else:
-        os.kill(pid, signal.SIGKILL)
-    if os.path.exists(pidfile := os.path.join(workdir, "sshd.pid")):
-        os.remove(pidfile)
-    print(f"stopped sshd (pid {pid})")
-    _remove_netns(workdir)
-    return 0
+    os.kill(pid, signal.SIGKILL)
+
+
+def _remove_files(workdir: str) -> None:
+    if not os.path.isdir(workdir):
+        return
+    remove_files(workdir)
+    kept = "" if not os.path.exists(workdir) else f" (kept: {', '.join(os.listdir(workdir))})"
+    print(f"removed the cluster's keys, configs and logs from {workdir}{kept}")
 
 
 def _remove_netns(workdir: str) -> None:

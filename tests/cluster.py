@@ -30,6 +30,13 @@ SSH_KEYGEN = "ssh-keygen"
 PRIVSEP_DIR = "/run/sshd"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 READY_TIMEOUT_S = 10.0
+# every file a cluster writes under its directory (launch/loopback_cluster.py adds `netns` and
+# `hostfile`): stopping removes them, the private keys first of all
+CREATED_FILES = (
+    "id_ed25519", "id_ed25519.pub", "ssh_host_ed25519_key", "ssh_host_ed25519_key.pub",
+    "authorized_keys", "sshd_config", "ssh_config", "bin/ssh", "sshd.pid", "sshd.log",
+    "sshd.out", "netns", "hostfile",
+)  # fmt: skip
 
 
 @dataclass
@@ -71,7 +78,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop sshd and wait for it (sessions still open end with their clients); remove the
-        network namespace."""
+        network namespace and the cluster's files (`remove_files`)."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -82,6 +89,22 @@ class Cluster:
                 proc.wait()
         if self.netns:
             subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+        remove_files(self.workdir)
+
+
+def remove_files(workdir: str) -> None:
+    """Remove what a cluster wrote under `workdir` (`CREATED_FILES`: keys, configs, logs), then
+    the directory itself if nothing else is left in it; anything else there is kept."""
+    for name in CREATED_FILES:
+        try:
+            os.remove(os.path.join(workdir, name))
+        except FileNotFoundError:
+            pass
+    for folder in (os.path.join(workdir, "bin"), workdir):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (someone else's files) or already gone
+            pass
 
 
 def _require_tools() -> None:

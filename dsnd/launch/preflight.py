@@ -9,6 +9,7 @@ writable. `problems` (pure) turns the reports into one line per problem.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -34,13 +35,36 @@ def versions() -> dict[str, str]:
 
 
 def port_free(addr: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """Whether rank 0's rendezvous store can still listen on `port`.
+
+    `addr` (the master address) only says which host asks: torch 2.13's TCPStore server listens
+    on every address of its host, not on the master address (measured: with host 127.0.0.1 it
+    shows as `*:PORT` in `ss -ltn` and as `[::]:PORT` in /proc/net/tcp6, IPv4-mapped; the same
+    inside a network namespace with IPv6 disabled by sysctl). A listener on any local address and
+    port (127.0.0.2:PORT, ::1:PORT) makes its bind fail, so the probe binds the way the store
+    does: the IPv6 wildcard accepting IPv4 too, else (no IPv6 in the kernel) the IPv4 wildcard,
+    with SO_REUSEADDR like the store (a connection left in TIME_WAIT does not block it), then
+    listens (a bind alone can coexist with another socket that is bound but not listening).
+    """
+    del addr  # see above: the store ignores it when it binds
+    for family, wildcard in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 in this kernel: the store falls back to IPv4 as well
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                sock.bind((wildcard, port))
+                sock.listen(1)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return False
+                continue  # e.g. IPv6 sockets exist but cannot bind: try IPv4
+            return True
+    return False
 
 
 def check_dir(path: str, marker: str, nonce: str) -> str | None:

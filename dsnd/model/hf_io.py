@@ -11,7 +11,9 @@
   shards (`Shard.combine`, vocabulary padding dropped) and writes them with `write_hf_dir`.
 - `write_hf_dir`: full tensors by dsnd name -> HF names, `config.json` and `model.safetensors`,
   which `AutoModelForCausalLM.from_pretrained` loads. A tied weight is written once, under the
-  embedding's name (HF ties the head to it). `dsnd ckpt export` uses it too.
+  embedding's name (HF ties the head to it). `dsnd ckpt export` uses it too. safetensors 0.8's
+  `save_file` writes a private temporary file (mode 0600) and renames it, so the weights came
+  out 0600 beside a 0644 config.json; they get the mode the umask gives any new file instead.
 """
 
 from __future__ import annotations
@@ -140,7 +142,24 @@ def write_hf_dir(path: str, dims: ModelDims, tensors: dict[str, torch.Tensor]) -
         named[hf_name] = tensor.detach().to("cpu").contiguous()
     os.makedirs(path, exist_ok=True)
     hf_config(dims).save_pretrained(path)
-    save_file(named, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
+    weights = os.path.join(path, _WEIGHTS)
+    save_file(named, weights, metadata={"format": "pt"})
+    os.chmod(weights, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask can only swap it, which would
+    race with any other thread creating a file meanwhile)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:  # no /proc (not Linux)
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.ProcessGroup) -> None:

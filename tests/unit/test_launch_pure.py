@@ -1,9 +1,13 @@
 """Pure parts of dsnd's own launcher: failure diagnosis, secrets, passed environment, preflight
-verdicts, remote command lines, restarts."""
+verdicts, remote command lines, restarts; preflight's port probe against real sockets; the
+loopback test cluster's clean-up."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shlex
+import socket
 
 import pytest
 
@@ -11,9 +15,11 @@ from dsnd.commands.launch import with_restarts
 from dsnd.errors import UserError
 from dsnd.launch.commands import python_module_argv
 from dsnd.launch.environment import describe, passed_env
-from dsnd.launch.preflight import problems
+from dsnd.launch.preflight import port_free, problems
 from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, event_line, parse_event
 from dsnd.secrets import MASK, is_secret, mask_config, mask_env
+from tests.cluster import CREATED_FILES, Cluster, _setup_files
+from tests.procs import ROOT
 
 
 def outcome(rank, code, stopped=0.0, by_agent=False, at=0.0, reason="", host="h"):
@@ -117,6 +123,31 @@ def test_preflight_problems_one_line_each():
     ]
 
 
+def test_port_probe_sees_a_listener_on_another_local_address():
+    # rank 0's store listens on every address, so 127.0.0.2:P blocks it as much as 127.0.0.1:P
+    with socket.socket() as other:
+        other.bind(("127.0.0.2", 0))
+        other.listen()
+        assert port_free("127.0.0.1", other.getsockname()[1]) is False
+
+
+def test_port_probe_agrees_with_a_real_store():
+    import torch.distributed as dist
+
+    for _ in range(5):  # another process may take the port between probe and store
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port_free("127.0.0.1", port):
+            break
+    else:
+        raise AssertionError("no port the probe calls free")
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set("k", "v")
+    assert port_free("127.0.0.1", port) is False  # and the probe sees the store itself
+    del store
+
+
 def test_with_restarts(capsys):
     calls = []
 
@@ -142,3 +173,36 @@ def test_with_restarts(capsys):
     calls.clear()
     assert with_restarts(lambda s: (calls.append(s) or "stopped late", True), [], 3) == 1
     assert len(calls) == 1  # a job stopped on request is not restarted
+
+
+def _cluster_files(workdir: str) -> None:
+    """What `launch/loopback_cluster.py start` leaves in its directory, sshd aside."""
+    os.makedirs(workdir)
+    _setup_files(workdir, ["127.0.0.1", "127.0.0.2"], 2222)  # real keys (ssh-keygen)
+    for name in ("sshd.log", "sshd.out", "hostfile", "sshd.pid"):
+        with open(os.path.join(workdir, name), "w") as f:
+            f.write("4194304\n" if name == "sshd.pid" else "")  # above pid_max: not running
+
+
+def test_loopback_cluster_stop_removes_what_start_wrote(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "loopback_cluster", os.path.join(ROOT, "launch", "loopback_cluster.py")
+    )
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    workdir = str(tmp_path / "cluster")
+    _cluster_files(workdir)
+    written = {os.path.relpath(os.path.join(d, f), workdir)
+               for d, _, files in os.walk(workdir) for f in files}  # fmt: skip
+    assert "id_ed25519" in written and written <= set(CREATED_FILES)
+    assert script.stop(workdir) == 0
+    assert not os.path.exists(workdir)  # the private key with it
+
+
+def test_test_cluster_stop_removes_its_files_and_keeps_others(tmp_path):
+    workdir = str(tmp_path / "cluster")
+    _cluster_files(workdir)
+    (tmp_path / "cluster" / "notes.txt").write_text("not the cluster's")
+    Cluster(["127.0.0.1"], {}, workdir).stop()
+    assert os.listdir(workdir) == ["notes.txt"]

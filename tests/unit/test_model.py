@@ -1,7 +1,10 @@
-"""dsnd.model: parity with transformers, deterministic init, tying, parameter groups."""
+"""dsnd.model: parity with transformers, deterministic init, tying, parameter groups, exported
+files' modes."""
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import replace
 
 import pytest
@@ -19,6 +22,7 @@ from dsnd.model import (
     lm_loss,
     param_groups,
 )
+from dsnd.model.hf_io import write_hf_dir
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
 
 torch.set_num_threads(1)
@@ -81,6 +85,18 @@ def test_hf_round_trip(dims):
         assert torch.equal(back[name], tensor), name
     # The HF model accepts every name, tied or not.
     _hf_model(dims, hf_sd)
+
+
+def test_exported_weights_get_the_mode_the_umask_gives(tmp_path):
+    dims = PRESETS["llama-tiny"]
+    out = tmp_path / "hf"
+    old = os.umask(0o027)  # not the usual 022: the mode must follow the umask, not a constant
+    try:
+        write_hf_dir(str(out), dims, build_model(dims, seed=3).state_dict())
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"config.json": 0o640, "model.safetensors": 0o640}
 
 
 def test_from_hf_rejects_unknown_names():
