@@ -47,12 +47,17 @@ log = logging.getLogger(__name__)
 
 
 def save_resolved_configs(res: Resolved, log_dir: str) -> None:
-    """The run's resolved YAML and DeepSpeed JSON, so any run can be reproduced from log.dir."""
+    """config.yaml and deepspeed.json as the user gave them (--set applied, nothing derived), so
+    ``dsnd train --config <log.dir>/config.yaml`` from the same directory reruns the same run;
+    and deepspeed.resolved.json, the dict the engine got, for reading only (its batch keys are
+    derived for this world and its learning rates already scaled by train.lr_scaling)."""
     os.makedirs(log_dir, exist_ok=True)
+    run = dataclasses.replace(res.run, deepspeed="deepspeed.json")  # beside config.yaml
     with open(os.path.join(log_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(mask_config(dataclasses.asdict(res.run)), f, sort_keys=False)
-    with open(os.path.join(log_dir, "deepspeed.json"), "w", encoding="utf-8") as f:
-        json.dump(mask_config(res.ds), f, indent=2)
+        yaml.safe_dump(mask_config(dataclasses.asdict(run)), f, sort_keys=False)
+    for name, ds in (("deepspeed.json", res.ds_user), ("deepspeed.resolved.json", res.ds)):
+        with open(os.path.join(log_dir, name), "w", encoding="utf-8") as f:
+            json.dump(mask_config(ds), f, indent=2)
 
 
 def split_samples(corpus, run) -> tuple[SampleSet, SampleSet | None]:

@@ -1,8 +1,9 @@
-"""The DeepSpeed JSON: load, merge ``--set ds.*`` overrides, and check it strictly.
+"""The DeepSpeed JSON: load, apply ``--set ds.*`` overrides, and check it strictly.
 
 DeepSpeed itself ignores unknown top-level keys (``train_batch_szie`` silently trains with the
 default) and reports nested errors as pydantic tracebacks. dsnd checks every key first and refuses,
-by name, the DeepSpeed features it does not run.
+by name, the DeepSpeed features it does not run. An error that a ``--set ds.*`` item causes names
+that item, not the JSON file (which may be the packaged one the user never opened).
 """
 
 from __future__ import annotations
@@ -10,10 +11,18 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-from typing import Any
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+from dsnd.config import json_lines
+from dsnd.config.json_lines import MAX_DEPTH
 from dsnd.config.strict import did_you_mean
 from dsnd.errors import UserError
+
+T = TypeVar("T")
+DsSet = tuple[str, Any, str]
+"""A ``--set ds.KEY=VALUE``: (KEY, VALUE, the item as the user wrote it, for messages)."""
 
 # Top-level keys dsnd passes to DeepSpeed as they are.
 SUPPORTED = {
@@ -41,13 +50,22 @@ REFUSED = {
     "torch_autocast": "torch autocast is not supported by dsnd; use bf16",
     "pipeline": "dsnd runs its own pipeline schedule; set parallel.pp in the run YAML",
     "tensor_parallel": "DeepSpeed AutoTP is not used; set parallel.tp in the run YAML",
-    "sequence_parallel_size": "Ulysses sequence parallelism is not supported by dsnd",
-    "activation_checkpointing": "set activation checkpointing in the run YAML",
-    "checkpoint": "dsnd writes its own checkpoints; set checkpoint.* in the run YAML",
-    "tensorboard": "dsnd writes its own logs; set log.dir in the run YAML",
-    "wandb": "the wandb monitor is not supported by dsnd",
-    "csv_monitor": "dsnd writes its own metrics; set log.dir in the run YAML",
-    "comet": "the comet monitor is not supported by dsnd",
+    "sequence_parallel_size": (
+        "Ulysses sequence parallelism is not supported by dsnd (Megatron's is: "
+        "parallel.sequence_parallel with parallel.tp)"
+    ),
+    "activation_checkpointing": (
+        "dsnd checkpoints activations itself; set parallel.activation_checkpoint_interval in the "
+        "run YAML"
+    ),
+    "checkpoint": (
+        "dsnd writes its own checkpoints; set checkpoint.dir, checkpoint.every and "
+        "checkpoint.keep in the run YAML"
+    ),
+    "tensorboard": "dsnd writes its own TensorBoard files; set log.tensorboard in the run YAML",
+    "wandb": "the wandb monitor is not supported by dsnd (log.tensorboard and metrics.jsonl are)",
+    "csv_monitor": "dsnd writes metrics.jsonl into log.dir; set log.dir in the run YAML",
+    "comet": "the comet monitor is not supported by dsnd (log.tensorboard and metrics.jsonl are)",
     "sparse_attention": "sparse attention is not supported by dsnd",
     "curriculum_learning": "curriculum learning is not supported by dsnd",
     "data_efficiency": "DeepSpeed data efficiency is not supported by dsnd",
@@ -117,23 +135,33 @@ def _check_param_type(where: str, key: str, value: Any, like: Any) -> None:
 
 
 def load_json(path: str) -> dict[str, Any]:
-    """The JSON object in `path`, or a UserError naming the file and line."""
+    """The JSON object in `path`, or a UserError naming the file and line (also for a duplicate
+    key, NaN or Infinity, or nesting deeper than MAX_DEPTH, which Python's json lets through)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # an editor's byte-order mark is no error
             text = f.read()
     except OSError as e:
         raise UserError(f"{path}: cannot read DeepSpeed config: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: cannot read DeepSpeed config: not UTF-8 text ({e.reason} at "
+                        f"byte {e.start})") from None  # fmt: skip
     try:
-        data = json.loads(text)
+        data = json_lines.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except json_lines.JSONProblem as e:
+        raise UserError(f"{path}:{e.in_file(text)}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: a DeepSpeed config must be a JSON object")
     return data
 
 
 def merge_override(ds: dict[str, Any], dotted: str, value: Any) -> None:
-    """Apply ``--set ds.<dotted>=value``: deep-merge, creating parents; None deletes the key."""
+    """Apply ``--set ds.<dotted>=value``: set that one key, creating parents; None deletes it.
+
+    An object value replaces the key's object whole (``--set 'ds.scheduler={...}'`` is the new
+    scheduler, not the old one's parameters plus the new); only dotted keys change one key.
+    """
     *parents, last = dotted.split(".")
     node = ds
     for i, part in enumerate(parents):
@@ -150,11 +178,52 @@ def merge_override(ds: dict[str, Any], dotted: str, value: Any) -> None:
         node = child
     if value is None:
         node.pop(last, None)
-    elif isinstance(value, dict) and isinstance(node.get(last), dict):
-        for k, v in value.items():
-            merge_override(node[last], k, v)
     else:
         node[last] = copy.deepcopy(value)
+
+
+def apply_sets(ds: dict[str, Any], sets: Sequence[DsSet]) -> dict[str, Any]:
+    """A copy of `ds` with the ``--set ds.*`` items applied in order."""
+    out = copy.deepcopy(ds)
+    for key, value, _ in sets:
+        merge_override(out, key, value)
+    return out
+
+
+def _failure(check: Callable[[dict[str, Any], str], Any], ds: dict, where: str) -> UserError | None:
+    try:
+        check(copy.deepcopy(ds), where)
+    except UserError as e:
+        return e
+    return None
+
+
+def check_blamed(
+    check: Callable[[dict[str, Any], str], T], ds: dict[str, Any], where: str,
+    sets: Sequence[DsSet],
+) -> tuple[dict[str, Any], T]:  # fmt: skip
+    """`ds` with `sets` applied, and what `check(merged, where)` returns.
+
+    When the merged dict fails, the error names its cause: the file (`where`) when the file alone
+    fails the same way, else the first ``--set`` after which that failure appears. (The
+    intermediate dicts are checked only then, and only their failure that equals the final one
+    counts: a --set that a later one completes, such as a new scheduler type and then its
+    required parameter, is never blamed.)
+    """
+    merged = apply_sets(ds, sets)
+    try:
+        return merged, check(copy.deepcopy(merged), where)
+    except UserError:
+        if not sets:
+            raise
+    failure = str(_failure(check, merged, ""))  # messages compared without their `where`
+    current = copy.deepcopy(ds)
+    for n, cause in enumerate([where, *(label for *_, label in sets)]):
+        if n:
+            merge_override(current, sets[n - 1][0], sets[n - 1][1])
+        if str(_failure(check, current, "")) == failure:
+            raise _failure(check, current, cause) or UserError(failure)
+    raise UserError(failure)  # not reached: with every set applied, the failure is the same
 
 
 def _check_keys(section: dict, known: set[str], refused: dict[str, str], where: str) -> None:
@@ -176,8 +245,42 @@ def _pydantic_keys(model: type) -> set[str]:
     return keys
 
 
+def check_values(value: Any, where: str) -> None:
+    """Refuse NaN and infinities anywhere in `value`, and nesting deeper than MAX_DEPTH.
+
+    The JSON file's parser refuses both already; a ``--set ds.*`` value can still bring them
+    (Python's json reads ``NaN``). Iterative, so no depth is too deep to be reported.
+    """
+    stack: list[tuple[list, Any]] = [([], value)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            raise UserError(f"{where}: {json_lines.dotted(path)} must be a finite number, "
+                            f"got {node}")  # fmt: skip
+        if isinstance(node, (dict, list)):
+            if len(path) >= MAX_DEPTH:
+                raise UserError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            stack.extend(([*path, k], v) for k, v in reversed(list(items)))
+
+
+def _check_ranges(ds: dict[str, Any], path: str) -> None:
+    """Values DeepSpeed accepts and then trains nonsense with, or fails on after the process
+    group has started (a ZeRO stage past 3, a zero print interval, a negative clip)."""
+    stage = (ds.get("zero_optimization") or {}).get("stage")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise UserError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if ds.get("steps_per_print") is not None and ds["steps_per_print"] < 1:
+        raise UserError(f"{path}: steps_per_print must be >= 1, got {ds['steps_per_print']}")
+    if ds.get("gradient_clipping") is not None and ds["gradient_clipping"] < 0:
+        raise UserError(f"{path}: gradient_clipping must be >= 0 (0 = off), got "
+                        f"{ds['gradient_clipping']}")  # fmt: skip
+
+
 def check_keys(ds: dict[str, Any], path: str) -> None:
-    """Refuse unknown, misspelt and unsupported keys, each named with `path`."""
+    """Refuse unknown, misspelt and unsupported keys, wrong types and values out of range, each
+    named with `path`."""
+    check_values(ds, path)
     _check_keys(ds, SUPPORTED, REFUSED, path)
     for key, types in TOP_TYPES.items():
         value = ds.get(key)
@@ -191,6 +294,7 @@ def check_keys(ds: dict[str, Any], path: str) -> None:
 
         known = _pydantic_keys(DeepSpeedZeroConfig) - set(ZERO_REFUSED)
         _check_keys(zero, known, ZERO_REFUSED, f"{path}: zero_optimization")
+    _check_ranges(ds, path)
     for name in ("bf16", "bfloat16"):
         if isinstance(ds.get(name), dict):
             from deepspeed.runtime.precision_config import DeepSpeedBF16Config
@@ -219,6 +323,18 @@ def _check_optimizer(opt: Any, path: str) -> None:
             isinstance(value, list) and len(value) == 2 and all(map(_is_number, value))
         ):
             raise UserError(f"{path}: optimizer.params.betas must be [beta1, beta2], got {value!r}")
+    _check_adam_ranges(params, path)
+
+
+def _check_adam_ranges(params: dict[str, Any], path: str) -> None:
+    """torch's Adam refuses these too, but only when the engine builds it, after the process
+    group has started."""
+    for key in sorted(_NUMBER_PARAMS & set(params)):
+        if params[key] is not None and params[key] < 0:
+            raise UserError(f"{path}: optimizer.params.{key} must be >= 0, got {params[key]}")
+    betas = params.get("betas") or []
+    if any(not 0 <= beta < 1 for beta in betas):
+        raise UserError(f"{path}: optimizer.params.betas must each be in [0, 1), got {betas}")
 
 
 def _check_scheduler(sched: Any, path: str) -> None:
@@ -265,8 +381,61 @@ def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:
     one_rank["train_batch_size"] = (
         ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     )
+    from pydantic import ValidationError
+
     try:
         DeepSpeedConfig(one_rank)
-    except Exception as e:  # DeepSpeed raises AssertionError, ValueError or pydantic errors
+    except ValidationError as e:
+        raise UserError(f"{path}: DeepSpeed rejects the config: {describe(e, ds)}") from None
+    except Exception as e:  # DeepSpeed raises AssertionError, ValueError, TypeError too
         detail = " ".join(str(e).split()) or type(e).__name__
         raise UserError(f"{path}: DeepSpeed rejects the config: {detail[:300]}") from None
+
+
+# DeepSpeed's pydantic models, by title -> the JSON section their error locations start in
+MODEL_SECTIONS = {
+    "DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+    "CommsLoggerConfig": "comms_logger", "DeepSpeedThroughputTimerConfig": "timers.throughput",
+}  # fmt: skip
+
+
+def describe(error: Any, ds: dict[str, Any]) -> str:
+    """A pydantic ValidationError as one line, ``key.path: message (got value)``, for its first
+    error (pydantic's own text is a block of lines with a link per error)."""
+    errors = error.errors()
+    section = MODEL_SECTIONS.get(error.title)
+    if section == "bf16" and "bfloat16" in ds:
+        section = "bfloat16"
+    first = errors[0]
+    key = ".".join(str(p) for p in [*([section] if section else []), *first["loc"]])
+    got = repr(first.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
+    return f"{key or error.title}: {first['msg']} (got {got}){more}"
+
+
+PRINTS_NEVER = 1_000_000_000
+"""The packaged JSONs' steps_per_print: DeepSpeed never reaches it, so it never prints."""
+
+
+def notes(ds: dict[str, Any]) -> list[str]:
+    """Warnings for settings whose DeepSpeed output disagrees with dsnd's own numbers.
+
+    dsnd runs each optimizer step as `gas` calls of the stage's engine (one per micro-batch), so
+    DeepSpeed's step-based printing and timers count those calls, not dsnd's steps.
+    """
+    trust = "dsnd's progress line, metrics.jsonl and TensorBoard are the numbers to trust"
+    out = []
+    if ds.get("steps_per_print") is not None and ds["steps_per_print"] < PRINTS_NEVER:
+        out.append(
+            "steps_per_print: DeepSpeed's own progress lines count the per-stage engine's "
+            "micro-batch calls, not dsnd's optimizer steps, so their step numbers and lr "
+            f"disagree with dsnd's (the lr one step off); {trust}"
+        )
+    if ds.get("wall_clock_breakdown"):
+        out.append(
+            "wall_clock_breakdown: DeepSpeed's timers count the per-stage engine's micro-batch "
+            "calls, so they put all of a step's time in its first micro-batch and disagree with "
+            f"dsnd's step time; {trust}"
+        )
+    return out

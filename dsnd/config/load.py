@@ -1,8 +1,9 @@
 """Load a run: the YAML, its DeepSpeed JSON, and the ``--set`` overrides, all checked strictly.
 
 ``--set KEY=VALUE``: VALUE is parsed as JSON, else taken as a string, then coerced to the field's
-type. ``--set ds.a.b=v`` deep-merges into the DeepSpeed JSON (``null`` deletes). A ``deepspeed:``
-path is relative to the YAML that names it, or to the current directory when given by ``--set``.
+type. ``--set ds.a.b=v`` sets one key of the DeepSpeed JSON, creating parents (``null`` deletes;
+an object value replaces the key's whole object). A ``deepspeed:`` path is relative to the YAML
+that names it, or to the current directory when given by ``--set``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from dsnd.config import deepspeed_json, strict
+from dsnd.config import deepspeed_json, json_lines, strict
 from dsnd.config.schema import RunConfig
 from dsnd.config.yaml_lines import load_yaml
 from dsnd.errors import UserError
@@ -30,6 +31,8 @@ class LoadedConfig:
     yaml_path: str
     ds_path: str
     sets: list[str] = field(default_factory=list)
+    ds_file: dict[str, Any] | None = None  # the JSON file as read (None: the same as `ds`)
+    ds_sets: list[deepspeed_json.DsSet] = field(default_factory=list)  # merged into `ds`
 
 
 def default_config_path() -> str:
@@ -37,15 +40,26 @@ def default_config_path() -> str:
     return str(resources.files("dsnd") / "configs" / "default.yaml")
 
 
+def set_label(item: str) -> str:
+    """``--set ITEM`` for messages, shortened when the item is too long to read in one line."""
+    return f"--set {item if len(item) <= 100 else item[:97] + '...'}"
+
+
 def parse_set(item: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` -> (KEY, value parsed as JSON, else the raw string)."""
+    """``KEY=VALUE`` -> (KEY, value parsed as JSON, else the raw string).
+
+    JSON that dsnd refuses (a duplicate key, nesting past MAX_DEPTH) is an error, not a string.
+    NaN and Infinity parse (``log.dir=NaN`` is a directory); number fields refuse them.
+    """
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
-        raise UserError(f"--set {item}: expected KEY=VALUE")
+        raise UserError(f"{set_label(item)}: expected KEY=VALUE")
     try:
-        value = json.loads(raw)
+        value = json_lines.loads(raw, finite=False)
     except json.JSONDecodeError:
         value = raw
+    except json_lines.JSONProblem as e:
+        raise UserError(f"{set_label(item)}: {e.message}") from None
     return key.strip(), value
 
 
@@ -66,6 +80,16 @@ def _assign(data: dict[str, Any], dotted: str, value: Any, label: str) -> None:
     node[last] = value
 
 
+def _ds_key(key: str, label: str) -> str:
+    """The DeepSpeed key of ``ds.KEY``, checked: present, and no deeper than a JSON may be."""
+    dotted = key[3:]
+    if not dotted:
+        raise UserError(f"{label}: expected ds.KEY=VALUE")
+    if dotted.count(".") >= json_lines.MAX_DEPTH:
+        raise UserError(f"{label}: key nested deeper than {json_lines.MAX_DEPTH} levels")
+    return dotted
+
+
 def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig:
     """Read and check a run config; raises UserError on any problem."""
     sets = list(sets or [])
@@ -74,13 +98,13 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
     where = {key: f"{yaml_path}:{line}" for key, line in lines.items()}
 
     known = strict.schema_keys(RunConfig)
-    ds_sets: list[tuple[str, Any, str]] = []
+    ds_sets: list[deepspeed_json.DsSet] = []
     ds_from_cli = False
     for item in sets:
         key, value = parse_set(item)
-        label = f"--set {item}"
+        label = set_label(item)
         if key.startswith("ds."):
-            ds_sets.append((key[3:], value, label))
+            ds_sets.append((_ds_key(key, label), value, label))
             continue
         if key not in known:
             raise UserError(f"{label}: unknown key '{key}'" + strict.did_you_mean(key, known))
@@ -93,10 +117,7 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
     run = strict.build(RunConfig, data, where, yaml_path)
     base = os.getcwd() if ds_from_cli else os.path.dirname(os.path.abspath(yaml_path))
     ds_path = os.path.normpath(os.path.join(base, run.deepspeed))
-    ds = deepspeed_json.load_json(ds_path)
-    for dotted, value, label in ds_sets:
-        if not dotted:
-            raise UserError(f"{label}: expected ds.KEY=VALUE")
-        deepspeed_json.merge_override(ds, dotted, value)
-    deepspeed_json.check_keys(ds, ds_path)
-    return LoadedConfig(run=run, ds=ds, yaml_path=yaml_path, ds_path=ds_path, sets=sets)
+    ds_file = deepspeed_json.load_json(ds_path)
+    ds, _ = deepspeed_json.check_blamed(deepspeed_json.check_keys, ds_file, ds_path, ds_sets)
+    return LoadedConfig(run=run, ds=ds, yaml_path=yaml_path, ds_path=ds_path, sets=sets,
+                        ds_file=ds_file, ds_sets=ds_sets)  # fmt: skip

@@ -6,11 +6,11 @@ from __future__ import annotations
 import copy
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsnd.config.batch import GAS, MICRO, TRAIN, Batch, resolve_batch
-from dsnd.config.deepspeed_json import check_with_deepspeed
+from dsnd.config.deepspeed_json import check_blamed, check_keys, check_with_deepspeed
 from dsnd.config.load import LoadedConfig
 from dsnd.config.presets import PRESETS, ModelDims, with_overrides
 from dsnd.config.schema import RunConfig
@@ -29,6 +29,9 @@ class Resolved:
     batch: Batch
     yaml_path: str
     ds_path: str
+    # the user's DeepSpeed dict (the JSON with --set ds.* applied, nothing derived or scaled):
+    # what a rerun starts from, as `ds` would scale the learning rates a second time
+    ds_user: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:
@@ -90,6 +93,61 @@ def scale_lr(ds: dict[str, Any], factor: float) -> None:
             sched_params[key] = value * factor
 
 
+# Integer run keys: key -> (lowest, highest or None)
+BOUNDS: dict[str, tuple[int, int | None]] = {
+    "train.steps": (0, None), "train.seed": (0, 2**63 - 1), "train.lr_reference_batch": (1, None),
+    "checkpoint.every": (0, None), "checkpoint.keep": (0, None),
+    "parallel.activation_checkpoint_interval": (0, None), "data.max_bytes": (1, None),
+    "eval.every": (0, None), "eval.batches": (1, None), "log.every": (1, None),
+}  # fmt: skip
+
+YEAR_S = 365 * 24 * 3600
+
+
+def check_ranges(run: RunConfig) -> None:
+    """Refuse values the schema's types allow but a run cannot use (a negative seed fails in the
+    sampler, a peak of 0 FLOP/s gives a negative MFU, a timeout past timedelta's range fails when
+    the process group starts), each with the number."""
+    for key, (low, high) in BOUNDS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(run, section), name)
+        if high is None and value < low:
+            raise UserError(f"{key} must be >= {low}, got {value}")
+        if high is not None and not low <= value <= high:
+            raise UserError(f"{key} must be in {low}..{high}, got {value}")
+    if run.eval.every and not 0 < run.eval.fraction < 1:
+        raise UserError(f"eval.fraction must be in (0, 1), got {run.eval.fraction}")
+    timeout = run.dist.timeout_s
+    if not (math.isfinite(timeout) and 0 < timeout <= YEAR_S):
+        raise UserError(f"dist.timeout_s must be > 0 and at most {YEAR_S} (a year), got {timeout}")
+    peak = run.log.peak_flops
+    if peak is not None and not (math.isfinite(peak) and peak > 0):
+        raise UserError(f"log.peak_flops must be a FLOP/s rate > 0, got {peak}")
+    if not run.log.dir:
+        raise UserError("log.dir must not be empty")
+
+
+def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int) -> tuple[dict, Batch]:
+    """The DeepSpeed dict for `dp` data-parallel ranks: batch keys derived, learning rates scaled
+    by train.lr_scaling, checked by DeepSpeed itself; errors name `where`.
+
+    Checks the keys first, so every intermediate dict a blame search tries fails as a UserError.
+    """
+    check_keys(ds, where)
+    ds = copy.deepcopy(ds)
+    batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), dp, where)
+    ds[TRAIN], ds[MICRO], ds[GAS] = batch
+    if "optimizer" not in ds:
+        raise UserError(
+            f"{where}: no 'optimizer' section (dsnd takes the optimizer from the DeepSpeed JSON)"
+        )
+    if run.train.lr_scaling != "none":
+        ratio = batch.train / run.train.lr_reference_batch
+        scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
+    check_with_deepspeed(ds, where)
+    return ds, batch
+
+
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")  # fmt: skip
 """Set per rank by every launcher; never copied from the launching environment."""
@@ -104,40 +162,18 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     check_tp(dims, par.tp, run.model.seq_len, par.sequence_parallel)
     if par.pp > dims.num_layers:
         raise UserError(f"parallel.pp={par.pp} exceeds model.num_layers={dims.num_layers}")
-    for key in ("train.steps", "checkpoint.every", "checkpoint.keep",
-                "parallel.activation_checkpoint_interval"):  # fmt: skip
-        section, name = key.split(".")
-        if getattr(getattr(run, section), name) < 0:
-            raise UserError(f"{key} must be >= 0")
-    if run.eval.every < 0 or run.eval.batches < 1:
-        raise UserError(f"eval.every must be >= 0 and eval.batches >= 1, got {run.eval.every} "
-                        f"and {run.eval.batches}")  # fmt: skip
-    if run.eval.every and not 0 < run.eval.fraction < 1:
-        raise UserError(f"eval.fraction must be in (0, 1), got {run.eval.fraction}")
-    if run.train.lr_reference_batch < 1:
-        raise UserError("train.lr_reference_batch must be >= 1")
-    if not math.isfinite(run.dist.timeout_s) or run.dist.timeout_s <= 0:
-        raise UserError(f"dist.timeout_s must be a finite number > 0, got {run.dist.timeout_s}")
-    if run.data.max_bytes < 1:
-        raise UserError(f"data.max_bytes must be >= 1, got {run.data.max_bytes}")
+    check_ranges(run)
     for name in run.launch.env:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise UserError(f"launch.env: {name!r} is not a variable name")
         if name in RANK_VARIABLES:
             raise UserError(f"launch.env: {name} is set for each rank by the launcher")
 
-    ds = copy.deepcopy(loaded.ds)
-    batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), topology.dp, loaded.ds_path)
-    ds[TRAIN], ds[MICRO], ds[GAS] = batch
-    if "optimizer" not in ds:
-        raise UserError(
-            f"{loaded.ds_path}: no 'optimizer' section (dsnd takes the optimizer from the "
-            "DeepSpeed JSON)"
-        )
-    if run.train.lr_scaling != "none":
-        ratio = batch.train / run.train.lr_reference_batch
-        scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
-    check_with_deepspeed(ds, loaded.ds_path)
+    # an error a --set ds.* causes names that item, not the JSON file
+    file, sets = (loaded.ds_file, loaded.ds_sets) if loaded.ds_file is not None else (loaded.ds, [])
+    _, (ds, batch) = check_blamed(
+        lambda d, where: derive_ds(d, where, run, topology.dp), file, loaded.ds_path, sets
+    )
     return Resolved(
         run=run,
         ds=ds,
@@ -146,4 +182,5 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         batch=batch,
         yaml_path=loaded.yaml_path,
         ds_path=loaded.ds_path,
+        ds_user=copy.deepcopy(loaded.ds),
     )

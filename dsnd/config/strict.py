@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any
@@ -57,6 +58,13 @@ def _a(tp: type) -> str:
     return ("an " if name[0] in "aeiou" else "a ") + name
 
 
+def _as_float(value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # past float's range: as YAML reads 1e400, refused as not finite
+        return math.inf if value > 0 else -math.inf
+
+
 def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     """`value` as type `tp`, or a UserError naming `key` at `where`.
 
@@ -77,7 +85,9 @@ def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             return None
         raise UserError(f"{where}: {key} must be {_a(base)}, got null")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = _as_float(value)
+    if base is float and isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{where}: {key} must be a finite number, got {value}")
     if base is str and isinstance(value, (int, float, bool)):
         return str(value)
     if base is int and isinstance(value, bool):

@@ -235,9 +235,23 @@ def test_ds_set_deep_merges_into_the_json():
     assert ds["optimizer"]["params"]["lr"] == 0.003  # untouched siblings stay
 
 
-def test_ds_set_object_value_merges_key_by_key():
-    ds = load(None, ['ds.zero_optimization={"stage": 1, "reduce_bucket_size": null}']).ds
-    assert ds["zero_optimization"] == {"stage": 1}
+def test_ds_set_object_value_replaces_the_object():
+    # the JSON's scheduler is WarmupLR with warmup_* params: none of them may survive
+    sets = ['ds.scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.001, '
+            '"cycle_max_lr": 0.01}}']  # fmt: skip
+    ds = load(None, sets).ds
+    assert ds["scheduler"] == {
+        "type": "OneCycle",
+        "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01},
+    }
+    ds = load(None, ['ds.zero_optimization={"stage": 1}']).ds
+    assert ds["zero_optimization"] == {"stage": 1}  # reduce_bucket_size is gone
+
+
+def test_ds_set_dotted_key_changes_one_key():
+    ds = load(None, ["ds.scheduler.params.warmup_num_steps=7"]).ds
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 7
+    assert ds["scheduler"]["params"]["warmup_max_lr"] == 0.003
 
 
 def test_ds_set_creates_parents():
@@ -519,8 +533,8 @@ def test_batch_math_runs_after_the_merge_with_dp_from_the_layout():
     assert res.topology.dp == 4 and res.batch == Batch(32, 2, 4)
     msg = error(resolve, load(None, ["parallel.tp=2", "ds.gradient_accumulation_steps=3"]), 8)
     assert msg == (
-        f"{PACKAGED_DS}: train_batch_size=16 != train_micro_batch_size_per_gpu=2 * "
-        "gradient_accumulation_steps=3 * dp=4 (= 24)"
+        "--set ds.gradient_accumulation_steps=3: train_batch_size=16 != "
+        "train_micro_batch_size_per_gpu=2 * gradient_accumulation_steps=3 * dp=4 (= 24)"
     )
 
 
@@ -558,7 +572,7 @@ def test_batch_math_runs_after_the_merge_with_dp_from_the_layout():
 )
 def test_refused_deepspeed_features_by_name(item, message):
     msg = error(load, None, [item])
-    assert msg.startswith(f"{PACKAGED_DS}: ")
+    assert msg.startswith(f"--set {item}: ")  # the --set, not the packaged JSON
     assert message in msg
 
 
@@ -617,7 +631,7 @@ def test_refused_feature_in_the_json_file(tmp_path):
 )
 def test_unknown_deepspeed_keys_with_did_you_mean(item, message):
     msg = error(load, None, [item])
-    assert msg.startswith(PACKAGED_DS)
+    assert msg.startswith(f"--set {item}: ")
     assert message in msg
 
 
@@ -678,19 +692,29 @@ def test_wrong_deepspeed_types(item, message):
         resolve(load(None, [item]), 1)
 
     msg = error(go)
-    assert msg.startswith(PACKAGED_DS)
+    assert msg.startswith(f"--set {item}: ")
     assert message in msg
 
 
 def test_deepspeed_itself_checks_values_before_any_rank():
-    msg = error(resolve, load(None, ["ds.zero_optimization.stage=7"]), 1)
-    assert msg.startswith(f"{PACKAGED_DS}: DeepSpeed rejects the config: ")
-    assert "stage" in msg
+    msg = error(resolve, load(None, ["ds.zero_optimization.reduce_bucket_size=-5"]), 1)
+    assert msg == (
+        "--set ds.zero_optimization.reduce_bucket_size=-5: DeepSpeed rejects the config: "
+        "zero_optimization.reduce_bucket_size: Input should be greater than 0 (got -5)"
+    )
 
 
-def test_no_optimizer_is_an_error():
+def test_no_optimizer_is_an_error(tmp_path):
     assert error(resolve, load(None, ["ds.optimizer=null"]), 1) == (
-        f"{PACKAGED_DS}: no 'optimizer' section (dsnd takes the optimizer from the DeepSpeed JSON)"
+        "--set ds.optimizer=null: no 'optimizer' section (dsnd takes the optimizer from the "
+        "DeepSpeed JSON)"
+    )
+    ds = zero0()
+    del ds["optimizer"]
+    path = write_run(tmp_path, "deepspeed: ds.json\n", ds)
+    assert error(resolve, load(path), 1) == (
+        f"{tmp_path / 'ds.json'}: no 'optimizer' section (dsnd takes the optimizer from the "
+        "DeepSpeed JSON)"
     )
 
 
@@ -753,15 +777,30 @@ def test_pp_tp_dp_layout():
 @pytest.mark.parametrize(
     "item, message",
     [
-        ("train.steps=-1", "train.steps must be >= 0"),
-        ("checkpoint.every=-1", "checkpoint.every must be >= 0"),
-        ("train.lr_reference_batch=0", "train.lr_reference_batch must be >= 1"),
-        ("dist.timeout_s=0", "dist.timeout_s must be a finite number > 0, got 0.0"),
-        ("dist.timeout_s=NaN", "dist.timeout_s must be a finite number > 0, got nan"),
-        ("dist.timeout_s=Infinity", "dist.timeout_s must be a finite number > 0, got inf"),
+        ("train.steps=-1", "train.steps must be >= 0, got -1"),
+        ("checkpoint.every=-1", "checkpoint.every must be >= 0, got -1"),
+        ("checkpoint.keep=-2", "checkpoint.keep must be >= 0, got -2"),
+        ("train.lr_reference_batch=0", "train.lr_reference_batch must be >= 1, got 0"),
+        ("dist.timeout_s=0", "dist.timeout_s must be > 0 and at most 31536000 (a year), got 0.0"),
+        (
+            "dist.timeout_s=1e300",
+            "dist.timeout_s must be > 0 and at most 31536000 (a year), got 1e+300",
+        ),
         ("model.seq_len=129", "model.seq_len=129 must be in 1..128"),
         ("model.num_heads=0", "model.num_heads must be >= 1, got 0"),
         ("data.max_bytes=0", "data.max_bytes must be >= 1, got 0"),
+        ("train.seed=-1", "train.seed must be in 0..9223372036854775807, got -1"),
+        (f"train.seed={2**63}", f"train.seed must be in 0..9223372036854775807, got {2**63}"),
+        ("log.peak_flops=0", "log.peak_flops must be a FLOP/s rate > 0, got 0.0"),
+        ("log.peak_flops=-1e12", "log.peak_flops must be a FLOP/s rate > 0, got -1000000000000.0"),
+        ("log.every=0", "log.every must be >= 1, got 0"),
+        ("eval.every=-1", "eval.every must be >= 0, got -1"),
+        ("eval.batches=0", "eval.batches must be >= 1, got 0"),
+        ("log.dir=", "log.dir must not be empty"),
+        (
+            "parallel.activation_checkpoint_interval=-1",
+            "parallel.activation_checkpoint_interval must be >= 0, got -1",
+        ),
     ],
 )
 def test_value_ranges(item, message):
