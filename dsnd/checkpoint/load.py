@@ -4,23 +4,26 @@ Every rank reads, for each parameter of its stage, only its tensor-parallel shar
 tensors from the files the manifest names (safetensors slices; nothing is unpickled), and sets
 the model parameter, the fp32 master and the optimizer state (dsnd/checkpoint/state.py). Then
 the learning-rate schedule, DeepSpeed's step counters and, when the layout is unchanged, this
-rank's RNG streams. The caller has verified the checksums before any process group started.
+rank's RNG streams. The caller has verified the checksums before any process group started;
+every file is still opened through `layout.member` (inside the step directory, listed, so
+checksummed) and every safetensors header is checked against the manifest before a tensor is
+read (`contents.tensor_file`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from contextlib import ExitStack
 
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dsnd.checkpoint import rng
+from dsnd.checkpoint.contents import expected_tensors, tensor_file
 from dsnd.checkpoint.layout import (
-    MANIFEST,
     CheckpointError,
+    member,
     optim_file,
     read_manifest,
     rng_file,
@@ -49,13 +52,14 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
     keys = manifest["optim_keys"]
     materialise_optimizer_state(engine, keys, trainer["optimizer_step"])
     masters = unmanaged_masters(engine)
+    expected = expected_tensors(manifest)
     with ExitStack() as files:
         opened: dict[str, object] = {}
 
         def stored(file: str, key: str):
             if file not in opened:
-                path = os.path.join(step_dir, file)
-                opened[file] = files.enter_context(safe_open(path, framework="pt"))
+                path = tensor_file(step_dir, manifest, expected, file)
+                opened[file] = files.enter_context(_open(path))
             return opened[file].get_slice(key)
 
         for name, param in engine.module.named_parameters():
@@ -67,7 +71,7 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
                 layer = layer_of(name, engine.module)
                 states = {k: read_part(stored(optim_file(layer), f"{name}.{k}"), param)
                           for k in keys}  # fmt: skip
-            except ValueError as e:
+            except (ValueError, SafetensorError) as e:
                 raise CheckpointError(f"{step_dir}: {name} {e}") from e
             set_full_state(engine, param, value, states, masters)
 
@@ -83,35 +87,38 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
     engine.global_samples = manifest["consumed_samples"]
     engine.micro_steps = step * res.batch.gas
 
-    rng_path = os.path.join(step_dir, rng_file(dist.get_rank()))
-    if _same_layout(manifest, res) and os.path.isfile(rng_path):
-        with open(rng_path, encoding="utf-8") as f:
-            rng.restore(json.load(f))
+    rel = rng_file(dist.get_rank())
+    if _same_layout(manifest, res) and rel in manifest["files"]:
+        _restore_rng(member(step_dir, manifest, rel))
     return manifest
+
+
+def _open(path: str):
+    """safe_open, with the library's error as one line naming the file."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not readable as safetensors ({e})") from e
+
+
+def _restore_rng(path: str) -> None:
+    """This rank's RNG streams from `path`; a file that is not dsnd's RNG state is one line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rng.restore(json.load(f))
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not the RNG state dsnd saves ({e})") from e
 
 
 def read_full_model(step_dir: str, manifest: dict) -> dict:
     """Every tensor manifest["params"] lists, whole, by dsnd name (for one process: export,
-    generate); each file must be one the manifest's checksums cover."""
-    by_file: dict[str, dict[str, list[int]]] = {}
+    generate), from files the manifest's checksums cover and whose headers match it."""
+    by_file: dict[str, list[str]] = {}
     for name, meta in manifest["params"].items():
-        by_file.setdefault(meta["file"], {})[name] = list(meta["shape"])
+        by_file.setdefault(meta["file"], []).append(name)
+    expected = expected_tensors(manifest)
     tensors = {}
-    for rel, shapes in sorted(by_file.items()):
-        path = os.path.join(step_dir, rel)
-        if rel not in manifest["files"]:  # read only files the checksums cover
-            raise CheckpointError(f"{path}: holds parameters but is not in {MANIFEST}'s files")
-        with safe_open(path, framework="pt") as f:
-            stored = set(f.keys())
-            for name, shape in shapes.items():
-                if name not in stored:
-                    raise CheckpointError(f"{path}: no tensor {name}")
-                tensor = f.get_tensor(name)
-                if list(tensor.shape) != shape:
-                    raise CheckpointError(
-                        f"{path}: {name} has shape {list(tensor.shape)}, {MANIFEST} says {shape}"
-                    )
-                tensors[name] = tensor
-    if not tensors:
-        raise CheckpointError(f"{step_dir}: {MANIFEST} lists no parameters")
+    for rel, names in sorted(by_file.items()):
+        with _open(tensor_file(step_dir, manifest, expected, rel)) as f:
+            tensors |= {name: f.get_tensor(name) for name in names}
     return tensors

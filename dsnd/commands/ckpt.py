@@ -6,12 +6,16 @@ safetensors only.
 
 - inspect: what the manifest says (step, samples, layout, model, versions, layer -> stage map)
   and every file with its size and checksum status; `--json` prints it as one object.
-- verify: ``ok: <step dir> (<n> files)``, or one line per problem on stderr.
+- verify: ``ok: <step dir> (<n> files)``, or one line per problem on stderr: the manifest's
+  checksum and keys, each file's place (inside the step directory, listed, no symbolic links),
+  size and SHA-256, then each tensor file's safetensors header against the manifest and its
+  values (NaN or infinity is a problem).
 - export: the weights of an intact checkpoint as a transformers directory (`write_hf_dir`).
 
-Exit codes: 0 intact, 1 a file is missing or fails its checksum (inspect and verify still
-report everything), 2 a usage error: DIR missing or not a checkpoint, or, for export, any
-problem at all (the first bad file is named and nothing is written).
+Exit codes: 0 intact, 1 a file is missing or fails a check (inspect and verify still report
+everything), 2 a usage error: DIR missing, not a checkpoint or a symbolic link to a step
+directory, or, for export, any problem at all (the first bad file is named and nothing is
+written).
 """
 
 from __future__ import annotations
@@ -50,20 +54,32 @@ def _manifest_as_is(step_dir: str) -> dict:
 def _file_rows(step_dir: str, manifest: dict, problems: list[Problem]) -> list[dict]:
     bad = {p.file: p.what for p in problems}
     manifest_failed = any(p.file in (MANIFEST, MANIFEST_SUM) for p in problems)
+    files = _table(manifest, "files")
     rows = []
-    for rel in [MANIFEST, MANIFEST_SUM, *sorted(manifest.get("files", {}))]:
+    for rel in [MANIFEST, MANIFEST_SUM, *sorted(files)]:
         path = os.path.join(step_dir, rel)
-        size = os.path.getsize(path) if os.path.isfile(path) else None
-        status = bad.get(rel) or (UNCHECKED if manifest_failed else "ok")
-        rows.append({"file": rel, "bytes": size, "status": status})
+        # sizes only of files a load could read (never of a path outside the step directory)
+        inside = rel in (MANIFEST, MANIFEST_SUM) or not layout.member_problem(step_dir, files, rel)
+        size = os.path.getsize(path) if inside and os.path.isfile(path) else None
+        shown = layout.printable(rel)  # as problems name it: one line, whatever the name
+        status = bad.get(shown) or (UNCHECKED if manifest_failed else "ok")
+        rows.append({"file": shown, "bytes": size, "status": status})
     return rows
+
+
+def _table(manifest: dict, key: str) -> dict:
+    """manifest[key] when it is an object, else {} (inspect shows a malformed manifest too)."""
+    value = manifest.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def report(step_dir: str) -> dict:
     """Everything `inspect` shows, as plain data."""
     problems = layout.verify(step_dir)
     m = _manifest_as_is(step_dir)
-    parts = m.get("parts", [])
+    parts = m.get("parts")
+    if not isinstance(parts, list) or not all(isinstance(p, int) for p in parts):
+        parts = []
     files = _file_rows(step_dir, m, problems)
     return {
         "step_dir": step_dir,
@@ -71,10 +87,10 @@ def report(step_dir: str) -> dict:
         "problems": [str(p) for p in problems],
         "step": m.get("step"),
         "consumed_samples": m.get("consumed_samples"),
-        "topology": m.get("topology", {}),
+        "topology": _table(m, "topology"),
         "zero_stage": m.get("zero_stage"),
-        "model": m.get("model", {}),
-        "versions": m.get("versions", {}),
+        "model": _table(m, "model"),
+        "versions": _table(m, "versions"),
         "parts": parts,
         "stages": [[first, last - 1] for first, last in pairwise(parts)],
         "files": files,
@@ -149,10 +165,7 @@ def run_export(path: str, out: str) -> int:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UserError(f"{out}: already exists and is not an empty directory")
     manifest = layout.read_manifest(step_dir)
-    try:
-        dims = ModelDims(**manifest["model"])
-    except TypeError as e:
-        raise CheckpointError(f"{step_dir}: {MANIFEST} 'model' is not a dsnd model ({e})") from e
+    dims = ModelDims(**manifest["model"])  # read_manifest checked its keys and types
     from dsnd.checkpoint.load import read_full_model  # torch/DeepSpeed: only for export
 
     tensors = read_full_model(step_dir, manifest)

@@ -1,11 +1,15 @@
 """dsnd/checkpoint/layout.py and commit.py on real files: commit, keep-N, leftovers, choosing
-the checkpoint to resume from (no processes, no tensors: small files stand in for them)."""
+the checkpoint to resume from, the root checked before a run (no processes; a one-tensor model
+stands in for a real one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
+import torch
+from safetensors.torch import save as safetensors_bytes
 
 from dsnd.checkpoint.commit import (
     prune,
@@ -18,25 +22,49 @@ from dsnd.checkpoint.commit import (
 from dsnd.checkpoint.layout import (
     FORMAT,
     CheckpointError,
+    check_root,
     committed,
     latest,
+    model_file,
     newest_intact,
     resolve_step_dir,
     step_dir_name,
     verify,
 )
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume
+from dsnd.config.presets import PRESETS
 from dsnd.config.schema import RunConfig
 
+MODEL_0 = model_file(0)
 
-def save(root: str, step: int, payload: bytes = b"weights") -> str:
-    """What a save does, minus the tensors: files in a temporary dir, manifest, publish."""
+
+def manifest_of(step: int) -> dict:
+    """Every key a load reads, for a one-tensor model (as written before "dtype" existed)."""
+    return {
+        "format": FORMAT,
+        "step": step,
+        "consumed_samples": 4 * step,
+        "topology": {"pp": 1, "tp": 1, "dp": 1, "world_size": 1},
+        "zero_stage": 0,
+        "parts": [0, 1],
+        "model": dataclasses.asdict(PRESETS["llama-tiny"]),
+        "versions": {"dsnd": "0.0-test"},
+        "config": {},
+        "corpus": {"name": "t", "tokens": 1, "sha256": ""},
+        "trainer": {"optimizer_step": step, "lr": 1e-3, "lr_scheduler": None, "betas": None},
+        "params": {"layers.0.w": {"file": MODEL_0, "shape": [2]}},
+        "optim_keys": [],
+    }
+
+
+def save(root: str, step: int, value: float | None = None) -> str:
+    """What a save does: files in a temporary dir, manifest, publish (`value`: the tensor's)."""
     name = step_dir_name(step)
     tmp = temporary_dir(root, name)
-    write_atomic(os.path.join(tmp, "layer_000-model.safetensors"), payload + bytes([step]))
+    tensor = torch.full((2,), float(step) if value is None else value)
+    write_atomic(os.path.join(tmp, MODEL_0), safetensors_bytes({"layers.0.w": tensor}))
     write_atomic(os.path.join(tmp, "rng/rank_00000.json"), b"{}")
-    write_manifest(tmp, {"format": FORMAT, "step": step},
-                   ["layer_000-model.safetensors", "rng/rank_00000.json"])  # fmt: skip
+    write_manifest(tmp, manifest_of(step), [MODEL_0, "rng/rank_00000.json"])
     return publish(root, tmp, name)
 
 
@@ -79,7 +107,7 @@ def test_newest_intact_skips_a_corrupt_checkpoint_with_a_warning(tmp_path):
     root = str(tmp_path)
     save(root, 2)
     newest = save(root, 4)
-    flip(os.path.join(newest, "layer_000-model.safetensors"))
+    flip(os.path.join(newest, MODEL_0))
     warnings: list[str] = []
     assert newest_intact(root, warnings.append) == os.path.join(root, "step_00000002")
     assert warnings == [f"skipping checkpoint {newest}: layer_000-model.safetensors: SHA-256 "
@@ -123,3 +151,91 @@ def test_choose_resume_modes(tmp_path):
     run.checkpoint.dir = str(tmp_path / "elsewhere")
     run.checkpoint.resume = "auto"
     assert checkpoint_root(run) == str(tmp_path / "elsewhere") and choose_resume(run) is None
+
+
+def test_auto_resume_never_picks_a_checkpoint_holding_nan(tmp_path):
+    run = RunConfig()
+    run.log.dir = str(tmp_path / "log")
+    root = checkpoint_root(run)
+    step2 = save(root, 2)
+    step4 = save(root, 4, value=float("nan"))  # the loss diverged before this save
+    warnings: list[str] = []
+    assert newest_intact(root, warnings.append) == step2
+    assert warnings == [f"skipping checkpoint {step4}: {MODEL_0}: holds non-finite values: "
+                        "layers.0.w"]  # fmt: skip
+    assert choose_resume(run) == step2
+    run.checkpoint.resume = step4
+    with pytest.raises(CheckpointError) as e:
+        choose_resume(run)
+    assert str(e.value) == f"{step4}/{MODEL_0}: holds non-finite values: layers.0.w"
+
+
+def _latest_a_directory(root: str) -> None:
+    os.remove(f"{root}/latest")
+    os.mkdir(f"{root}/latest")
+
+
+def _latest_a_link(root: str) -> None:
+    os.remove(f"{root}/latest")
+    os.symlink(f"{root}/{step_dir_name(2)}", f"{root}/latest")
+
+
+def _file(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("x")
+
+
+ROOT_DAMAGE = {
+    "latest is a directory": (_latest_a_directory, "latest: is not a regular file"),
+    "latest is a symbolic link": (_latest_a_link, "latest: is not a regular file"),
+    "a step directory is a symbolic link": (
+        lambda root: os.symlink(f"{root}/{step_dir_name(2)}", f"{root}/step_00000009"),
+        "step_00000009: is a symbolic link; dsnd writes step directories itself"),
+    "a step entry is a file": (lambda root: _file(f"{root}/step_00000009"),
+                               "step_00000009: is not a directory;"),
+    "a temporary step entry is a file": (lambda root: _file(f"{root}/.tmp-step_00000009"),
+                                         ".tmp-step_00000009: is not a directory;"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ROOT_DAMAGE)
+def test_check_root_refuses_what_a_save_would_die_on(tmp_path, case):
+    root = str(tmp_path / "ckpt")
+    check_root(root)  # missing: the first save makes it
+    save(root, 2)
+    check_root(root)
+    damage, message = ROOT_DAMAGE[case]
+    damage(root)
+    with pytest.raises(CheckpointError) as e:
+        check_root(root)
+    assert str(e.value).startswith(f"{root}/{message}"), str(e.value)
+
+
+def test_check_root_refuses_a_file_as_root(tmp_path):
+    _file(str(tmp_path / "file"))
+    with pytest.raises(CheckpointError) as e:
+        check_root(str(tmp_path / "file"))
+    assert str(e.value) == f"{tmp_path / 'file'}: exists and is not a directory (checkpoint.dir)"
+
+
+def test_symlinked_step_directories_are_not_checkpoints(tmp_path):
+    root = str(tmp_path / "ckpt")
+    elsewhere = save(str(tmp_path / "other"), 7)
+    step2 = save(root, 2)
+    link = os.path.join(root, step_dir_name(9))
+    os.symlink(elsewhere, link)
+    assert committed(root) == [step2]
+    assert newest_intact(root, pytest.fail) == step2
+    with pytest.raises(CheckpointError) as e:
+        resolve_step_dir(link)
+    assert str(e.value) == (f"{link}: is a symbolic link; give the step directory itself (a load "
+                            "reads only real directories)")  # fmt: skip
+    (tmp_path / "ckpt" / "latest").write_text(step_dir_name(9) + "\n")
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        resolve_step_dir(root)
+    warnings: list[str] = []
+    assert newest_intact(root, warnings.append) == step2
+    assert warnings == [f"skipping checkpoint {link}: is a symbolic link"]
+    os.symlink(step2, tmp_path / "best")  # a link to a step directory under another name
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        resolve_step_dir(str(tmp_path / "best"))

@@ -1,7 +1,7 @@
 """`dsnd ckpt inspect | verify | export` on real checkpoints, built here without training.
 
-A fixture writes what a save writes (per-layer safetensors of a seeded `build_model`, an
-optimizer file, an RNG file, a manifest through `commit.write_manifest`, a root with `latest`);
+A fixture writes what a save writes (per-layer safetensors of a seeded `build_model` and its
+optimizer state, an RNG file, a manifest through `commit.write_manifest`, a root with `latest`);
 then every file in turn is damaged and each command must say which, with exact exit codes. The
 export must load in `transformers` and give the dsnd model's logits.
 """
@@ -28,6 +28,7 @@ STEP = 10
 PRESET_NAMES = ("llama-tiny", "gpt2-tiny")
 MODEL_1, OPTIM_1, RNG_0 = model_file(1), optim_file(1), rng_file(0)
 FILES = [MODEL_1, OPTIM_1, RNG_0, "manifest.json", "manifest.sha256"]
+KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def _layer_of(name: str) -> int:
@@ -45,16 +46,13 @@ def write_checkpoint(root: str, preset: str) -> str:
     files, params = [], {}
     for layer, tensors in sorted(by_layer.items()):
         save_file(tensors, os.path.join(step_dir, model_file(layer)))
-        files.append(model_file(layer))
+        optim = {f"{n}.{k}": torch.full_like(t, 0.5) for n, t in tensors.items() for k in KEYS}
+        save_file(optim, os.path.join(step_dir, optim_file(layer)))
+        files += [model_file(layer), optim_file(layer)]
         params |= {
-            n: {"file": model_file(layer), "shape": list(t.shape)} for n, t in tensors.items()
+            n: {"file": model_file(layer), "shape": list(t.shape), "dtype": "F32"}
+            for n, t in tensors.items()
         }
-    optim = {
-        f"{n}.{k}": torch.zeros_like(t)
-        for n, t in by_layer[1].items()
-        for k in ("exp_avg", "exp_avg_sq")
-    }
-    save_file(optim, os.path.join(step_dir, OPTIM_1))
     with open(os.path.join(step_dir, RNG_0), "w", encoding="utf-8") as f:
         json.dump({"python": [3, [1, 2, 3], None], "torch": [0, 1, 2], "numpy": None}, f)
     n = dims.num_layers + 3
@@ -69,11 +67,11 @@ def write_checkpoint(root: str, preset: str) -> str:
         "versions": {"dsnd": "0.0-test", "torch": torch.__version__},
         "config": {"run": {}, "deepspeed": {}},
         "corpus": {"name": "t", "tokens": 1, "sha256": ""},
-        "trainer": {},
+        "trainer": {"optimizer_step": STEP, "lr": 1e-3, "lr_scheduler": None, "betas": [0.9, 0.95]},
         "params": params,
-        "optim_keys": ["exp_avg", "exp_avg_sq"],
+        "optim_keys": list(KEYS),
     }
-    write_manifest(step_dir, manifest, [*files, OPTIM_1, RNG_0])
+    write_manifest(step_dir, manifest, [*files, RNG_0])
     with open(os.path.join(root, "latest"), "w", encoding="utf-8") as f:
         f.write(step_dir_name(STEP) + "\n")
     return step_dir
@@ -121,11 +119,11 @@ def test_verify_ok_on_root_and_step_dir(capsys, ckpt, pristine):
     for where in (root, step_dir):
         rc, out, err = run(capsys, "ckpt", "verify", where)
         assert (rc, err) == (0, "")
-        # 7 layer files (embedding, 4 blocks, norm, head) + optim + rng + the manifest's two
-        assert out == f"ok: {step_dir} (11 files)\n"
-    gpt2 = pristine["gpt2-tiny"]  # tied: the head's layer holds no tensor, so no file
+        # 7 layers (embedding, 4 blocks, norm, head) x (model, optim) + rng + the manifest's two
+        assert out == f"ok: {step_dir} (17 files)\n"
+    gpt2 = pristine["gpt2-tiny"]  # tied: the head's layer holds no tensor, so no files
     rc, out, _ = run(capsys, "ckpt", "verify", gpt2)
-    assert (rc, out) == (0, f"ok: {os.path.join(gpt2, step_dir_name(STEP))} (10 files)\n")
+    assert (rc, out) == (0, f"ok: {os.path.join(gpt2, step_dir_name(STEP))} (15 files)\n")
 
 
 @pytest.mark.parametrize("file", FILES)
@@ -222,12 +220,12 @@ def test_inspect_summary(capsys, ckpt):
     ]
     assert lines[8] == "files"
     rows = {line.split()[0]: line.split() for line in lines[9:-1]}
-    assert len(rows) == 11
+    assert len(rows) == 17
     embed = os.path.getsize(os.path.join(step_dir, model_file(0)))  # 256 x 64 fp32 + header
     assert rows[model_file(0)][1:] == [f"{embed / 1024:.1f}", "KiB", "ok"]
     assert all(row[-1] == "ok" for row in rows.values())
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
-    assert lines[-1] == f"total  11 files, {total / 2**20:.1f} MiB"
+    assert lines[-1] == f"total  17 files, {total / 2**20:.1f} MiB"
 
 
 def test_inspect_json(capsys, ckpt):
