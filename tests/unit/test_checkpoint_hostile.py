@@ -193,6 +193,7 @@ def test_an_optimizer_file_no_checksum_covers(capsys, ckpt):
         (lambda e: e.update(bytes="12"),
          "'bytes' of its entry in the manifest's files is '12', expected a non-negative integer"),
     ],
+    ids=["no sha256", "bytes a string"],
 )  # fmt: skip
 def test_a_malformed_files_entry(capsys, ckpt, edit, what):
     _, step_dir = ckpt
