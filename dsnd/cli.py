@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train in the world this process's launcher describes")
     _add_config_args(train)
+    train.add_argument(
+        "--job-id",
+        help="the job this rank belongs to (set by dsnd launch; default: DSND_JOB_ID, "
+        "TORCHELASTIC_RUN_ID or SLURM_JOB_ID): a restart resumes the job's own newest checkpoint",
+    )
 
     launch = sub.add_parser("launch", help="check the config, then start every rank")
     _add_config_args(launch)
@@ -86,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--include", help="DeepSpeed resource filter, e.g. host1@host2:0,1")
     launch.add_argument("--exclude", help="DeepSpeed resource filter")
     launch.add_argument("--master-addr", help="rendezvous address (default: the first host)")
-    launch.add_argument("--master-port", type=int, default=29500)
+    launch.add_argument(
+        "--master-port",
+        type=int,
+        help="rendezvous port (default: a free port for --nprocs, 29500 with --hostfile)",
+    )
     launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     launch.add_argument("--json", action="store_true", help="with --dry-run: machine-readable")
 
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from dsnd.commands.train import run_train
 
-            return run_train(args.config, args.sets, setup_logging)
+            return run_train(args.config, args.sets, setup_logging, args.job_id)
         if args.command == "bench":
             from dsnd.commands.bench import run_bench
 

@@ -1,9 +1,23 @@
-"""The one exception type for bad user input.
+"""The one exception type for bad user input, and the exit codes of a rank.
 
 Anything a user can fix (a config key, a hostfile line, a batch size) raises `UserError` with a
 one-line message naming the file, key or line and the numbers involved. The CLI turns it into
 ``dsnd: error: <message>`` on stderr and exit code 2, with no traceback.
+
+A rank's exit code tells its launcher why it ended, so that the job's one-line diagnosis names
+the rank that failed first, and a restart is not wasted on a run that would fail again:
+
+    0  done (or stopped on request, with a checkpoint)
+    1  this rank failed (an exception of its own: a bug, a full disk, ...)
+    2  bad input, found before any process group started
+    3  training diverged (a non-finite loss or gradient norm): restarting would diverge again
+    4  a peer failed first (a collective lost its connection or timed out)
 """
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_PEER_FAILED = 4
 
 
 class UserError(Exception):
@@ -11,3 +25,10 @@ class UserError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))  # always exactly one line
+
+
+class Diverged(Exception):
+    """Training produced a non-finite loss, gradient norm or model state (exit code 3)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))

@@ -87,6 +87,14 @@ class RankLogFile:
             if lg.getEffectiveLevel() > logging.INFO:  # console handlers keep their own level
                 lg.setLevel(logging.INFO)
 
+    def exception(self, message: str, *args) -> None:
+        """The exception being handled, with its traceback, into this file only (the console
+        gets what the caller decides)."""
+        record = logging.getLogger("dsnd").makeRecord(
+            "dsnd", logging.ERROR, __file__, 0, message, args, sys.exc_info()
+        )
+        self.handler.handle(record)
+
     def close(self) -> None:
         for lg, level in zip(self.loggers, self.saved_levels, strict=True):
             lg.removeHandler(self.handler)

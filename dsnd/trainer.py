@@ -29,15 +29,17 @@ from dsnd.checkpoint.commit import remove_temporaries
 from dsnd.checkpoint.load import load_checkpoint
 from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.save import save_checkpoint
+from dsnd.config.deepspeed_json import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.data.token_file import check_vocab
 from dsnd.dist.groups import ProcessGroups
+from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.metrics import MetricsWriter, TensorBoardWriter
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
-from dsnd.progress import Progress, RankLogFile
+from dsnd.progress import Progress
 from dsnd.secrets import mask_config
 from dsnd.stop_request import StopRequest
 from dsnd.telemetry import gather_stats, step_numbers, stop_agreed
@@ -97,17 +99,29 @@ def _should_save(run, done: int) -> bool:
     return done == run.train.steps or (every > 0 and done % every == 0)
 
 
+def check_finite(step: int, loss: float, norm: float | None) -> None:
+    """Diverged (on every rank alike: loss and norm are global) when the step's loss or gradient
+    norm is NaN or infinite: every later step would be garbage, and no checkpoint may hold it."""
+    if not math.isfinite(loss) or (norm is not None and not math.isfinite(norm)):
+        raise Diverged(f"training diverged at step {step}: loss {loss}, grad_norm {norm}; "
+                       "stopped without saving this state (lower the learning rate, then resume "
+                       "from the last checkpoint)")  # fmt: skip
+
+
 def train(
     res: Resolved,
     groups: ProcessGroups,
     resume: str | None = None,
     stop: StopRequest | None = None,
+    job_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """Train up to `train.steps` optimizer steps, from the checkpoint `resume` (a verified step
     directory) if given; returns the metric rows of the steps run (identical on every rank).
+    Checkpoints record `job_id`, so that a restart of this job finds its own.
 
     When `stop` is requested on any rank (SIGTERM, Ctrl-C), every rank finishes the same step,
-    a checkpoint is saved there, and training ends early (the last row has "stopped": True)."""
+    a checkpoint is saved there, and training ends early (the last row has "stopped": True).
+    A non-finite loss or gradient norm raises Diverged before anything of that step is saved."""
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
@@ -115,7 +129,6 @@ def train(
     samples, held_out = split_samples(corpus, run)
     root = checkpoint_root(run)
     is_writer = dist.get_rank() == 0
-    logfile = RankLogFile(run.log.dir, dist.get_rank(), groups.coord)
     if is_writer:
         for name in remove_temporaries(root):
             log.warning("removed %s/%s, left by a save that did not finish", root, name)
@@ -149,6 +162,8 @@ def train(
             run.model.preset, corpus.name, len(samples), res.topology.pp, res.topology.dp,
             res.topology.tp, zero_stage(engine), res.batch,
         )  # fmt: skip
+        for note in deepspeed_notes(res.ds):
+            log.warning(note)
     rows = []
     progress = Progress(start, run.train.steps, run.log.every) if is_writer else None
     try:
@@ -161,6 +176,7 @@ def train(
             )  # fmt: skip
             result = runner.run(micro)
             loss, norm = runner.report(result)
+            check_finite(step + 1, loss, norm)
             elapsed = time.perf_counter() - t0
             stats = gather_stats(result.times, engine, stop is not None and stop.requested)
             numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step,
@@ -195,7 +211,7 @@ def train(
             if progress:
                 progress.update(row)
             if _should_save(run, step + 1) or stopping:
-                saved = save_checkpoint(engine, res, groups, step + 1, root, corpus)
+                saved = save_checkpoint(engine, res, groups, step + 1, root, corpus, job_id)
                 if saved:
                     log.info("checkpoint %s committed", saved)
             if stopping:
@@ -208,7 +224,6 @@ def train(
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             export_hf(engine.module, run.checkpoint.export_hf, res.dims, groups.data)
     finally:
-        logfile.close()
         if writer:
             writer.close()
         if board:

@@ -1,11 +1,29 @@
-"""Which checkpoint a run starts from (`checkpoint.resume`), decided before any rank starts."""
+"""Which checkpoint a run starts from (`checkpoint.resume` and the job id), decided before any
+rank starts, and whether that checkpoint belongs to this run.
+
+A job restarted after a failure (by `dsnd launch --max-restarts`, torchrun or a Slurm requeue)
+keeps its job id; its newest committed checkpoint is then the only right place to continue from,
+whatever `checkpoint.resume` says: `auto` would also do, but a path would start the fine-tune
+over and `never` would start from random weights, losing the job's own progress. Checkpoints
+written by other jobs are taken only as `checkpoint.resume` allows.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 
-from dsnd.checkpoint.layout import check_intact, newest_intact, resolve_step_dir
+from dsnd.checkpoint.layout import (
+    CheckpointError,
+    check_intact,
+    committed,
+    newest_intact,
+    read_manifest,
+    resolve_step_dir,
+    verify,
+)
 from dsnd.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -16,13 +34,35 @@ def checkpoint_root(run: RunConfig) -> str:
     return run.checkpoint.dir or os.path.join(run.log.dir, "checkpoints")
 
 
-def choose_resume(run: RunConfig) -> str | None:
+def newest_of_job(root: str, job_id: str, warn: Callable[[str], None]) -> str | None:
+    """The newest committed, intact checkpoint under `root` that job `job_id` wrote."""
+    for step_dir in committed(root):
+        try:
+            if read_manifest(step_dir).get("job_id") != job_id:
+                continue
+        except CheckpointError:
+            continue  # a damaged manifest: `verify` below would say the same
+        problems = verify(step_dir)
+        if not problems:
+            return step_dir
+        warn(f"skipping checkpoint {step_dir}: {problems[0]}")
+    return None
+
+
+def choose_resume(run: RunConfig, job_id: str | None = None) -> str | None:
     """The step directory to resume from, or None to start fresh.
 
-    auto: the newest committed checkpoint under the root that verifies (corrupt ones are skipped
-    with a warning); never: none; anything else is a path (a root, meaning its `latest`, or a step
-    directory) that must verify, else CheckpointError (exit 2) naming the file.
+    First the newest intact checkpoint this job (`job_id`) committed, if any. Otherwise
+    `checkpoint.resume`: auto: the newest committed checkpoint under the root that verifies
+    (corrupt ones are skipped with a warning); never: none; anything else is a path (a root,
+    meaning its `latest`, or a step directory) that must verify, else CheckpointError (exit 2)
+    naming the file.
     """
+    if job_id is not None:
+        own = newest_of_job(checkpoint_root(run), job_id, log.warning)
+        if own is not None:
+            log.info("job %s resumes its own newest checkpoint %s", job_id, own)
+            return own
     mode = run.checkpoint.resume
     if mode == "never":
         return None
@@ -31,3 +71,53 @@ def choose_resume(run: RunConfig) -> str | None:
     step_dir = resolve_step_dir(mode)
     check_intact(step_dir)
     return step_dir
+
+
+# What a resumed run must share with the checkpoint's run, and what it may change. The layout
+# (parallel.*, ZeRO stage, micro-batch and accumulation) may change: checkpoints are layout-free.
+MUST_MATCH_ALWAYS = ("model",)  # the architecture: the tensors would not even fit
+MUST_MATCH_IMPLICITLY = ("train.seed", "data.path", "data.format", "data.text_field",
+                         "data.max_bytes")  # fmt: skip
+WARN_RUN = ("model.seq_len", "train.lr_scaling", "train.lr_reference_batch")
+WARN_DS = ("train_batch_size", "optimizer", "scheduler", "gradient_clipping", "bf16", "bfloat16")
+
+
+def _dotted(config: dict, key: str):
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _differences(keys: tuple[str, ...], now: dict, then: dict) -> list[str]:
+    return [f"{k} {_dotted(then, k)!r} -> {_dotted(now, k)!r}"
+            for k in keys if _dotted(now, k) != _dotted(then, k)]  # fmt: skip
+
+
+def compare_with_checkpoint(run: RunConfig, ds: dict, dims: dict, manifest: dict, step_dir: str,
+                            explicit: bool) -> list[str]:  # fmt: skip
+    """Refuse (CheckpointError) a resume that would be meaningless; return warnings for the rest.
+
+    The model's shape must always match. The seed and the data must match when the checkpoint
+    was found rather than named (`auto`: most likely another run's directory); a checkpoint
+    named by path may be continued on other data or another seed, with a warning.
+    """
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    then_run, then_ds = config.get("run") or {}, config.get("deepspeed") or {}
+    now_run = dataclasses.asdict(run)
+    model = [f"{k} {manifest.get('model', {}).get(k)!r} -> {v!r}"
+             for k, v in dims.items() if manifest.get("model", {}).get(k) != v]  # fmt: skip
+    if model:
+        raise CheckpointError(f"{step_dir}: written for another model ({', '.join(model)}); "
+                              "resume it with the same model, or start fresh with "
+                              "checkpoint.resume=never or another checkpoint.dir")  # fmt: skip
+    strict = _differences(MUST_MATCH_IMPLICITLY, now_run, then_run)
+    if strict and not explicit:
+        raise CheckpointError(
+            f"{step_dir}: written by a run with other settings ({', '.join(strict)}); name it "
+            "in checkpoint.resume to continue from it anyway, or start fresh with "
+            "checkpoint.resume=never or another checkpoint.dir"
+        )
+    warn = strict + _differences(WARN_RUN, now_run, then_run)
+    warn += [f"ds.{d}" for d in _differences(WARN_DS, ds, then_ds)]
+    return warn

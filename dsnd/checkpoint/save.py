@@ -8,6 +8,7 @@ file; rank 0 then writes the manifest and commits (dsnd/checkpoint/commit.py).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import platform
@@ -28,19 +29,28 @@ from dsnd.checkpoint.state import full_state, optim_keys, optimizer_step
 from dsnd.config.resolve import Resolved
 from dsnd.data.corpus import Corpus
 from dsnd.dist.groups import ProcessGroups
+from dsnd.errors import Diverged
 from dsnd.model.specs import layer_of
 from dsnd.pipeline.stage import stage_parts
 from dsnd.secrets import mask_config
 
-# Test hook (tests/dist/test_checkpoint_*.py): "STEP:RANK" makes that rank SIGKILL itself in the
-# middle of that step's save, after writing its own files and before the commit.
+# the dtype names safetensors writes in its header (the manifest records what it wrote)
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+# Test hooks (tests/integration): "STEP:RANK" makes that rank SIGKILL itself in the middle of
+# that step's save, after writing its own files and before the commit (FAULT_ENV), or find its
+# disk full (ENOSPC) when it starts writing them (FULL_DISK_ENV), so that the launcher's
+# diagnosis of which rank failed first can be checked against the rank that really did.
 FAULT_ENV = "DSND_FAULT_KILL_IN_SAVE"
+FULL_DISK_ENV = "DSND_FAULT_FULL_DISK_IN_SAVE"
 
 
-def _fault_point(step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec == f"{step}:{dist.get_rank()}":
+def _fault_point(step: int, env: str, tmp: str) -> None:
+    if os.environ.get(env) != f"{step}:{dist.get_rank()}":
+        return
+    if env == FAULT_ENV:
         os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tmp)
 
 
 def _write_tensors(step_dir: str, name: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -48,12 +58,14 @@ def _write_tensors(step_dir: str, name: str, tensors: dict[str, torch.Tensor]) -
     return name
 
 
-def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, keys: list) -> dict:
+def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, keys: list,
+              job_id: str | None) -> dict:  # fmt: skip
     sched = engine.lr_scheduler
     group = engine.optimizer.param_groups[0]
     return {
         "format": FORMAT,
         "step": step,
+        "job_id": job_id,
         "consumed_samples": step * res.batch.train,
         "topology": {
             "pp": res.topology.pp,
@@ -88,9 +100,19 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
     }
 
 
+def _all_finite(finite: bool, device) -> bool:
+    """True on every rank when `finite` is True on every rank (collective)."""
+    flag = torch.tensor([1.0 if finite else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
 def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, root: str,
-                    corpus: Corpus) -> str | None:  # fmt: skip
-    """Write and commit `root/step_<step>`; returns its path on rank 0 (None elsewhere)."""
+                    corpus: Corpus, job_id: str | None = None) -> str | None:  # fmt: skip
+    """Write and commit `root/step_<step>`; returns its path on rank 0 (None elsewhere).
+
+    A state holding NaN or infinity is never committed: Diverged on every rank instead, the
+    temporary directory removed and `latest` untouched."""
     name = step_dir_name(step)
     tmp = temporary_dir(root, name)
     rank = dist.get_rank()
@@ -102,13 +124,22 @@ def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, roo
     keys = optim_keys(engine)
     layers: dict[int, tuple[dict, dict]] = {}
     params: dict[str, dict] = {}
+    finite = True
     for pname, value, states in full_state(engine, engine.module, keys, groups.tensor):
+        finite = finite and all(bool(torch.isfinite(t).all()) for t in (value, *states.values()))
         if writer:
             layer = layer_of(pname, engine.module)
             model, optim = layers.setdefault(layer, ({}, {}))
             model[pname] = value.contiguous()
             optim.update({f"{pname}.{k}": v.contiguous() for k, v in states.items()})
-            params[pname] = {"file": model_file(layer), "shape": list(value.shape)}
+            params[pname] = {"file": model_file(layer), "shape": list(value.shape),
+                             "dtype": SAFETENSORS_DTYPES[value.dtype]}  # fmt: skip
+    if not _all_finite(finite, engine.device):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise Diverged(f"step {step}: the model or optimizer state holds NaN or infinite values; "
+                       "not saved (the last committed checkpoint stays latest)")  # fmt: skip
+    _fault_point(step, FULL_DISK_ENV, tmp)
     files = []
     for layer, (model, optim) in sorted(layers.items()):
         files.append(_write_tensors(tmp, model_file(layer), model))
@@ -116,14 +147,15 @@ def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, roo
             files.append(_write_tensors(tmp, optim_file(layer), optim))
     write_atomic(os.path.join(tmp, rng_file(rank)), json.dumps(rng.capture()).encode())
     files.append(rng_file(rank))
-    _fault_point(step)
+    _fault_point(step, FAULT_ENV, tmp)
     everyone: list | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((files, params), everyone, dst=0)
     final = None
     if everyone is not None:
         all_files = sorted(f for fs, _ in everyone for f in fs)
         all_params = {k: v for _, ps in everyone for k, v in ps.items()}
-        write_manifest(tmp, _manifest(res, engine, step, corpus, all_params, keys), all_files)
+        manifest = _manifest(res, engine, step, corpus, all_params, keys, job_id)
+        write_manifest(tmp, manifest, all_files)
         final = publish(root, tmp, name)
         prune(root, res.run.checkpoint.keep)
     dist.barrier()  # nobody moves on (or exits) before the checkpoint is committed

@@ -22,13 +22,17 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable
 
-from dsnd.checkpoint.resume import checkpoint_root, choose_resume
+from dsnd.checkpoint.resume import checkpoint_root
+from dsnd.checkpoint.root import probe_lock
+from dsnd.commands.prestart import check_before_start
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.errors import UserError
+from dsnd.config.schema import RunConfig
+from dsnd.errors import EXIT_DIVERGED, UserError
 from dsnd.launch import commands, preflight
 from dsnd.launch.environment import describe, passed_env
 from dsnd.launch.hostfile import (
@@ -37,12 +41,14 @@ from dsnd.launch.hostfile import (
     read_deepspeed_env,
     select_slots,
 )
+from dsnd.launch.local_ranks import free_port
 from dsnd.launch.protocol import AgentSpec
 from dsnd.launch.rank_table import format_rank_table, rank_rows
 from dsnd.launch.supervisor import AgentLaunch, supervise
 from dsnd.pipeline.stage import check_stages
 
 LOCALHOST = "127.0.0.1"
+DEFAULT_PORT = 29500
 PREFLIGHT_TIMEOUT_S = 60
 
 
@@ -60,11 +66,48 @@ def _only_this_machine(slots: dict[str, list[int]]) -> bool:
     return len(slots) == 1 and next(iter(slots)) in ("localhost", LOCALHOST)
 
 
-def _train_args(config: str | None, sets: list[str]) -> list[str]:
-    args = ["--config", os.path.abspath(config)] if config else []
-    for item in sets:
-        args += ["--set", item]
-    return args
+PATH_KEYS = ("data.path", "model.init_from", "checkpoint.dir", "checkpoint.export_hf", "log.dir")
+
+
+def absolute_path_sets(run: RunConfig, sets: list[str], cwd: str) -> list[str]:
+    """`--set KEY=/abs/path` for each relative path of the run config (and a relative
+    `--set deepspeed=`), resolved against the launch's directory once: every attempt of the job
+    then reads and writes the same files, even when that directory is gone by a restart."""
+    values = {key: getattr(getattr(run, key.split(".")[0]), key.split(".")[1])
+              for key in PATH_KEYS}  # fmt: skip
+    if run.checkpoint.resume not in ("auto", "never"):
+        values["checkpoint.resume"] = run.checkpoint.resume
+    if any(item.partition("=")[0].strip() == "deepspeed" for item in sets):
+        values["deepspeed"] = run.deepspeed
+    return [f"{key}={os.path.join(cwd, value)}" for key, value in values.items()
+            if value and not os.path.isabs(value)]  # fmt: skip
+
+
+def _train_args(args: argparse.Namespace, sets: list[str]) -> list[str]:
+    """`dsnd train` arguments of every rank: the config (made absolute once, at the start), the
+    `--set`s, their relative paths made absolute, and the job id every attempt shares."""
+    out = ["--config", args.config] if args.config else []
+    for item in [*sets, *args.path_sets]:
+        out += ["--set", item]
+    return [*out, "--job-id", args.job_id]
+
+
+def new_job_id() -> str:
+    """A launch's job id: when it started, and random bits (unique across launches)."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def _settle(args: argparse.Namespace) -> None:
+    """Fix once what every attempt must share: the working directory and config path (a
+    directory deleted mid-run must not stop a restart: os.getcwd() would fail then), the
+    job id, and the rendezvous port (a free one for --nprocs, as torchrun --standalone does)."""
+    args.cwd = os.getcwd()
+    args.config = os.path.abspath(args.config) if args.config else None
+    args.job_id = new_job_id()
+    if args.master_port is None:
+        args.master_port = free_port() if args.nprocs is not None else DEFAULT_PORT
+    elif not 1 <= args.master_port <= 65535:
+        raise UserError(f"--master-port must be in 1..65535, got {args.master_port}")
 
 
 def _slots(args: argparse.Namespace) -> dict[str, list[int]]:
@@ -89,7 +132,7 @@ def external_argv(
     args: argparse.Namespace, slots: dict[str, list[int]], env: dict[str, str], sets: list[str]
 ) -> list[str]:
     """`deepspeed` or `mpirun` argv for the pdsh / openmpi / mpich launchers."""
-    train_args = _train_args(args.config, sets)
+    train_args = _train_args(args, sets)
     addr = _master_addr(args, slots)
     if args.nprocs is not None:
         argv = commands.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
@@ -115,21 +158,23 @@ def agent_launches(
     sets: list[str],
 ) -> list[AgentLaunch]:
     """One dsnd agent per host: where it runs and what it starts (ranks in placement order)."""
-    program = [sys.executable, "-u", "-m", "dsnd", "train", *_train_args(args.config, sets)]
+    program = [sys.executable, "-u", "-m", "dsnd", "train", *_train_args(args, sets)]
     world = sum(len(s) for s in slots.values())
     launches, first = [], 0
     for host, host_slots in slots.items():
         ranks = list(range(first, first + len(host_slots)))
         first += len(host_slots)
         spec = AgentSpec(host, ranks, world, _master_addr(args, slots), args.master_port, program,
-                         os.getcwd(), env, res.run.dist.timeout_s)  # fmt: skip
-        launches.append(AgentLaunch(host, _module_argv(slots, host, "dsnd.launch.agent"), spec))
+                         args.cwd, env, res.run.dist.timeout_s)  # fmt: skip
+        argv = _module_argv(args, slots, host, "dsnd.launch.agent")
+        launches.append(AgentLaunch(host, argv, spec))
     return launches
 
 
-def _module_argv(slots: dict[str, list[int]], host: str, module: str) -> list[str]:
+def _module_argv(args: argparse.Namespace, slots: dict[str, list[int]], host: str,
+                 module: str) -> list[str]:  # fmt: skip
     remote = None if _only_this_machine(slots) else host
-    return commands.python_module_argv(remote, sys.executable, module, os.getcwd(),
+    return commands.python_module_argv(remote, sys.executable, module, args.cwd,
                                        os.environ.get("PYTHONPATH"))  # fmt: skip
 
 
@@ -147,19 +192,21 @@ def _ask(argv: list[str], request: dict) -> dict | str:
         return f"{shlex.join(argv[:4])} ... exited with code {proc.returncode}: {said}".rstrip()
 
 
-def run_preflight(
-    launches: list[AgentLaunch], slots: dict[str, list[int]], res: Resolved
-) -> list[str]:
-    """Every host's report, checked; the marker file in the checkpoint directory is removed."""
+def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
+                  slots: dict[str, list[int]], res: Resolved) -> list[str]:  # fmt: skip
+    """Every host's report, checked; the marker file in the checkpoint directory is removed.
+    Problems of this machine's own (a checkpoint directory it cannot write, one another run
+    holds) are lines too, never a traceback."""
     root = os.path.abspath(checkpoint_root(res.run))
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError as e:
-        return [f"checkpoint directory {root}: cannot create it ({e.strerror})"]
     marker, nonce = preflight.MARKER_PREFIX + uuid.uuid4().hex[:12], uuid.uuid4().hex
     path = os.path.join(root, marker)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(nonce)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(nonce)
+    except OSError as e:
+        return [f"checkpoint directory {root} is not writable here ({e.strerror or e})"]
+    held = probe_lock(root)
     base = {"port": launches[0].spec.master_port, "dir": root, "marker": marker, "nonce": nonce}
     requests = {a.host: {**base, "addr": a.spec.master_addr if i == 0 else None}
                 for i, a in enumerate(launches)}  # fmt: skip
@@ -170,13 +217,14 @@ def run_preflight(
                 if _only_this_machine(slots):
                     futures[a.host] = pool.submit(preflight.probe, requests[a.host])
                 else:
-                    argv = _module_argv(slots, a.host, "dsnd.launch.preflight")
+                    argv = _module_argv(args, slots, a.host, "dsnd.launch.preflight")
                     futures[a.host] = pool.submit(_ask, argv, requests[a.host])
             reports = {host: f.result() for host, f in futures.items()}
     finally:
         os.remove(path)
-    return preflight.problems(reports, preflight.versions(),
-                              {**base, "addr": launches[0].spec.master_addr})  # fmt: skip
+    lines = preflight.problems(reports, preflight.versions(),
+                               {**base, "addr": launches[0].spec.master_addr})  # fmt: skip
+    return lines + ([held] if held else [])
 
 
 def _run(argv: list[str], env: dict[str, str], forwarded: list[str]) -> int:
@@ -198,17 +246,19 @@ def _run(argv: list[str], env: dict[str, str], forwarded: list[str]) -> int:
 
 def with_restarts(attempt: Callable[[list[str]], tuple[str | None, bool]], sets: list[str],
                   max_restarts: int) -> int:  # fmt: skip
-    """Run `attempt(sets)` -> (failure line or None, stopped on request) until it succeeds, was
-    stopped on request, or `max_restarts` relaunches have failed too. A relaunch resumes from
-    the newest committed checkpoint (`checkpoint.resume=auto`)."""
+    """Run `attempt(sets)` -> (failure line or None, final) until it succeeds, or fails in a
+    way a restart cannot mend (`final`: stopped on request, or training diverged), or
+    `max_restarts` relaunches have failed too. Every attempt runs with the same `--job-id`, so
+    a relaunch resumes the newest checkpoint this job committed (its ranks choose it: see
+    `dsnd.checkpoint.resume`); before the job committed one, it starts as the first attempt did."""
     for i in range(max_restarts + 1):
-        failure, stopped = attempt(sets if i == 0 else [*sets, "checkpoint.resume=auto"])
+        failure, final = attempt(sets)
         if failure is None:
             return 0
-        if stopped or i == max_restarts:
+        if final or i == max_restarts:
             break
         print(f"dsnd: attempt {i + 1} of {max_restarts + 1} failed: {failure}; restarting from "
-              "the last committed checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+              "this job's last committed checkpoint", file=sys.stderr, flush=True)  # fmt: skip
     print(f"dsnd: job failed: {failure}", file=sys.stderr, flush=True)
     return 1
 
@@ -232,12 +282,14 @@ def _print_plan(command: list[str], rows: list[dict], as_json: bool,
 def run_launch(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    _settle(args)
     env_file = read_deepspeed_env(deepspeed_env_paths(
-        os.path.expanduser("~"), os.getcwd(), os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+        os.path.expanduser("~"), args.cwd, os.environ.get("DS_ENV_FILE", ".deepspeed_env")
     ))  # fmt: skip
     slots = _slots(args)
     world = sum(len(s) for s in slots.values())
     res = resolve(load(args.config, args.sets), world)
+    args.path_sets = absolute_path_sets(res.run, args.sets, args.cwd)
     check_stages(res)
     rows = rank_rows(res.topology, commands.placement(slots))
     if args.launcher != "dsnd":
@@ -247,20 +299,21 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         agents = [{"host": a.host, "ranks": a.spec.ranks, "command": a.argv} for a in launches]
         return _print_plan(launches[0].spec.argv, rows, args.json, agents)
-    problems = run_preflight(launches, slots, res)
+    problems = run_preflight(args, launches, slots, res)
     if problems:
         for line in problems:
             print(f"dsnd: error: preflight: {line}", file=sys.stderr)
         return 2
-    # a checkpoint given by path must verify before any rank starts (exit 2 naming the file);
-    # with auto, a corrupt one is skipped now (warned) and again by every rank
-    choose_resume(res.run)
+    # the ranks' own checks, once here, so a bad input or checkpoint is one line before any
+    # rank starts (a checkpoint given by path must verify; auto skips corrupt ones, warned)
+    check_before_start(res, args.job_id)
     if env:
         print(f"dsnd: {describe(env)}", flush=True)
+    print(f"dsnd: job {args.job_id}", flush=True)
 
     def attempt(sets: list[str]) -> tuple[str | None, bool]:
         result = supervise(agent_launches(args, slots, res, env, sets))
-        return result.failure, result.stop_signal is not None
+        return result.failure, result.stop_signal is not None or result.diverged
 
     return with_restarts(attempt, args.sets, args.max_restarts)
 
@@ -269,13 +322,13 @@ def _launch_external(args, slots, env_file, rows, res) -> int:
     argv = external_argv(args, slots, env_file, args.sets)
     if args.dry_run:
         return _print_plan(argv, rows, args.json)
-    choose_resume(res.run)
+    check_before_start(res, args.job_id)
     forwarded: list[str] = []
 
     def attempt(sets: list[str]) -> tuple[str | None, bool]:
         argv = external_argv(args, slots, env_file, sets)
         rc = _run(argv, {**os.environ, **env_file}, forwarded)
         return (None if rc == 0 else f"{os.path.basename(argv[0])} exited with code {rc}",
-                bool(forwarded))  # fmt: skip
+                bool(forwarded) or rc == EXIT_DIVERGED)  # fmt: skip
 
     return with_restarts(attempt, args.sets, args.max_restarts)

@@ -1,45 +1,71 @@
-"""``dsnd train``: join the world this process's launcher describes and train."""
+"""``dsnd train``: join the world this process's launcher describes and train.
+
+Every check runs before the process group starts (`prestart`). Rank 0 holds the checkpoint
+root's lock for the whole run. After the start, how a rank ends is its exit code (see
+`dsnd.errors`): a divergence is one line and code 3 on every rank; a rank whose collective lost
+its peer says so in one line and exits 4, so that the launcher names the rank that failed first;
+any other exception is printed as usual and exits 1. Every rank's traceback also goes to its
+`log.dir/logs/rank_XXXXX.log`.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
+import traceback
+import uuid
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from dsnd.checkpoint.layout import read_manifest
-from dsnd.checkpoint.resume import choose_resume
+from dsnd.checkpoint.resume import checkpoint_root
+from dsnd.checkpoint.root import RootLock
+from dsnd.commands.prestart import check_before_start
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
+from dsnd.dist.discover import job_id as job_id_from_env
 from dsnd.dist.init import init_world, shutdown, world_info
-from dsnd.pipeline.stage import check_stages
-from dsnd.progress import rank_prefix, use_console_prefix
+from dsnd.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, Diverged
+from dsnd.progress import RankLogFile, rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
 
+# how torch.distributed reports a peer that died or stopped answering (gloo raises a plain
+# RuntimeError: "Connection closed by peer ...", "Timed out waiting ... for recv ...")
+_PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|[Tt]imed out|Socket Timeout|Broken pipe|"
+    r"Connection refused|NCCL communicator was aborted"
+)
 
-def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None]) -> int:
+
+def peer_failed(exc: BaseException) -> bool:
+    """True when `exc` says another rank failed (its connection closed, or a collective timed
+    out), rather than this rank."""
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
+    )
+
+
+def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None],
+              job_id: str | None = None) -> int:  # fmt: skip
     # from here on SIGTERM / Ctrl-C mean "save at the next step boundary and exit 0"
     with StopRequest() as stop:
-        return _run_train(config, sets, setup_logging, stop)
+        return _run_train(config, sets, setup_logging, stop, job_id)
 
 
-def _run_train(
-    config: str | None, sets: list[str], setup_logging: Callable[[int], None], stop: StopRequest
-) -> int:
-    info = world_info(dict(os.environ))
+def _run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None],
+               stop: StopRequest, job_id: str | None) -> int:  # fmt: skip
+    env = dict(os.environ)
+    info = world_info(env)
     setup_logging(info.rank)
-    # every check runs before the process group starts
     res = resolve(load(config, sets), info.world_size)
-    use_console_prefix(rank_prefix(info.rank, res.topology.coord(info.rank)),
+    coord = res.topology.coord(info.rank)
+    use_console_prefix(rank_prefix(info.rank, coord),
                        logging.INFO if info.rank == 0 else logging.WARNING)  # fmt: skip
-    check_stages(res)
-    data = res.run.data
-    if data.path and (
-        data.format == "tokens" or (data.format == "auto" and data.path.lower().endswith(".bin"))
-    ):
-        from dsnd.data.token_file import check_vocab, read_token_file
-
-        check_vocab(read_token_file(data.path, 0)[1]["vocab_size"], res.dims.vocab_size, data.path)
-    resume = choose_resume(res.run)  # a checksum failure of a given path ends here (exit 2)
+    job_id = job_id or job_id_from_env(env)
+    resume = check_before_start(res, job_id)  # a checksum failure of a given path ends here
     if resume is not None:
         step = read_manifest(resume)["step"]
         if step >= res.run.train.steps:
@@ -47,17 +73,44 @@ def _run_train(
                 print(f"dsnd: {resume} is at step {step}, train.steps={res.run.train.steps}: "
                       "nothing to train")  # fmt: skip
             return 0
-    elif res.run.model.init_from:
-        from dsnd.model.hf_io import check_hf_config
+    with RootLock(checkpoint_root(res.run)) as lock:
+        if info.rank == 0:
+            lock.acquire(job_id)
+        logfile = RankLogFile(res.run.log.dir, info.rank, coord)
+        try:
+            return _train_in_world(res, info, resume, stop, job_id, logfile)
+        finally:
+            logfile.close()
 
-        check_hf_config(res.run.model.init_from, res.dims)
 
+def _train_in_world(res, info, resume, stop, job_id, logfile: RankLogFile) -> int:
     from dsnd.dist.groups import build_groups
     from dsnd.trainer import train
 
-    init_world(info, res.run.dist.timeout_s, res.run.dist.backend)
     try:
-        train(res, build_groups(res.topology), resume, stop)
+        init_world(info, res.run.dist.timeout_s, res.run.dist.backend)
+        if job_id is None:  # no launcher named the job: rank 0 does, for the manifests
+            ids = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
+            dist.broadcast_object_list(ids, src=0)
+            job_id = ids[0]
+        train(res, build_groups(res.topology), resume, stop, job_id)
+        return 0
+    except Diverged as e:
+        logfile.exception("training diverged")
+        # every rank says it (any of them may be the first to exit, and its peers are then
+        # killed); a dsnd agent passes identical error lines of its host's ranks on once
+        print(f"dsnd: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
+    except Exception as e:
+        logfile.exception("rank %d failed", info.rank)
+        if peer_failed(e):
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"dsnd: rank {info.rank}: a peer failed first ({first[:200]}); traceback in "
+                  f"{logfile.path}", file=sys.stderr, flush=True)  # fmt: skip
+            return EXIT_PEER_FAILED
+        traceback.print_exc()
+        print(f"dsnd: rank {info.rank} failed; traceback also in {logfile.path}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return EXIT_FAILED
     finally:
         shutdown()
-    return 0

@@ -73,3 +73,18 @@ def discover(env: Mapping[str, str]) -> WorldInfo | None:
     if any(marker in env for marker in MPI_MARKERS):
         return None
     return WorldInfo(0, 1, 0, env.get("MASTER_ADDR", LOOPBACK), port, "single")
+
+
+JOB_ID_VARIABLES = ("DSND_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+"""Where a launcher says which job a rank belongs to: `dsnd launch` (one id for every attempt of
+its restarts), torchrun (its rendezvous id, the same for restarted workers; "none" when the user
+gave none) and Slurm (the same after a requeue)."""
+
+
+def job_id(env: Mapping[str, str]) -> str | None:
+    """The id of the job this process belongs to, or None when no launcher named one."""
+    for name in JOB_ID_VARIABLES:
+        value = env.get(name, "").strip()
+        if value and value != "none":
+            return value
+    return None

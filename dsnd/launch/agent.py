@@ -27,10 +27,16 @@ import threading
 import time
 from typing import BinaryIO
 
+from dsnd.errors import EXIT_PEER_FAILED
 from dsnd.launch.protocol import AgentSpec, RankOutcome, describe_exit, event_line
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.2
+PEER_GRACE_S = 10.0
+"""How long a rank's exit saying "a peer failed first" (EXIT_PEER_FAILED) waits for the peer's
+own exit before the job is ended: the failing rank closes its connections while it is still
+tearing down, so its peers can exit first (measured: a rank failing in a save was killed by its
+agent, still exiting, after its peer's code-4 exit, and the job named the peer)."""
 
 
 def die_with_parent() -> None:
@@ -52,13 +58,20 @@ def process_state(pid: int) -> str:
 
 
 class Output:
-    """Whole lines to one stream, one writer at a time, so events never split a rank's line."""
+    """Whole lines to one stream, one writer at a time, so events never split a rank's line.
+    An error line (`dsnd: error: ...`) that another rank of this host already wrote is written
+    once: ranks that stop for the same reason (a divergence) all say so."""
 
     def __init__(self, stream: BinaryIO) -> None:
         self.stream, self.lock = stream, threading.Lock()
+        self.errors_said: set[bytes] = set()
 
     def write(self, data: bytes) -> None:
         with self.lock:
+            if data.startswith(b"dsnd: error: "):
+                if data in self.errors_said:
+                    return
+                self.errors_said.add(data)
             try:
                 self.stream.write(data)
                 self.stream.flush()
@@ -86,8 +99,12 @@ class Rank:
         self.ended_by_agent, self.reason = False, ""
         self.ended_at, self.stopped_at_end = 0.0, 0.0
         env = {**os.environ, **spec.rank_env(local_rank)}
+        # a working directory deleted since the launch (rm -rf of a checkout, mid-run) must not
+        # stop a restart: the ranks then start in / (not in the deleted directory: torch's MKL
+        # aborts loading there), and `dsnd launch` passed every path of the config absolute
+        cwd = spec.cwd if os.path.isdir(spec.cwd) else "/"
         self.proc = subprocess.Popen(
-            spec.argv, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL,
+            spec.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
@@ -151,6 +168,7 @@ class Agent:
         self.inbox: queue.Queue = queue.Queue()
         self.ranks = [Rank(spec, i, self.inbox) for i in range(len(spec.ranks))]
         self.ending: str | None = None  # None, "term" or "kill"
+        self.peer_failed: tuple[Rank, float] | None = None  # the first "a peer failed" exit
         self.pumps = [threading.Thread(target=_pump, args=(pipe, sink), daemon=True)
                       for r in self.ranks
                       for pipe, sink in ((r.proc.stdout, out), (r.proc.stderr, err))]  # fmt: skip
@@ -191,6 +209,22 @@ class Agent:
                 self._fail(r, r.reason)
                 return
 
+    def _on_exit(self, rank: Rank) -> None:
+        code = rank.proc.returncode
+        if code == 0 or rank.ended_by_agent:
+            return
+        if code == EXIT_PEER_FAILED:  # a consequence: wait a little for the cause to report
+            self.peer_failed = self.peer_failed or (rank, time.monotonic())
+            return
+        self._fail(rank, describe_exit(code))
+
+    def _check_peer_failed(self) -> None:
+        """A rank said a peer failed first, and no rank of this host failed since: after
+        PEER_GRACE_S it is the failure to report (the cause is elsewhere, or stuck)."""
+        if self.peer_failed and time.monotonic() - self.peer_failed[1] > PEER_GRACE_S:
+            rank = self.peer_failed[0]
+            self._fail(rank, describe_exit(rank.proc.returncode))
+
     def run(self) -> int:
         ended: set[int] = set()
         while len(ended) < len(self.ranks):
@@ -199,10 +233,10 @@ class Agent:
                 self._on_command(item)
             elif kind == "exited":
                 ended.add(item.rank)
-                if item.proc.returncode != 0 and not item.ended_by_agent:
-                    self._fail(item, describe_exit(item.proc.returncode))
+                self._on_exit(item)
             if self.ending != "kill":
                 self._check_stopped()
+                self._check_peer_failed()
         for r in self.ranks:  # whatever a rank left behind in its session goes too
             r.signal(signal.SIGKILL, group=True)
         for t in self.pumps:  # the last lines of output (the rank's group is gone: pipes close)

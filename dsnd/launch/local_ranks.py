@@ -15,6 +15,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from dsnd.extensions import use_environment_dir
+
 LOOPBACK = "127.0.0.1"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,6 +35,7 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment with one thread per process, DeepSpeed's CPU accelerator, unbuffered
     output, and this process's own dsnd first on the path (installed or not)."""
     env = dict(os.environ)
+    use_environment_dir(env)  # the same DeepSpeed op builds as `dsnd` itself uses
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
     env.update(extra or {})

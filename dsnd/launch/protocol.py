@@ -14,6 +14,8 @@ import json
 import signal
 from dataclasses import asdict, dataclass, field
 
+from dsnd.errors import EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_USAGE
+
 EVENT_PREFIX = b"@@dsnd-agent "
 STOPPED_AFTER_S = 5.0
 """A rank that had been stopped this long when the job ended was frozen, whatever failed first."""
@@ -77,6 +79,10 @@ class RankOutcome:
     reason: str = ""  # the agent's own finding (hung, ...)
 
 
+_MEANING = {EXIT_USAGE: "bad input", EXIT_DIVERGED: "training diverged",
+            EXIT_PEER_FAILED: "a peer failed first"}  # fmt: skip
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "did not start"
@@ -85,7 +91,13 @@ def describe_exit(code: int | None) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    meaning = f" ({_MEANING[code]})" if code in _MEANING else ""
+    return f"exited with code {code}{meaning}"
+
+
+def diverged(outcomes: list[RankOutcome]) -> bool:
+    """True when the job ended because training diverged (a restart would diverge again)."""
+    return any(o.code == EXIT_DIVERGED and not o.ended_by_agent for o in outcomes)
 
 
 def diagnose(outcomes: list[RankOutcome]) -> str | None:
@@ -93,8 +105,10 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
 
     A frozen (stopped) rank is the cause even when a peer's collective timed out first.
     Otherwise a rank killed by a signal it did not get from its agent (SIGKILL, SIGSEGV, the OOM
-    killer) comes before ranks that exited with an error, since a peer's death makes the others'
-    collectives fail a few milliseconds later; among equals, the earliest.
+    killer) comes before ranks that exited with an error, and those before ranks that exited
+    saying a peer failed first (EXIT_PEER_FAILED), since one rank's death makes the others'
+    collectives fail a few milliseconds later — sometimes before the failing rank has finished
+    exiting, so the time of exit alone names the wrong rank; among equals, the earliest.
     """
     if all(o.code == 0 for o in outcomes):
         return None
@@ -107,7 +121,7 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
         what = o.reason or f"was stopped (frozen for {o.stopped_s:.0f} s)"
         return f"rank {o.rank} on host {o.host} {what}"
     failed = [o for o in outcomes if o.code != 0 and not o.ended_by_agent]
-    failed.sort(key=lambda o: ((o.code or 0) >= 0, o.ended_at, o.rank))
+    failed.sort(key=lambda o: ((o.code or 0) >= 0, o.code == EXIT_PEER_FAILED, o.ended_at, o.rank))
     if failed:
         o = failed[0]
         return f"rank {o.rank} on host {o.host} {describe_exit(o.code)}"

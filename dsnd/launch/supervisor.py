@@ -23,7 +23,7 @@ import time
 from typing import BinaryIO
 
 from dsnd.launch.agent import die_with_parent, tick
-from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, parse_event
+from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, diverged, parse_event
 
 KILL_GRACE_S = 15.0
 
@@ -40,6 +40,7 @@ class JobResult:
     outcomes: list[RankOutcome]
     failure: str | None  # one line naming the cause; None when every rank exited 0
     stop_signal: str | None  # the signal that asked the job to stop, if any
+    diverged: bool = False  # training diverged: a restart would only diverge again
 
 
 class _Agent:
@@ -128,4 +129,5 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
             signal.signal(s, handler)
     outcomes.sort(key=lambda o: o.rank)
     failure = diagnose(outcomes) or (lost[0] if lost else None)
-    return JobResult(outcomes, failure, stop_signal[0] if stop_signal else None)
+    return JobResult(outcomes, failure, stop_signal[0] if stop_signal else None,
+                     diverged(outcomes))  # fmt: skip

@@ -49,7 +49,8 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
 
     killed = launch({"DSND_FAULT_KILL_IN_SAVE": "4:1"})
     assert killed.returncode != 0, killed.stdout[-2000:]
-    assert sorted(os.listdir(root)) == [".tmp-step_00000004", "latest", "step_00000002"]
+    assert sorted(os.listdir(root)) == [".dsnd.lock", ".tmp-step_00000004", "latest",
+                                        "step_00000002"]  # fmt: skip
     assert (root / "latest").read_text() == "step_00000002\n"
     first = _rows(log_dir)
     assert [r["step"] for r in first] == [1, 2, 3, 4]
@@ -64,7 +65,7 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
     for again, before in zip(rows[:2], first[2:], strict=True):
         for key in ("loss", "grad_norm", "lr"):
             assert again[key] == before[key], (again["step"], key)
-    assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000004",
+    assert sorted(os.listdir(root)) == [".dsnd.lock", "latest", "step_00000002", "step_00000004",
                                         "step_00000006"]  # fmt: skip
 
     # a flipped byte in the newest checkpoint's model file

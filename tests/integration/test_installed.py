@@ -26,6 +26,6 @@ def test_console_script_trains_from_an_empty_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2]
-    resolved = json.loads((tmp_path / "out" / "deepspeed.json").read_text())
+    resolved = json.loads((tmp_path / "out" / "deepspeed.resolved.json").read_text())
     assert resolved["train_batch_size"] == 16 and resolved["train_micro_batch_size_per_gpu"] == 2
     assert resolved["zero_optimization"]["stage"] == 0

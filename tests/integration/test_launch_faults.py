@@ -3,7 +3,8 @@
 
 - reference: 12 uninterrupted steps, checkpoints every 3; a secret passed through `launch.env`
   is masked in the launcher's output and appears in no file of the run;
-- SIGKILL of rank 1 at step 7 with --max-restarts 1: the job restarts from step 6 and finishes;
+- SIGKILL of rank 1 at step 7 with --max-restarts 1 and checkpoint.resume=never: the job
+  restarts from its own step-6 checkpoint and finishes;
   steps 7..12 equal the reference bit for bit; the failure line names rank 1 and its host;
 - SIGTERM to the launcher: every rank stops at the same step, a checkpoint is saved there, exit
   0; a relaunch resumes and steps after it equal the reference bit for bit;
@@ -110,7 +111,11 @@ def test_reference_run_across_two_hosts_masks_its_secret(reference):
     rows = run.rows()
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert "HF_TOKEN=****" in output and SECRET not in output
-    assert sorted(os.listdir(run.root)) == ["latest", *(f"step_{s:08d}" for s in (3, 6, 9, 12))]
+    assert sorted(os.listdir(run.root)) == [
+        ".dsnd.lock",
+        "latest",
+        *(f"step_{s:08d}" for s in (3, 6, 9, 12)),
+    ]
     for folder, _, files in os.walk(run.log_dir):  # logs, configs, checkpoints
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
@@ -119,7 +124,9 @@ def test_reference_run_across_two_hosts_masks_its_secret(reference):
 
 
 def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster, tmp_path):
-    run = Launch(cluster, tmp_path, "killed", "--max-restarts", "1").start()
+    # never: no checkpoint from before this job; the restart resumes the job's own step 6
+    run = Launch(cluster, tmp_path, "killed", "--max-restarts", "1",
+                 "--set", "checkpoint.resume=never").start()  # fmt: skip
     latest = run.root / "latest"
     run.wait_for(lambda: latest.exists() and latest.read_text() == "step_00000006\n",
                  "the step-6 checkpoint")  # fmt: skip
@@ -127,7 +134,7 @@ def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster
     rc, out, err = run.finish()
     assert rc == 0, out[-3000:] + err[-3000:]
     assert ("dsnd: attempt 1 of 2 failed: rank 1 on host 127.0.0.2 was killed by SIGKILL; "
-            "restarting from the last committed checkpoint") in err  # fmt: skip
+            "restarting from this job's last committed checkpoint") in err  # fmt: skip
     assert f"resumed from {run.root}/step_00000006 at step 6" in out + err
     rows, want = run.rows(), reference[0].rows()
     # the relaunch's rows are the last six (the killed attempt may have finished step 7 first)

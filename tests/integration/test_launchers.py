@@ -85,7 +85,7 @@ def test_deepspeed_launcher_four_ranks_runs_launch_script(tmp_path, nprocs2_zero
             "--master_port", str(free_port()), "launch/train.py"]  # fmt: skip
     train_three_steps_like(argv, log_dir, nprocs2_zero3)
     assert (log_dir / "config.yaml").is_file() and (log_dir / "deepspeed.json").is_file()
-    saved = json.loads((log_dir / "deepspeed.json").read_text())
+    saved = json.loads((log_dir / "deepspeed.resolved.json").read_text())
     assert saved["gradient_accumulation_steps"] == 2  # 16 = 2 micro x 2 accumulation x 4 ranks
 
 

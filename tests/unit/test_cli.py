@@ -54,6 +54,15 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
+def without_launch_tail(argv: list[str]) -> list[str]:
+    """A rank's `dsnd train` arguments less what `dsnd launch` adds to the user's: the default
+    relative log.dir made absolute (every attempt writes to the same place) and the job id."""
+    assert argv[-2] == "--job-id" and len(argv[-1]) == 24, argv  # 20261201-101741-56e869b1
+    tail = ["--set", f"log.dir={os.getcwd()}/runs/dsnd"]
+    assert argv[-4:-2] == tail, argv
+    return argv[:-4]
+
+
 def table(text: str) -> tuple[str, list[dict]]:
     """(command line, rows) from a dry run's stdout; every row cell but host as int.
     The dsnd launcher prints an `agent on HOST: ...` line per host between the two."""
@@ -105,8 +114,11 @@ def test_acceptance_dry_run_pp2_tp2_on_4(capsys, launches):
         (1, 0, 1),
     ]
     assert rows == expected_rows([("localhost", 4)], pp=2, dp=1, tp=2)
-    assert command.split()[1:] == [
-        "--num_gpus", "4", "--master_addr", "127.0.0.1", "--master_port", "29500",
+    argv = without_launch_tail(command.split())
+    port = int(argv[6])  # --nprocs picks a free port unless --master-port is given
+    assert 1024 <= port <= 65535
+    assert argv[1:] == [
+        "--num_gpus", "4", "--master_addr", "127.0.0.1", "--master_port", str(port),
         "--module", "dsnd", "train", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
     ]  # fmt: skip
     assert os.path.basename(command.split()[0]) == "deepspeed"
@@ -140,7 +152,7 @@ def test_dry_run_json(capsys):
     assert plan["world_size"] == 4
     command = plan["command"]
     assert os.path.basename(command[0]) == "deepspeed"
-    assert command[1:] == [
+    assert without_launch_tail(command)[1:] == [
         "--num_gpus", "4", "--master_addr", "10.1.2.3", "--master_port", "1234",
         "--module", "dsnd", "train", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
     ]  # fmt: skip
@@ -237,8 +249,9 @@ def test_launch_without_dry_run_starts_the_launcher_once(capsys, launches, tmp_p
     assert len(launches) == 1
     argv, env = launches[0]
     assert os.path.basename(argv[0]) == "deepspeed"
+    argv = without_launch_tail(argv)
     assert argv[1:] == [
-        "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29500",
+        "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", argv[6],
         "--module", "dsnd", "train", "--set", "train.steps=3",
     ]  # fmt: skip
     assert env["NCCL_DEBUG"] == "INFO"
@@ -347,7 +360,8 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "unknown ds key by --set": (
             [*L, "2", D, "--set", "ds.zero_optimization.stgae=1"],
-            f"{ds}: zero_optimization: unknown key 'stgae' (did you mean 'stage'?)",
+            "--set ds.zero_optimization.stgae=1: zero_optimization: unknown key 'stgae' (did you "
+            "mean 'stage'?)",
         ),
         "typo'd --set": (
             [*L, "2", D, "--set", "trian.steps=5"],
@@ -363,8 +377,8 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "bad batch math (three keys)": (
             [*L, "2", D, "--set", "ds.gradient_accumulation_steps=3"],
-            f"{ds}: train_batch_size=16 != train_micro_batch_size_per_gpu=2 * "
-            "gradient_accumulation_steps=3 * dp=2 (= 12)",
+            "--set ds.gradient_accumulation_steps=3: train_batch_size=16 != "
+            "train_micro_batch_size_per_gpu=2 * gradient_accumulation_steps=3 * dp=2 (= 12)",
         ),
         "bad batch math (inexact)": (
             [*L, "3", D],
@@ -385,17 +399,18 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "fp16 refused": (
             [*L, "2", D, "--set", "ds.fp16.enabled=true"],
-            f"{ds}: 'fp16' is refused: fp16 loss scaling is not supported by dsnd; use bf16",
+            "--set ds.fp16.enabled=true: 'fp16' is refused: fp16 loss scaling is not supported "
+            "by dsnd; use bf16",
         ),
         "offload refused": (
             [*L, "2", D, "--set", 'ds.zero_optimization.offload_optimizer={"device": "cpu"}'],
-            f"{ds}: zero_optimization: 'offload_optimizer' is refused: ZeRO offload is not "
-            "supported by dsnd",
+            '--set ds.zero_optimization.offload_optimizer={"device": "cpu"}: zero_optimization: '
+            "'offload_optimizer' is refused: ZeRO offload is not supported by dsnd",
         ),
         "DeepSpeed pipeline refused": (
             [*L, "2", D, "--set", "ds.pipeline.stages=2"],
-            f"{ds}: 'pipeline' is refused: dsnd runs its own pipeline schedule; set parallel.pp "
-            "in the run YAML",
+            "--set ds.pipeline.stages=2: 'pipeline' is refused: dsnd runs its own pipeline "
+            "schedule; set parallel.pp in the run YAML",
         ),
         "--nprocs 0": ([*L, "0", D], "--nprocs must be >= 1, got 0"),
         "--nprocs -1": ([*L, "-1"], "--nprocs must be >= 1, got -1"),
@@ -483,7 +498,8 @@ def test_dsnd_launcher_plans_one_agent_per_host_over_ssh(capsys, tmp_path):
                        "--master-port", "4321", "--set", "parallel.pp=2")  # fmt: skip
     assert (rc, err) == (0, "")
     plan = json.loads(out)
-    assert plan["command"][1:] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2"]
+    command = without_launch_tail(plan["command"])
+    assert command[1:] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2"]
     assert [(a["host"], a["ranks"]) for a in plan["agents"]] == [("h1", [0, 1]), ("h2", [2, 3])]
     for agent in plan["agents"]:
         ssh = agent["command"]
@@ -498,7 +514,7 @@ def test_dsnd_launcher_passes_env_masks_secrets_and_checks_first(capsys, launche
     (tmp_path / "work" / ".deepspeed_env").write_text('NCCL_DEBUG=INFO\nJSON={"a": "$b"}\n')
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
     rc, out, err = run(capsys, "launch", "--nprocs", "2", "--set", "train.steps=3",
-                       "--set", 'launch.env=["HF_TOKEN"]', "--master-port", "0")  # fmt: skip
+                       "--set", 'launch.env=["HF_TOKEN"]', "--master-port", "4321")  # fmt: skip
     assert (rc, err) == (0, "")
     assert "hf_secret_value" not in out and "HF_TOKEN=****" in out
     assert 'JSON="{\\"a\\": \\"$b\\"}"' in out

@@ -1,0 +1,105 @@
+"""The checkpoint root a run writes to: writable before the first step, and one writer at a time.
+
+A read-only root would otherwise be found at the first save, after every step of work before it;
+two runs on one root would delete each other's temporary directories and interleave `latest`.
+
+The lock is `flock(2)` on `<root>/.dsnd.lock`, held by rank 0 of `dsnd train` for the whole run.
+The kernel drops it when the holder exits in any way, SIGKILL included, so a crashed job never
+blocks its own restart (a marker file would). The holder writes who it is into the file, so the
+refusal names it. flock works across hosts on NFS v4 (as a byte-range lock) and on local disks.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+import uuid
+
+from dsnd.checkpoint.layout import CheckpointError
+
+LOCK_FILE = ".dsnd.lock"
+
+
+def check_writable(path: str, what: str) -> None:
+    """Create `path` if needed and write and remove a file in it; CheckpointError (one line)
+    when that fails."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".dsnd-write-test-{uuid.uuid4().hex}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"{what} {path} is not writable ({e.strerror or e}); nothing "
+                              "was started") from None  # fmt: skip
+
+
+def _holder_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        return "another process"
+    if not isinstance(holder, dict):
+        return "another process"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    return (f"job {holder.get('job_id')} (pid {holder.get('pid')} on host {holder.get('host')}, "
+            f"since {since})")  # fmt: skip
+
+
+class RootLock:
+    """Exclusive use of a checkpoint root. `acquire` raises CheckpointError naming the holder
+    when another live process has it; `release` (or the process ending) frees it."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.path = os.path.join(root, LOCK_FILE)
+        self.fd: int | None = None
+
+    def acquire(self, job_id: str | None) -> RootLock:
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"{self.path}: cannot lock ({e.strerror})") from None
+            raise CheckpointError(
+                f"checkpoint.dir {self.root} is in use by {_holder_text(self.path)}: one run "
+                "writes to a checkpoint directory at a time (wait for it to end, or set another "
+                "checkpoint.dir)"
+            ) from None
+        holder = {"job_id": job_id, "pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.time()}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> RootLock:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.release()
+
+
+def probe_lock(root: str) -> str | None:
+    """None when nobody holds `root`'s lock now, else the refusal (for the launcher's preflight;
+    the lock is taken and dropped at once)."""
+    if not os.path.isfile(os.path.join(root, LOCK_FILE)):
+        return None  # never locked: nothing to ask (and nothing left behind by asking)
+    try:
+        RootLock(root).acquire(None).release()
+    except CheckpointError as e:
+        return str(e)
+    return None

@@ -1,0 +1,44 @@
+"""What `dsnd train` (on every rank) and `dsnd launch` (once, before any rank) check before any
+process group starts: one sequence, so a bad input or a bad checkpoint directory costs one line
+and exit code 2 whichever way the job was started, and nothing already saved is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from dsnd.checkpoint.layout import check_root, read_manifest
+from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_checkpoint
+from dsnd.checkpoint.root import check_writable
+from dsnd.config.resolve import Resolved
+from dsnd.data.check import check_data
+from dsnd.pipeline.stage import check_stages
+
+log = logging.getLogger(__name__)
+
+
+def check_before_start(res: Resolved, job_id: str | None) -> str | None:
+    """Check the layout, the data, the directories a run writes to and the checkpoint it would
+    resume; returns that checkpoint's step directory (None: start fresh). Raises UserError."""
+    run = res.run
+    check_stages(res)
+    check_data(run.data, res.dims.vocab_size)
+    root = checkpoint_root(run)
+    check_root(root)
+    check_writable(root, "checkpoint.dir")
+    check_writable(run.log.dir, "log.dir")
+    resume = choose_resume(run, job_id)
+    if resume is not None:
+        manifest = read_manifest(resume)
+        own = job_id is not None and manifest.get("job_id") == job_id
+        explicit = own or run.checkpoint.resume not in ("auto", "never")
+        for line in compare_with_checkpoint(run, res.ds, dataclasses.asdict(res.dims), manifest,
+                                            resume, explicit):  # fmt: skip
+            log.warning("resuming %s with a change: %s", os.path.basename(resume), line)
+    elif run.model.init_from:
+        from dsnd.model.hf_io import check_hf_config
+
+        check_hf_config(run.model.init_from, res.dims)
+    return resume
