@@ -28,7 +28,14 @@ from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.dist.discover import job_id as job_id_from_env
 from dsnd.dist.init import init_world, shutdown, world_info
-from dsnd.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, Diverged
+from dsnd.errors import (
+    EXIT_DIVERGED,
+    EXIT_FAILED,
+    EXIT_PEER_FAILED,
+    EXIT_USAGE,
+    Diverged,
+    UserError,
+)
 from dsnd.progress import RankLogFile, rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
 
@@ -95,6 +102,10 @@ def _train_in_world(res, info, resume, stop, job_id, logfile: RankLogFile) -> in
             job_id = ids[0]
         train(res, build_groups(res.topology), resume, stop, job_id)
         return 0
+    except UserError as e:  # input found bad only after the start (a file changed meanwhile)
+        logfile.exception("rank %d: bad input", info.rank)
+        print(f"dsnd: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except Diverged as e:
         logfile.exception("training diverged")
         # every rank says it (any of them may be the first to exit, and its peers are then

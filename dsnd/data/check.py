@@ -1,9 +1,10 @@
 """The pre-start data check: what would otherwise fail only after every rank has joined the process
 group (an index error deep in the embedding, a step of garbage from a mislabelled dtype).
 
-`check_data` reads no more than the corpus's token file once (a SHA-256 and a min/max over the
-memory map, in chunks) and nothing of a text corpus, so every rank can run it before
-`init_world`. Each failure is one `UserError` naming the file and the numbers.
+`check_data` reads a corpus's token file once (a SHA-256 and a min/max over the memory map, in
+chunks), or loads a text or JSONL corpus as training will (at most `data.max_bytes`: a malformed
+record is found here, file:line, not after every rank has started), so every rank can run it
+before `init_world`. Each failure is one `UserError` naming the file and the numbers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import hashlib
 import numpy as np
 
 from dsnd.config.schema import DataConfig
-from dsnd.data.corpus import corpus_format
+from dsnd.data.corpus import corpus_format, load_corpus
 from dsnd.data.token_file import check_vocab, meta_path, read_token_file
 from dsnd.data.tokenizer import ByteTokenizer
 from dsnd.errors import UserError
@@ -28,6 +29,7 @@ def check_data(data: DataConfig, model_vocab: int) -> None:
         check_token_file(data.path, model_vocab)
     else:
         check_byte_vocab(data.path, model_vocab)
+        load_corpus(data.path, data.format, data.text_field, data.max_bytes)
 
 
 def check_byte_vocab(path: str | None, model_vocab: int) -> None:
