@@ -244,3 +244,46 @@ def test_the_rank_whose_disk_filled_is_named_not_its_peer(tmp_path):
     assert "Traceback" in log1 and "No space left on device" in log1
     assert (log_dir / "checkpoints" / "latest").read_text() == "step_00000001\n"
     assert run.leftovers() == []
+
+
+_SAVE_NAN = """
+import os, sys, torch
+from dsnd.checkpoint.save import save_checkpoint
+from dsnd.config.load import load
+from dsnd.config.resolve import resolve
+from dsnd.data import load_corpus
+from dsnd.dist.discover import discover
+from dsnd.dist.groups import build_groups
+from dsnd.dist.init import init_world, shutdown
+from dsnd.errors import Diverged
+from dsnd.pipeline.runner import StageRunner
+
+root = sys.argv[1]
+res = resolve(load(None, [f"checkpoint.dir={root}"]), 1)
+init_world(discover({}), 60)
+groups = build_groups(res.topology)
+engine = StageRunner(res, groups).engine
+corpus = load_corpus(None)
+print(save_checkpoint(engine, res, groups, 1, root, corpus, "j"))
+next(engine.module.parameters()).data[0] = float("nan")  # what a bad update would leave
+try:
+    save_checkpoint(engine, res, groups, 2, root, corpus, "j")
+except Diverged as e:
+    print(e)
+shutdown()
+"""
+
+
+def test_a_state_holding_nan_is_never_committed(tmp_path):
+    root = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", _SAVE_NAN, str(root)], cwd=ROOT,
+                          env=rank_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == [
+        str(root / "step_00000001"),
+        "step 2: the model or optimizer state holds NaN or infinite values; not saved (the last "
+        "committed checkpoint stays latest)",
+    ]  # fmt: skip
+    assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
+    assert (root / "latest").read_text() == "step_00000001\n"
