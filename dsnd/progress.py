@@ -66,13 +66,17 @@ def use_console_prefix(prefix: str, level: int) -> None:
         handler.setLevel(level)
 
 
+def rank_log_path(log_dir: str, rank: int) -> str:
+    return os.path.join(log_dir, "logs", f"rank_{rank:05d}.log")
+
+
 class RankLogFile:
     """Every record of this rank's `dsnd` and DeepSpeed loggers, at INFO and above, in
     `<log_dir>/logs/rank_XXXXX.log` (other ranks are quiet on the console by default)."""
 
     def __init__(self, log_dir: str, rank: int, coord: Coord) -> None:
-        os.makedirs(os.path.join(log_dir, "logs"), exist_ok=True)
-        self.path = os.path.join(log_dir, "logs", f"rank_{rank:05d}.log")
+        self.path = rank_log_path(log_dir, rank)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.handler = logging.FileHandler(self.path, encoding="utf-8")
         self.handler.setLevel(logging.INFO)
         self.handler.setFormatter(

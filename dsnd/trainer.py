@@ -39,7 +39,7 @@ from dsnd.flops import flops_per_token, peak_flops
 from dsnd.metrics import MetricsWriter, TensorBoardWriter
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
-from dsnd.progress import Progress
+from dsnd.progress import Progress, RankLogFile
 from dsnd.secrets import mask_config
 from dsnd.stop_request import StopRequest
 from dsnd.telemetry import gather_stats, step_numbers, stop_agreed
@@ -121,7 +121,20 @@ def train(
 
     When `stop` is requested on any rank (SIGTERM, Ctrl-C), every rank finishes the same step,
     a checkpoint is saved there, and training ends early (the last row has "stopped": True).
-    A non-finite loss or gradient norm raises Diverged before anything of that step is saved."""
+    A non-finite loss or gradient norm raises Diverged before anything of that step is saved.
+    Every rank logs to `log.dir/logs/rank_XXXXX.log`, including the traceback it fails with."""
+    logfile = RankLogFile(res.run.log.dir, dist.get_rank(), groups.coord)
+    try:
+        return _train(res, groups, resume, stop, job_id)
+    except BaseException:
+        logfile.exception("rank %d failed", dist.get_rank())
+        raise
+    finally:
+        logfile.close()
+
+
+def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopRequest | None,
+           job_id: str | None) -> list[dict[str, Any]]:  # fmt: skip
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)

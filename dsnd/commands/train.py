@@ -36,7 +36,7 @@ from dsnd.errors import (
     Diverged,
     UserError,
 )
-from dsnd.progress import RankLogFile, rank_prefix, use_console_prefix
+from dsnd.progress import rank_log_path, rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
 
 # how torch.distributed reports a peer that died or stopped answering (gloo raises a plain
@@ -83,14 +83,13 @@ def _run_train(config: str | None, sets: list[str], setup_logging: Callable[[int
     with RootLock(checkpoint_root(res.run)) as lock:
         if info.rank == 0:
             lock.acquire(job_id)
-        logfile = RankLogFile(res.run.log.dir, info.rank, coord)
-        try:
-            return _train_in_world(res, info, resume, stop, job_id, logfile)
-        finally:
-            logfile.close()
+        return _train_in_world(res, info, resume, stop, job_id)
 
 
-def _train_in_world(res, info, resume, stop, job_id, logfile: RankLogFile) -> int:
+def _train_in_world(res, info, resume, stop, job_id) -> int:
+    """Train; the exit code says how it ended (the trainer has put any traceback into the
+    rank's log file)."""
+    logfile = rank_log_path(res.run.log.dir, info.rank)
     from dsnd.dist.groups import build_groups
     from dsnd.trainer import train
 
@@ -103,24 +102,21 @@ def _train_in_world(res, info, resume, stop, job_id, logfile: RankLogFile) -> in
         train(res, build_groups(res.topology), resume, stop, job_id)
         return 0
     except UserError as e:  # input found bad only after the start (a file changed meanwhile)
-        logfile.exception("rank %d: bad input", info.rank)
         print(f"dsnd: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except Diverged as e:
-        logfile.exception("training diverged")
         # every rank says it (any of them may be the first to exit, and its peers are then
         # killed); a dsnd agent passes identical error lines of its host's ranks on once
         print(f"dsnd: error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
     except Exception as e:
-        logfile.exception("rank %d failed", info.rank)
         if peer_failed(e):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             print(f"dsnd: rank {info.rank}: a peer failed first ({first[:200]}); traceback in "
-                  f"{logfile.path}", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{logfile}", file=sys.stderr, flush=True)  # fmt: skip
             return EXIT_PEER_FAILED
         traceback.print_exc()
-        print(f"dsnd: rank {info.rank} failed; traceback also in {logfile.path}",
+        print(f"dsnd: rank {info.rank} failed; traceback also in {logfile}",
               file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_FAILED
     finally:

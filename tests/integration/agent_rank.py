@@ -4,7 +4,7 @@
 
 Every rank writes OUT_DIR/rank_N.json (its pid and the variables named in DUMP_ENV, comma
 separated) and then, by its action: `sleep` (default: until SIGTERM, which writes
-OUT_DIR/rank_N.term and exits 0), `exit3` (exit code 3 after 1 s), `child` (start a grandchild
+OUT_DIR/rank_N.term and exits 0), `exit5` (exit code 5 after 1 s), `child` (start a grandchild
 `sleep 600`, record its pid, then sleep), `stubborn` (SIGTERM only writes rank_N.term).
 """
 
@@ -33,7 +33,7 @@ if action == "child":
     record["child"] = subprocess.Popen(["sleep", "600"]).pid
 with open(os.path.join(out, f"rank_{rank}.json"), "w") as f:
     json.dump(record, f)
-if action == "exit3":
+if action == "exit5":
     time.sleep(1)
-    sys.exit(3)
+    sys.exit(5)
 time.sleep(600)

@@ -73,10 +73,10 @@ def after_start(out_dir, ranks, act):
 
 def test_a_failing_rank_ends_every_rank_on_every_host(tmp_path):
     t0 = time.monotonic()
-    result = supervise(launches(tmp_path, [[0, 1], [2]], ["1=exit3"]), out=io.BytesIO())
-    assert result.failure == "rank 1 on host host0 exited with code 3"
+    result = supervise(launches(tmp_path, [[0, 1], [2]], ["1=exit5"]), out=io.BytesIO())
+    assert result.failure == "rank 1 on host host0 exited with code 5"
     codes = {o.rank: (o.code, o.ended_by_agent) for o in result.outcomes}
-    assert codes == {0: (-9, True), 1: (3, False), 2: (-9, True)}
+    assert codes == {0: (-9, True), 1: (5, False), 2: (-9, True)}
     assert time.monotonic() - t0 < 20
     assert not any(alive(record(tmp_path, r)["pid"]) for r in range(3))
 

@@ -11,7 +11,7 @@ import importlib.metadata as md
 import torch
 
 import dsnd
-from tests.procs import run_cli
+from tests.procs import ROOT, run_cli
 
 HEADER = ["rank", "host", "local_rank", "pp", "dp", "tp"]
 
@@ -61,8 +61,10 @@ def test_acceptance_dry_run_prints_four_ranks():
     )
     assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
     command, agent, *table = proc.stdout.splitlines()
-    assert command.split()[1:] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2",
-                                   "--set", "parallel.tp=2"]  # fmt: skip
+    argv = command.split()  # then the default log.dir made absolute, and the job id
+    assert argv[1:-4] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2",
+                          "--set", "parallel.tp=2"]  # fmt: skip
+    assert argv[-4:-2] == ["--set", f"log.dir={ROOT}/runs/dsnd"] and argv[-2] == "--job-id"
     assert agent.startswith("agent on localhost: ") and agent.endswith("-m dsnd.launch.agent")
     assert len(table) == 5  # exactly the header and 4 rows
     assert table[0].split() == HEADER
