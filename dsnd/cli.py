@@ -136,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = what.add_parser("inspect", help="manifest summary and every file's checksum")
     inspect.add_argument("dir", help=where_help)
     inspect.add_argument("--json", action="store_true", help="one JSON object")
-    verify = what.add_parser("verify", help="check every file's size and SHA-256")
+    verify = what.add_parser(
+        "verify",
+        help="check every file's size and SHA-256, the manifest, the tensor headers and that "
+        "every value is finite",
+    )
     verify.add_argument("dir", help=where_help)
     export = what.add_parser("export", help="write the weights as a transformers directory")
     export.add_argument("dir", help=where_help)

@@ -29,6 +29,8 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
     check_root(root)
     check_writable(root, "checkpoint.dir")
     check_writable(run.log.dir, "log.dir")
+    if run.checkpoint.export_hf:  # written after the last step: find out now, not then
+        check_writable(run.checkpoint.export_hf, "checkpoint.export_hf")
     resume = choose_resume(run, job_id)
     if resume is not None:
         manifest = read_manifest(resume)

@@ -87,3 +87,11 @@ def test_master_port_out_of_range(capsys, port):
     assert refused(capsys, "launch", "--nprocs", "2", "--master-port", port, "--dry-run") == (
         f"--master-port must be in 1..65535, got {port}"
     )
+
+
+def test_an_export_directory_that_cannot_be_written(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "hf"
+    assert refused(capsys, *train(f"checkpoint.export_hf={target}")) == (
+        f"checkpoint.export_hf {target} is not writable (Not a directory); nothing was started"
+    )
