@@ -5,7 +5,7 @@ tensors from the files the manifest names (safetensors slices; nothing is unpick
 the model parameter, the fp32 master and the optimizer state (dsnd/checkpoint/state.py). Then
 the learning-rate schedule, DeepSpeed's step counters and, when the layout is unchanged, this
 rank's RNG streams. The caller has verified the checksums before any process group started;
-every file is still opened through `layout.member` (inside the step directory, listed, so
+every file is still opened through `verify_mod.member` (inside the step directory, listed, so
 checksummed) and every safetensors header is checked against the manifest before a tensor is
 read (`contents.tensor_file`).
 """
@@ -21,18 +21,13 @@ from safetensors import SafetensorError, safe_open
 
 from dsnd.checkpoint import rng
 from dsnd.checkpoint.contents import expected_tensors, tensor_file
-from dsnd.checkpoint.layout import (
-    CheckpointError,
-    member,
-    optim_file,
-    read_manifest,
-    rng_file,
-)
+from dsnd.checkpoint.layout import CheckpointError, optim_file, rng_file
 from dsnd.checkpoint.state import (
     materialise_optimizer_state,
     set_full_state,
     unmanaged_masters,
 )
+from dsnd.checkpoint.verify import member, read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.model.specs import layer_of
 from dsnd.tp.shard import read_part

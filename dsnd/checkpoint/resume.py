@@ -15,15 +15,8 @@ import logging
 import os
 from collections.abc import Callable
 
-from dsnd.checkpoint.layout import (
-    CheckpointError,
-    check_intact,
-    committed,
-    newest_intact,
-    read_manifest,
-    resolve_step_dir,
-    verify,
-)
+from dsnd.checkpoint.layout import CheckpointError, committed, resolve_step_dir
+from dsnd.checkpoint.verify import check_intact, newest_intact, read_manifest, verify
 from dsnd.config.schema import RunConfig
 
 log = logging.getLogger(__name__)

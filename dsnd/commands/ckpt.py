@@ -27,7 +27,15 @@ import sys
 from itertools import pairwise
 
 from dsnd.checkpoint import layout
-from dsnd.checkpoint.layout import MANIFEST, MANIFEST_SUM, CheckpointError, Problem
+from dsnd.checkpoint.layout import MANIFEST, MANIFEST_SUM, CheckpointError
+from dsnd.checkpoint.verify import (
+    Problem,
+    check_intact,
+    member_problem,
+    printable,
+    read_manifest,
+    verify,
+)
 from dsnd.errors import UserError
 
 UNCHECKED = "not checked: the manifest failed"
@@ -59,9 +67,9 @@ def _file_rows(step_dir: str, manifest: dict, problems: list[Problem]) -> list[d
     for rel in [MANIFEST, MANIFEST_SUM, *sorted(files)]:
         path = os.path.join(step_dir, rel)
         # sizes only of files a load could read (never of a path outside the step directory)
-        inside = rel in (MANIFEST, MANIFEST_SUM) or not layout.member_problem(step_dir, files, rel)
+        inside = rel in (MANIFEST, MANIFEST_SUM) or not member_problem(step_dir, files, rel)
         size = os.path.getsize(path) if inside and os.path.isfile(path) else None
-        shown = layout.printable(rel)  # as problems name it: one line, whatever the name
+        shown = printable(rel)  # as problems name it: one line, whatever the name
         status = bad.get(shown) or (UNCHECKED if manifest_failed else "ok")
         rows.append({"file": shown, "bytes": size, "status": status})
     return rows
@@ -75,7 +83,7 @@ def _table(manifest: dict, key: str) -> dict:
 
 def report(step_dir: str) -> dict:
     """Everything `inspect` shows, as plain data."""
-    problems = layout.verify(step_dir)
+    problems = verify(step_dir)
     m = _manifest_as_is(step_dir)
     parts = m.get("parts")
     if not isinstance(parts, list) or not all(isinstance(p, int) for p in parts):
@@ -146,12 +154,12 @@ def run_inspect(path: str, as_json: bool) -> int:
 
 def run_verify(path: str) -> int:
     step_dir = step_dir_of(path)
-    problems = layout.verify(step_dir)
+    problems = verify(step_dir)
     for p in problems:
         print(f"{os.path.join(step_dir, p.file)}: {p.what}", file=sys.stderr)
     if problems:
         return 1
-    count = len(layout.read_manifest(step_dir)["files"]) + 2  # and the manifest's own two
+    count = len(read_manifest(step_dir)["files"]) + 2  # and the manifest's own two
     print(f"ok: {step_dir} ({count} files)")
     return 0
 
@@ -161,10 +169,10 @@ def run_export(path: str, out: str) -> int:
     from dsnd.model.hf_io import write_hf_dir
 
     step_dir = step_dir_of(path)
-    layout.check_intact(step_dir)
+    check_intact(step_dir)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UserError(f"{out}: already exists and is not an empty directory")
-    manifest = layout.read_manifest(step_dir)
+    manifest = read_manifest(step_dir)
     dims = ModelDims(**manifest["model"])  # read_manifest checked its keys and types
     from dsnd.checkpoint.load import read_full_model  # torch/DeepSpeed: only for export
 

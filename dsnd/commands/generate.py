@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from dsnd.checkpoint.layout import check_intact, read_manifest, resolve_step_dir
+from dsnd.checkpoint.layout import resolve_step_dir
 from dsnd.checkpoint.load import read_full_model
+from dsnd.checkpoint.verify import check_intact, read_manifest
 from dsnd.config.presets import ModelDims
 from dsnd.data.tokenizer import ByteTokenizer
 from dsnd.errors import UserError

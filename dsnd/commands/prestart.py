@@ -9,9 +9,10 @@ import dataclasses
 import logging
 import os
 
-from dsnd.checkpoint.layout import check_root, read_manifest
+from dsnd.checkpoint.layout import check_root
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_checkpoint
 from dsnd.checkpoint.root import check_writable
+from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.data.check import check_data
 from dsnd.pipeline.stage import check_stages

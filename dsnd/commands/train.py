@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from dsnd.checkpoint.layout import read_manifest
 from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.root import RootLock
+from dsnd.checkpoint.verify import read_manifest
 from dsnd.commands.prestart import check_before_start
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve

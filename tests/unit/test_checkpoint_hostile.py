@@ -28,16 +28,14 @@ from dsnd.checkpoint.layout import (
     MANIFEST,
     MANIFEST_SUM,
     CheckpointError,
-    check_intact,
     check_root,
-    member,
     model_file,
     optim_file,
-    read_manifest,
     rng_file,
     step_dir_name,
 )
 from dsnd.checkpoint.load import _restore_rng, read_full_model
+from dsnd.checkpoint.verify import check_intact, member, read_manifest
 from tests.procs import run_cli
 from tests.unit.test_ckpt_cli import STEP, write_checkpoint
 

@@ -26,12 +26,11 @@ from dsnd.checkpoint.layout import (
     committed,
     latest,
     model_file,
-    newest_intact,
     resolve_step_dir,
     step_dir_name,
-    verify,
 )
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume
+from dsnd.checkpoint.verify import newest_intact, verify
 from dsnd.config.presets import PRESETS
 from dsnd.config.schema import RunConfig
 
