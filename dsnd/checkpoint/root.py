@@ -1,9 +1,10 @@
-"""The checkpoint root a run writes to: writable before the first step, and one writer at a time.
+"""The directories a run writes to: writable before the first step, and one writer at a time.
 
 A read-only root would otherwise be found at the first save, after every step of work before it;
-two runs on one root would delete each other's temporary directories and interleave `latest`.
+two runs on one root would delete each other's temporary directories and interleave `latest`
+(and two on one log.dir, their metrics.jsonl).
 
-The lock is `flock(2)` on `<root>/.dsnd.lock`, held by rank 0 of `dsnd train` for the whole run.
+The lock is `flock(2)` on `<dir>/.dsnd.lock`, held by rank 0 of `dsnd train` for the whole run.
 The kernel drops it when the holder exits in any way, SIGKILL included, so a crashed job never
 blocks its own restart (a marker file would). The holder writes who it is into the file, so the
 refusal names it. flock works across hosts on NFS v4 (as a byte-range lock) and on local disks.
@@ -52,11 +53,12 @@ def _holder_text(path: str) -> str:
 
 
 class RootLock:
-    """Exclusive use of a checkpoint root. `acquire` raises CheckpointError naming the holder
-    when another live process has it; `release` (or the process ending) frees it."""
+    """Exclusive use of a directory a run writes to (`what`: the config key that names it).
+    `acquire` raises CheckpointError naming the holder when another live process has it;
+    `release` (or the process ending) frees it."""
 
-    def __init__(self, root: str) -> None:
-        self.root = root
+    def __init__(self, root: str, what: str = "checkpoint.dir") -> None:
+        self.root, self.what = root, what
         self.path = os.path.join(root, LOCK_FILE)
         self.fd: int | None = None
 
@@ -70,9 +72,8 @@ class RootLock:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise CheckpointError(f"{self.path}: cannot lock ({e.strerror})") from None
             raise CheckpointError(
-                f"checkpoint.dir {self.root} is in use by {_holder_text(self.path)}: one run "
-                "writes to a checkpoint directory at a time (wait for it to end, or set another "
-                "checkpoint.dir)"
+                f"{self.what} {self.root} is in use by {_holder_text(self.path)}: one run writes "
+                f"to it at a time (wait for it to end, or set another {self.what})"
             ) from None
         holder = {"job_id": job_id, "pid": os.getpid(), "host": socket.gethostname(),
                   "since": time.time()}  # fmt: skip
@@ -93,13 +94,23 @@ class RootLock:
         self.release()
 
 
-def probe_lock(root: str) -> str | None:
+def run_dirs(checkpoint_dir: str, log_dir: str) -> list[tuple[str, str]]:
+    """The directories one run owns, as (path, config key): the checkpoint root, and log.dir
+    (metrics.jsonl, TensorBoard files, rank logs) unless it holds the root anyway."""
+    dirs = [(checkpoint_dir, "checkpoint.dir")]
+    ck, logs = os.path.realpath(checkpoint_dir), os.path.realpath(log_dir)
+    if os.path.commonpath([ck, logs]) != logs:
+        dirs.append((log_dir, "log.dir"))
+    return dirs
+
+
+def probe_lock(root: str, what: str = "checkpoint.dir") -> str | None:
     """None when nobody holds `root`'s lock now, else the refusal (for the launcher's preflight;
     the lock is taken and dropped at once)."""
     if not os.path.isfile(os.path.join(root, LOCK_FILE)):
         return None  # never locked: nothing to ask (and nothing left behind by asking)
     try:
-        RootLock(root).acquire(None).release()
+        RootLock(root, what).acquire(None).release()
     except CheckpointError as e:
         return str(e)
     return None

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 
 from dsnd.checkpoint.resume import checkpoint_root
-from dsnd.checkpoint.root import probe_lock
+from dsnd.checkpoint.root import probe_lock, run_dirs
 from dsnd.commands.prestart import check_before_start
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
@@ -206,7 +206,8 @@ def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
             f.write(nonce)
     except OSError as e:
         return [f"checkpoint directory {root} is not writable here ({e.strerror or e})"]
-    held = probe_lock(root)
+    held = [line for path, what in run_dirs(root, os.path.abspath(res.run.log.dir))
+            if (line := probe_lock(path, what))]  # fmt: skip
     base = {"port": launches[0].spec.master_port, "dir": root, "marker": marker, "nonce": nonce}
     requests = {a.host: {**base, "addr": a.spec.master_addr if i == 0 else None}
                 for i, a in enumerate(launches)}  # fmt: skip
@@ -224,7 +225,7 @@ def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
         os.remove(path)
     lines = preflight.problems(reports, preflight.versions(),
                                {**base, "addr": launches[0].spec.master_addr})  # fmt: skip
-    return lines + ([held] if held else [])
+    return lines + held
 
 
 def _run(argv: list[str], env: dict[str, str], forwarded: list[str]) -> int:

@@ -1,15 +1,16 @@
 """``dsnd train``: join the world this process's launcher describes and train.
 
-Every check runs before the process group starts (`prestart`). Rank 0 holds the checkpoint
-root's lock for the whole run. After the start, how a rank ends is its exit code (see
-`dsnd.errors`): a divergence is one line and code 3 on every rank; a rank whose collective lost
-its peer says so in one line and exits 4, so that the launcher names the rank that failed first;
-any other exception is printed as usual and exits 1. Every rank's traceback also goes to its
-`log.dir/logs/rank_XXXXX.log`.
+Every check runs before the process group starts (`prestart`). Rank 0 holds the locks of the
+checkpoint root and log.dir for the whole run. After the start, how a rank ends is its exit code
+(see `dsnd.errors`): a divergence is one line and code 3 on every rank; a rank whose collective
+lost its peer says so in one line and exits 4, so that the launcher names the rank that failed
+first; any other exception is printed as usual and exits 1. Every rank's traceback also goes to
+its `log.dir/logs/rank_XXXXX.log`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from dsnd.checkpoint.resume import checkpoint_root
-from dsnd.checkpoint.root import RootLock
+from dsnd.checkpoint.root import RootLock, run_dirs
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.commands.prestart import check_before_start
 from dsnd.config.load import load
@@ -80,9 +81,10 @@ def _run_train(config: str | None, sets: list[str], setup_logging: Callable[[int
                 print(f"dsnd: {resume} is at step {step}, train.steps={res.run.train.steps}: "
                       "nothing to train")  # fmt: skip
             return 0
-    with RootLock(checkpoint_root(res.run)) as lock:
+    with contextlib.ExitStack() as locks:
         if info.rank == 0:
-            lock.acquire(job_id)
+            for path, what in run_dirs(checkpoint_root(res.run), res.run.log.dir):
+                locks.enter_context(RootLock(path, what).acquire(job_id))
         return _train_in_world(res, info, resume, stop, job_id)
 
 

@@ -181,7 +181,9 @@ def test_one_writer_per_checkpoint_dir_and_no_silent_resume_of_another_run(tmp_p
     [line] = _error_lines(second.stderr)
     assert line.startswith(f"dsnd: error: checkpoint.dir {log_dir / 'checkpoints'} is in use by "
                            "job ")  # fmt: skip
-    assert "one run writes to a checkpoint directory at a time" in line
+    assert (
+        "one run writes to it at a time (wait for it to end, or set another checkpoint.dir)" in line
+    )
     first.kill_rank(0)  # the lock's holder: SIGKILL frees the directory at once
     assert first.finish()[0] == 1
     assert first.leftovers() == []

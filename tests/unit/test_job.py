@@ -15,7 +15,7 @@ import pytest
 from dsnd.checkpoint.commit import publish, temporary_dir, write_manifest
 from dsnd.checkpoint.layout import CheckpointError, step_dir_name
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_checkpoint
-from dsnd.checkpoint.root import RootLock, check_writable, probe_lock
+from dsnd.checkpoint.root import RootLock, check_writable, probe_lock, run_dirs
 from dsnd.commands.launch import absolute_path_sets, with_restarts
 from dsnd.config.presets import PRESETS
 from dsnd.config.schema import RunConfig
@@ -114,6 +114,18 @@ def test_one_writer_per_root_and_a_killed_holder_frees_it(tmp_path):
     with RootLock(root).acquire("job-a"):
         assert probe_lock(root) is not None  # held by us now
     assert probe_lock(root) is None
+
+
+def test_a_run_also_owns_its_log_dir_unless_it_holds_the_checkpoints(tmp_path):
+    logs, elsewhere = str(tmp_path / "run"), str(tmp_path / "ck")
+    assert run_dirs(os.path.join(logs, "checkpoints"), logs) == [
+        (os.path.join(logs, "checkpoints"), "checkpoint.dir")]  # fmt: skip
+    assert run_dirs(elsewhere, logs) == [(elsewhere, "checkpoint.dir"), (logs, "log.dir")]
+    with RootLock(logs, "log.dir").acquire("job-a"):  # another run, its own checkpoint.dir
+        with pytest.raises(CheckpointError, match=r"^log.dir .* is in use by job job-a .*: one "
+                                                  r"run writes to it at a time \(wait for it to "
+                                                  r"end, or set another log.dir\)$"):  # fmt: skip
+            RootLock(logs, "log.dir").acquire("job-b")
 
 
 def test_check_writable_names_the_directory(tmp_path):
