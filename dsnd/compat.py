@@ -2,7 +2,7 @@
 
 ZeRO-3 checks its parameter trace with `assert_ints_same_as_other_ranks`, a WORLD-wide collective
 (it takes no group). With pipeline stages holding different layers, ranks of different stages
-compare different traces at different times and the job hangs (DESIGN.md). The check only makes
+compare different traces at different times and the job hangs (measured). The check only makes
 sense among the ranks that shard the same parameters: the stage's data-parallel group. DeepSpeed
 imports the function by name into three modules, so the scoped version is installed in each.
 

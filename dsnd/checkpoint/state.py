@@ -8,7 +8,8 @@ layout: each rank cuts its tensor-parallel shard and hands the full value to Dee
 `safe_set_full_*`, which keeps this rank's ZeRO partition. Parameter names carry the global
 layer index, so pipeline stages can be cut differently on load.
 
-Two DeepSpeed details (0.19.8) need care, measured in DESIGN.md:
+Two DeepSpeed details (0.19.8) need care (measured: state saved at dp=2 and loaded at dp=1, 2, 4
+continued the uninterrupted losses to 6 decimals only with both):
 - Adam's state is created lazily at the first step; before loading into a fresh engine it is
   materialised here (zeros, then overwritten), and ZeRO 1/2 and the bf16 optimizer must then
   (re)link their per-parameter views of it (`_link_state_views`), also before saving.

@@ -10,7 +10,7 @@ So that the norm (and clipping) covers ALL pipeline stages, dsnd's model-paralle
 whole model replica (pipe x tensor: `ProcessGroups.model`), while the model-parallel rank is the
 tensor-parallel rank: a replicated parameter is counted once per stage, never dropped. DeepSpeed's
 own `PipelineParallelGrid` answers the grid's pipe x tensor rank instead, which counts replicated
-parameters on stage 0 only (DESIGN.md: norm 0.648 reported where the true norm was 1.446).
+parameters on stage 0 only (measured: norm 0.648 reported where the true norm was 1.446).
 """
 
 from __future__ import annotations
