@@ -15,16 +15,15 @@ from dsnd.checkpoint.root import check_writable
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.data.check import check_data
-from dsnd.pipeline.stage import check_stages
 
 log = logging.getLogger(__name__)
 
 
 def check_before_start(res: Resolved, job_id: str | None) -> str | None:
-    """Check the layout, the data, the directories a run writes to and the checkpoint it would
-    resume; returns that checkpoint's step directory (None: start fresh). Raises UserError."""
+    """Check the data, the directories a run writes to and the checkpoint it would resume (the
+    layout is `check_stages`, which the caller runs first: `dsnd launch` before its dry run);
+    returns that checkpoint's step directory (None: start fresh). Raises UserError."""
     run = res.run
-    check_stages(res)
     check_data(run.data, res.dims.vocab_size)
     root = checkpoint_root(run)
     check_root(root)
