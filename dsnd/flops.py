@@ -4,7 +4,9 @@ FLOPs per trained token = 6 N + 12 L h s (PaLM, appendix B): N counts the parame
 matrix multiplications (every block's projections and the output head; not the input embedding,
 which is a lookup, nor norms, biases or position embeddings; a head tied to the embedding counts
 once), 6 = 2 (multiply-add) x 3 (forward, and backward for inputs and weights); 12 L h s is
-attention's QK^T and AV over a sequence of s (computed in full, as the kernels do, causal or not).
+attention's QK^T and AV over a sequence of s, h = heads x head_dim (the attention width),
+computed in full as the kernels do, causal or not. N is counted on the meta device from the
+family's own block (`dsnd.model.count`), so it holds for every family.
 MFU = tokens/s x FLOPs per token / peak FLOP/s of the ranks that produced them.
 """
 
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import time
 
-from dsnd.config.presets import ModelDims
+from dsnd.model.count import matmul_params  # noqa: F401  (re-exported)
+from dsnd.model.spec import ModelSpec
 
 # Dense peak FLOP/s per device (no sparsity), by name as torch.cuda.get_device_name reports it.
 GPU_PEAKS: dict[str, dict[str, float]] = {
@@ -23,17 +26,9 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
 }
 
 
-def matmul_params(dims: ModelDims) -> int:
-    """N: parameters that take part in matrix multiplications (see the module docstring)."""
-    h, f, hd = dims.hidden_size, dims.ffn_size, dims.head_dim
-    q, kv = dims.num_heads * hd, dims.num_kv_heads * hd
-    attention = h * q + 2 * h * kv + q * h  # q, k, v, o (GPT-2's fused c_attn is the same)
-    mlp = (3 if dims.family == "llama" else 2) * h * f  # gate, up, down / c_fc, c_proj
-    return dims.num_layers * (attention + mlp) + dims.vocab_size * h  # + the head
-
-
-def flops_per_token(dims: ModelDims, seq_len: int) -> float:
-    return 6.0 * matmul_params(dims) + 12.0 * dims.num_layers * dims.hidden_size * seq_len
+def flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    attention = 12.0 * model.num_layers * model.num_heads * model.head_dim * seq_len
+    return 6.0 * matmul_params(model) + attention
 
 
 def measured_cpu_peak(size: int = 512, repeats: int = 5) -> float:

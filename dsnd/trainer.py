@@ -37,6 +37,7 @@ from dsnd.dist.groups import ProcessGroups
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.metrics import MetricsWriter, TensorBoardWriter
+from dsnd.model.count import layer_table
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
 from dsnd.progress import Progress, RankLogFile
@@ -138,7 +139,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
-    check_vocab(corpus.vocab_size, res.dims.vocab_size, corpus.name)
+    check_vocab(corpus.vocab_size, res.model.vocab_size, corpus.name)
     samples, held_out = split_samples(corpus, run)
     root = checkpoint_root(run)
     is_writer = dist.get_rank() == 0
@@ -147,10 +148,13 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
             log.warning("removed %s/%s, left by a save that did not finish", root, name)
     runner = StageRunner(res, groups, load_hf=resume is None)
     engine = runner.engine
-    log.info("stage %d of %d holds global layers %s; %d parameters here, ZeRO-%d over dp=%d",
-             groups.coord.pp, res.topology.pp, list(engine.module.global_indices),
-             sum(p.numel() for p in engine.module.parameters()), zero_stage(engine),
-             res.topology.dp)  # fmt: skip
+    counts = {index: n for index, _, n in layer_table(res.model)}
+    log.info("stage %d of %d holds global layers %s: %s of the model's %s parameters, "
+             "ZeRO-%d over dp=%d, tp=%d", groups.coord.pp, res.topology.pp,
+             list(engine.module.global_indices),
+             f"{sum(counts[i] for i in engine.module.global_indices):,}",
+             f"{sum(counts.values()):,}", zero_stage(engine), res.topology.dp,
+             res.topology.tp)  # fmt: skip
     start = 0
     if resume is not None:
         manifest = load_checkpoint(engine, res, resume)
@@ -164,7 +168,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                             "different data", manifest["corpus"]["name"])  # fmt: skip
     writer = MetricsWriter(run.log.dir) if is_writer else None
     board = None
-    fpt, peak = flops_per_token(res.dims, run.model.seq_len), _peak(res, engine)
+    fpt, peak = flops_per_token(res.model, run.model.seq_len), _peak(res, engine)
     if is_writer:
         save_resolved_configs(res, run.log.dir)
         if run.log.tensorboard:
@@ -172,7 +176,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
             board = TensorBoardWriter(run.log.dir, text)
         log.info(
             "training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, batch %s",
-            run.model.preset, corpus.name, len(samples), res.topology.pp, res.topology.dp,
+            res.model.describe(), corpus.name, len(samples), res.topology.pp, res.topology.dp,
             res.topology.tp, zero_stage(engine), res.batch,
         )  # fmt: skip
         for note in deepspeed_notes(res.ds):
@@ -235,7 +239,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                                 step + 1, why)  # fmt: skip
                 break
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
-            export_hf(engine.module, run.checkpoint.export_hf, res.dims, groups.data)
+            export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data)
     finally:
         if writer:
             writer.close()

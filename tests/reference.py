@@ -20,7 +20,7 @@ def reference_rows(res: Resolved) -> list[dict]:
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
     samples = SampleSet(corpus.tokens, run.model.seq_len)
-    model = build_model(res.dims, run.train.seed)
+    model = build_model(res.model, run.train.seed)
     params = dict(ds["optimizer"]["params"])
     params.pop("torch_adam", None)
     params["betas"] = tuple(params["betas"])

@@ -109,7 +109,7 @@ def deepspeed_pipeline(res: Resolved):
     from deepspeed.pipe import PipelineModule
 
     module = PipelineModule(
-        layers=layer_specs(res.dims),
+        layers=layer_specs(res.model),
         num_stages=res.topology.pp,
         topology=res.topology.to_deepspeed(),
         loss_fn=lm_loss,
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "reps": _merge([g["records"] for g in gathered]),
         "zero": {
-            "psi": sum(layer_param_counts(layer_specs(res["zero1"].dims))),
+            "psi": sum(layer_param_counts(layer_specs(res["zero1"].model))),
             "nd": res["zero1"].topology.dp,
             **{stage: [g["zero"][stage] for g in gathered] for stage in ("1", "3")},
         },

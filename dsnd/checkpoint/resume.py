@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dsnd.checkpoint.layout import CheckpointError, committed, resolve_step_dir
 from dsnd.checkpoint.verify import check_intact, newest_intact, read_manifest, verify
 from dsnd.config.schema import RunConfig
+from dsnd.model.spec import ModelSpec, from_manifest
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ def _differences(keys: tuple[str, ...], now: dict, then: dict) -> list[str]:
             for k in keys if _dotted(now, k) != _dotted(then, k)]  # fmt: skip
 
 
-def compare_with_checkpoint(run: RunConfig, ds: dict, dims: dict, manifest: dict, step_dir: str,
-                            explicit: bool) -> list[str]:  # fmt: skip
+def compare_with_checkpoint(run: RunConfig, ds: dict, model: ModelSpec, manifest: dict,
+                            step_dir: str, explicit: bool) -> list[str]:  # fmt: skip
     """Refuse (CheckpointError) a resume that would be meaningless; return warnings for the rest.
 
     The model's shape must always match. The seed and the data must match when the checkpoint
@@ -98,10 +99,11 @@ def compare_with_checkpoint(run: RunConfig, ds: dict, dims: dict, manifest: dict
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     then_run, then_ds = config.get("run") or {}, config.get("deepspeed") or {}
     now_run = dataclasses.asdict(run)
-    model = [f"{k} {manifest.get('model', {}).get(k)!r} -> {v!r}"
-             for k, v in dims.items() if manifest.get("model", {}).get(k) != v]  # fmt: skip
-    if model:
-        raise CheckpointError(f"{step_dir}: written for another model ({', '.join(model)}); "
+    now, then = model.math(), from_manifest(manifest["model"]).math()
+    changed = [f"{k} {then.get(k)!r} -> {now.get(k)!r}"
+               for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]  # fmt: skip
+    if changed:
+        raise CheckpointError(f"{step_dir}: written for another model ({', '.join(changed)}); "
                               "resume it with the same model, or start fresh with "
                               "checkpoint.resume=never or another checkpoint.dir")  # fmt: skip
     strict = _differences(MUST_MATCH_IMPLICITLY, now_run, then_run)

@@ -75,7 +75,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
         },  # fmt: skip
         "zero_stage": engine.zero_optimization_stage(),
         "parts": stage_parts(res),
-        "model": dataclasses.asdict(res.dims),
+        "model": res.model.manifest(),
         "versions": {
             "dsnd": __version__,
             "deepspeed": deepspeed.__version__,

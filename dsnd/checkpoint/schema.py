@@ -8,12 +8,10 @@ KeyError or TypeError deep inside a load.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 
 from dsnd.checkpoint.safetensors_header import DTYPE_BYTES
-from dsnd.config.presets import ModelDims
 
 Rule = tuple[str, Callable[[object], bool]]  # (what the value must be, the test)
 
@@ -62,8 +60,10 @@ NESTED: dict[str, dict[str, Rule]] = {
 FILE_ENTRY: dict[str, Rule] = {"bytes": COUNT, "sha256": SHA256}
 PARAM_ENTRY: dict[str, Rule] = {"file": TEXT, "shape": COUNTS}
 DEFAULT_DTYPE = "F32"  # what every checkpoint without a "dtype" per parameter holds
-_BY_TYPE = {"str": TEXT, "int": SIZE, "bool": FLAG, "float": NUMBER}
-_ANY: Rule = ("any value", lambda v: True)
+LEGACY_MODEL: dict[str, Rule] = {
+    "hidden_size": SIZE, "num_layers": SIZE, "num_heads": SIZE, "num_kv_heads": SIZE,
+    "ffn_size": SIZE, "vocab_size": SIZE, "max_seq_len": SIZE, "tie_embeddings": FLAG,
+}  # fmt: skip
 
 
 def table_problems(where: str, table: object, rules: dict[str, Rule],
@@ -88,15 +88,15 @@ def _show(value: object) -> str:
 
 
 def _model_problems(model: dict) -> list[str]:
-    """How manifest["model"] is not a `ModelDims` (what export and generate build from it)."""
-    fields = {f.name: f for f in dataclasses.fields(ModelDims)}
-    unknown = sorted(set(model) - set(fields))
-    if unknown:
-        return [f"model has '{unknown[0]}', which is not a dsnd model setting"]
-    required = {n: _BY_TYPE.get(str(f.type), _ANY) for n, f in fields.items()
-                if f.default is dataclasses.MISSING}  # fmt: skip
-    optional = {n: _BY_TYPE.get(str(f.type), _ANY) for n, f in fields.items() if n not in required}
-    return table_problems("model", model, required, optional)
+    """How manifest["model"] cannot rebuild the model (what export and generate build from)."""
+    from dsnd.model.families import FAMILIES
+
+    names = [f.name for f in FAMILIES]
+    family: Rule = (f"one of {', '.join(names)}", lambda v: v in names)
+    if "config" not in model:  # written before configs were recorded: the shape only
+        return table_problems("model", model, {"family": family, **LEGACY_MODEL},
+                              {"init_std": NUMBER})  # fmt: skip
+    return table_problems("model", model, {"family": family, "config": TABLE}, {"source": TEXT})
 
 
 def _params_problems(params: dict) -> list[str]:

@@ -121,10 +121,9 @@ def format_report(r: dict) -> str:
         f"pp={t.get('pp')} tp={t.get('tp')} dp={t.get('dp')} (world {t.get('world_size')}), "
         f"ZeRO stage {r['zero_stage']}"
     )
-    model = (
-        f"{m.get('family')}: hidden {m.get('hidden_size')}, {m.get('num_layers')} layers, "
-        f"{m.get('num_heads')} heads ({m.get('num_kv_heads')} kv), vocab {m.get('vocab_size')}"
-    )
+    from dsnd.model.spec import from_manifest
+
+    model = from_manifest(m).describe()
     rows = [
         ("step dir", r["step_dir"]),
         ("step", r["step"]),
@@ -165,20 +164,20 @@ def run_verify(path: str) -> int:
 
 
 def run_export(path: str, out: str) -> int:
-    from dsnd.config.presets import ModelDims
     from dsnd.model.hf_io import write_hf_dir
+    from dsnd.model.spec import from_manifest
 
     step_dir = step_dir_of(path)
     check_intact(step_dir)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UserError(f"{out}: already exists and is not an empty directory")
     manifest = read_manifest(step_dir)
-    dims = ModelDims(**manifest["model"])  # read_manifest checked its keys and types
+    model = from_manifest(manifest["model"])  # read_manifest checked its keys and types
     from dsnd.checkpoint.load import read_full_model  # torch/DeepSpeed: only for export
 
     tensors = read_full_model(step_dir, manifest)
-    write_hf_dir(out, dims, tensors)
-    print(f"wrote {out}: {dims.family}, {len(tensors)} tensors from {step_dir}")
+    write_hf_dir(out, model, tensors, model.directory)
+    print(f"wrote {out}: {model.family.name}, {len(tensors)} tensors from {step_dir}")
     return 0
 
 

@@ -12,10 +12,10 @@ import torch
 from dsnd.checkpoint.layout import resolve_step_dir
 from dsnd.checkpoint.load import read_full_model
 from dsnd.checkpoint.verify import check_intact, read_manifest
-from dsnd.config.presets import ModelDims
 from dsnd.data.tokenizer import ByteTokenizer
 from dsnd.errors import UserError
 from dsnd.model import build_model
+from dsnd.model.spec import from_manifest
 
 
 @torch.no_grad()
@@ -36,17 +36,17 @@ def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: 
     step_dir = resolve_step_dir(path)
     check_intact(step_dir)
     manifest = read_manifest(step_dir)
-    dims = ModelDims(**manifest["model"])
-    model = build_model(dims, seed=0).eval()
+    spec = from_manifest(manifest["model"])
+    model = build_model(spec, seed=0).eval()
     missing, unexpected = model.load_state_dict(read_full_model(step_dir, manifest), strict=False)
     if missing or unexpected:
-        raise UserError(f"{step_dir}: does not fit {dims.family} (missing {missing[:3]}, "
+        raise UserError(f"{step_dir}: does not fit {spec.family.name} (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")  # fmt: skip
     tok = ByteTokenizer()
     ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long).view(1, -1)
     if ids.numel() == 0:
         raise UserError("--prompt must not be empty")
-    out = generate(model, ids, tokens, dims.max_seq_len, temperature,
+    out = generate(model, ids, tokens, spec.max_seq_len, temperature,
                    torch.Generator().manual_seed(seed))  # fmt: skip
     print(tok.decode(out[0].tolist()))
     return 0

@@ -5,7 +5,6 @@ and exit code 2 whichever way the job was started, and nothing already saved is 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -24,7 +23,7 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
     layout is `check_stages`, which the caller runs first: `dsnd launch` before its dry run);
     returns that checkpoint's step directory (None: start fresh). Raises UserError."""
     run = res.run
-    check_data(run.data, res.dims.vocab_size)
+    check_data(run.data, res.model.vocab_size)
     root = checkpoint_root(run)
     check_root(root)
     check_writable(root, "checkpoint.dir")
@@ -36,11 +35,11 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
         manifest = read_manifest(resume)
         own = job_id is not None and manifest.get("job_id") == job_id
         explicit = own or run.checkpoint.resume not in ("auto", "never")
-        for line in compare_with_checkpoint(run, res.ds, dataclasses.asdict(res.dims), manifest,
+        for line in compare_with_checkpoint(run, res.ds, res.model, manifest,
                                             resume, explicit):  # fmt: skip
             log.warning("resuming %s with a change: %s", os.path.basename(resume), line)
     elif run.model.init_from:
-        from dsnd.model.hf_io import check_hf_config
+        from dsnd.model.hf_io import check_init_from
 
-        check_hf_config(run.model.init_from, res.dims)
+        check_init_from(run.model.init_from, res.model)
     return resume

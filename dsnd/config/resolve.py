@@ -12,9 +12,9 @@ from typing import Any
 from dsnd.config.batch import GAS, MICRO, TRAIN, Batch, resolve_batch
 from dsnd.config.deepspeed_json import check_blamed, check_keys, check_with_deepspeed
 from dsnd.config.load import LoadedConfig
-from dsnd.config.presets import PRESETS, ModelDims, with_overrides
-from dsnd.config.schema import RunConfig
+from dsnd.config.schema import ModelConfig, RunConfig
 from dsnd.errors import UserError
+from dsnd.model.spec import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.topology import Topology
 
 
@@ -24,7 +24,7 @@ class Resolved:
 
     run: RunConfig
     ds: dict[str, Any]  # the DeepSpeed dict handed to deepspeed.initialize
-    dims: ModelDims
+    model: ModelSpec
     topology: Topology
     batch: Batch
     yaml_path: str
@@ -38,43 +38,44 @@ class Resolved:
         return self.batch.train * self.run.model.seq_len
 
 
-def model_dims(run: RunConfig) -> ModelDims:
+SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size",
+                "vocab_size", "max_position_embeddings")  # fmt: skip
+
+
+def model_source(m: ModelConfig) -> tuple[str, str]:
+    """(what names the architecture, the run key that names it)."""
+    if m.config is not None and m.preset is not None and m.config != m.preset:
+        raise UserError(f"model.config={m.config!r} and model.preset={m.preset!r} name two "
+                        "models; set one of them")  # fmt: skip
+    if m.preset is not None and m.preset not in presets():
+        raise UserError(f"model.preset={m.preset!r} is not a preset ({', '.join(presets())}); "
+                        "name a model directory or config.json with model.config")  # fmt: skip
+    if m.config is not None:
+        return m.config, "model.config"
+    if m.preset is not None:
+        return m.preset, "model.preset"
+    if m.init_from is not None:
+        return m.init_from, "model.init_from"
+    return DEFAULT_PRESET, "model.preset"
+
+
+def run_model(run: RunConfig) -> ModelSpec:
+    """The model the run trains, with its overrides, checked against model.seq_len."""
     m = run.model
-    dims = with_overrides(
-        PRESETS[m.preset],
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        ffn_size=m.ffn_size,
-        vocab_size=m.vocab_size,
-    )
-    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
-                 "vocab_size"):  # fmt: skip
-        if getattr(dims, name) < 1:
-            raise UserError(f"model.{name} must be >= 1, got {getattr(dims, name)}")
-    if dims.hidden_size % dims.num_heads:
-        raise UserError(
-            f"model.hidden_size={dims.hidden_size} is not divisible by "
-            f"model.num_heads={dims.num_heads}"
-        )
-    if dims.num_heads % dims.num_kv_heads:
-        raise UserError(
-            f"model.num_heads={dims.num_heads} is not divisible by "
-            f"model.num_kv_heads={dims.num_kv_heads}"
-        )
-    if not 1 <= m.seq_len <= dims.max_seq_len:
-        raise UserError(f"model.seq_len={m.seq_len} must be in 1..{dims.max_seq_len}")
-    return dims
+    name, key = model_source(m)
+    shape = {f: getattr(m, f) for f in SHAPE_FIELDS}
+    model = load_model(name, key, shape, m.overrides)
+    check_model(model, m.seq_len, model.source)
+    return model
 
 
-def check_tp(dims: ModelDims, tp: int, seq_len: int, sequence_parallel: bool) -> None:
-    """Megatron splits heads (and hence hidden) and the MLP width across tp ranks, and with
-    sequence parallelism the sequence: every count must divide. (The vocabulary is padded.)"""
-    for name in ("hidden_size", "num_heads", "num_kv_heads", "ffn_size"):
-        value = getattr(dims, name)
+def check_tp(model: ModelSpec, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Megatron splits heads and the MLP width across tp ranks, and with sequence parallelism
+    the sequence: every count must divide. (The vocabulary is padded.)"""
+    for name, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                        ("ffn_size", model.ffn_size)):  # fmt: skip
         if value % tp:
-            raise UserError(f"model.{name}={value} is not divisible by parallel.tp={tp}")
+            raise UserError(f"{model.source}: {name}={value} is not divisible by parallel.tp={tp}")
     if sequence_parallel and tp > 1 and seq_len % tp:
         raise UserError(
             f"parallel.sequence_parallel: model.seq_len={seq_len} is not divisible by "
@@ -158,10 +159,11 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     run = loaded.run
     par = run.parallel
     topology = Topology.from_world(world_size, par.pp, par.tp)
-    dims = model_dims(run)
-    check_tp(dims, par.tp, run.model.seq_len, par.sequence_parallel)
-    if par.pp > dims.num_layers:
-        raise UserError(f"parallel.pp={par.pp} exceeds model.num_layers={dims.num_layers}")
+    model = run_model(run)
+    check_tp(model, par.tp, run.model.seq_len, par.sequence_parallel)
+    if par.pp > model.num_layers:
+        raise UserError(f"parallel.pp={par.pp} exceeds the {model.num_layers} blocks of "
+                        f"{model.source}")  # fmt: skip
     check_ranges(run)
     for name in run.launch.env:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
@@ -177,7 +179,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     return Resolved(
         run=run,
         ds=ds,
-        dims=dims,
+        model=model,
         topology=topology,
         batch=batch,
         yaml_path=loaded.yaml_path,

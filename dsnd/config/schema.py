@@ -18,21 +18,52 @@ def doc(text: str, default: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    preset: str = doc("Model preset: llama-tiny or gpt2-tiny.", "llama-tiny")
-    seq_len: int = doc("Tokens per training sample (<= the preset's max_seq_len).", 64)
-    hidden_size: int | None = doc("Override the preset's hidden size.", None)
-    num_layers: int | None = doc("Override the preset's number of transformer blocks.", None)
-    num_heads: int | None = doc("Override the preset's number of attention heads.", None)
-    num_kv_heads: int | None = doc("Override the preset's key/value heads (Llama GQA).", None)
-    ffn_size: int | None = doc("Override the preset's MLP hidden size.", None)
-    vocab_size: int | None = doc(
-        "Override the preset's vocabulary (256 byte tokens), e.g. for a token file prepared with "
-        "a transformers tokenizer; with tp > 1 it is padded to a multiple of tp.",
+    config: str | None = doc(
+        "The architecture: a transformers model directory (its config.json), a config.json "
+        "file, or a shipped preset name (`dsnd model list`). Defaults to init_from's directory, "
+        "else to `preset`.",
         None,
+    )
+    preset: str | None = doc(
+        "A shipped preset (llama-tiny, gpt2-tiny, gpt2, llama-3.1-8b, ...; `dsnd model list`); "
+        "the same as model.config naming it. llama-tiny when neither is set.",
+        None,
+    )
+    seq_len: int = doc("Tokens per training sample (<= the config's max_position_embeddings).", 64)
+    hidden_size: int | None = doc("Override the config's hidden size.", None)
+    num_layers: int | None = doc("Override the config's number of transformer blocks.", None)
+    num_heads: int | None = doc("Override the config's number of attention heads.", None)
+    num_kv_heads: int | None = doc("Override the config's key/value heads (GQA).", None)
+    head_dim: int | None = doc(
+        "Override the config's head_dim (by default hidden_size / num_heads whenever either of "
+        "those is overridden).",
+        None,
+    )
+    ffn_size: int | None = doc("Override the config's MLP hidden size (intermediate_size).", None)
+    vocab_size: int | None = doc(
+        "Override the config's vocabulary (the tiny presets have 256 byte tokens), e.g. for a "
+        "token file prepared with a transformers tokenizer; with tp > 1 it is padded to a "
+        "multiple of tp.",
+        None,
+    )
+    max_position_embeddings: int | None = doc(
+        "Override the config's max_position_embeddings (the longest model.seq_len allowed; "
+        "GPT-2's learned position table has this many rows).",
+        None,
+    )
+    overrides: dict = field(
+        default_factory=dict,
+        metadata={
+            "doc": (
+                "Any other config.json key to set, as transformers would read it (e.g. "
+                "{rope_theta: 500000.0, resid_pdrop: 0.0}); recorded in checkpoints and exports."
+            )
+        },
     )
     init_from: str | None = doc(
         "A transformers checkpoint directory (safetensors, as save_pretrained writes it) to "
-        "start from instead of the seeded initialisation; null = seeded init.",
+        "start from instead of the seeded initialisation; every tensor's name and shape is "
+        "checked against the model before start. null = seeded init.",
         None,
     )
 
@@ -175,7 +206,6 @@ class RunConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.preset": ("llama-tiny", "gpt2-tiny"),
     "data.format": ("auto", "text", "jsonl", "tokens"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "train.lr_scaling": ("none", "linear", "sqrt"),

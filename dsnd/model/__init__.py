@@ -1,19 +1,21 @@
-"""Decoder-only transformers (Llama, GPT-2) as flat layer lists for DeepSpeed pipeline stages."""
+"""Decoder-only transformers of the supported families (`dsnd.model.families`) as flat layer
+lists for DeepSpeed pipeline stages, built from `transformers` configs."""
 
-from dsnd.model.hf_config import hf_config
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
 from dsnd.model.loss import lm_loss
 from dsnd.model.param_groups import param_groups
+from dsnd.model.spec import ModelSpec, load_model
 from dsnd.model.specs import LayerStack, build_model, init_layer, layer_specs
 
 __all__ = [
     "LayerStack",
+    "ModelSpec",
     "build_model",
     "from_hf_state_dict",
-    "hf_config",
     "init_layer",
     "layer_specs",
     "lm_loss",
+    "load_model",
     "param_groups",
     "to_hf_state_dict",
 ]

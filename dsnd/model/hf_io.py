@@ -18,8 +18,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shutil
 
 import deepspeed
 import torch
@@ -28,10 +30,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dsnd.config.presets import ModelDims
 from dsnd.errors import UserError
-from dsnd.model.hf_config import hf_config
-from dsnd.model.hf_weights import hf_layout, to_hf_names
+from dsnd.model.count import full_shapes
+from dsnd.model.hf_weights import from_hf_name, to_hf_names
+from dsnd.model.spec import TOKENIZER_FILES, ModelSpec, load_model
 from dsnd.model.specs import LayerStack
 from dsnd.tp import Shard
 from dsnd.tp.shard import read_part
@@ -40,34 +42,50 @@ _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 
 
-def _shape_keys(dims: ModelDims) -> list[tuple[tuple[str, ...], int]]:
-    """(config.json names, value this run needs) for every shape key."""
-    return [
-        (("hidden_size", "n_embd"), dims.hidden_size),
-        (("num_hidden_layers", "n_layer"), dims.num_layers),
-        (("num_attention_heads", "n_head"), dims.num_heads),
-        (("num_key_value_heads", "n_head"), dims.num_kv_heads),
-        (("vocab_size",), dims.vocab_size),
-    ]
-
-
-def check_hf_config(path: str, dims: ModelDims) -> None:
-    """Raise UserError unless `path`/config.json describes the run's model shape."""
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise UserError(f"model.init_from={path}: cannot read config.json ({e})") from e
-    for names, want in _shape_keys(dims):
-        key = next((n for n in names if cfg.get(n) is not None), None)
-        if key is None:
-            raise UserError(f"model.init_from={path}: config.json has no {'/'.join(names)}")
-        if int(cfg[key]) != want:
+def check_init_from(path: str, model: ModelSpec) -> None:
+    """Raise UserError (one line) unless the HF directory `path` holds exactly `model`: its
+    config.json describes the same network (every value that changes the math), and its
+    weights hold every tensor of the model with its full shape and nothing else. Reads only
+    config.json and the safetensors headers."""
+    key = "model.init_from"
+    theirs = load_model(path, key)
+    mine_math, their_math = model.math(), theirs.math()
+    for name in sorted(set(mine_math) | set(their_math)):
+        if mine_math.get(name) != their_math.get(name):
             raise UserError(
-                f"model.init_from={path}: config.json {key}={cfg[key]} but the run's model has "
-                f"{names[0]}={want}"
+                f"{key}={path}: config.json {name}={their_math.get(name)!r} but "
+                f"the run's model ({model.source}) has {mine_math.get(name)!r}"
             )
+    files = _weight_files(path)
+    want: dict[str, tuple[int, ...]] = {}
+    for name, shape in full_shapes(model).items():
+        for hf_name in to_hf_names(name, model)[:1]:
+            want[hf_name] = shape
+    for hf_name, shape in want.items():
+        if hf_name not in files:
+            raise UserError(f"{key}={path}: the checkpoint has no {hf_name} (shape {list(shape)})")
+        have = _header_shape(files[hf_name], hf_name)
+        if have != shape:
+            raise UserError(f"{key}={path}: {hf_name} has shape {list(have)} but the model's is "
+                            f"{list(shape)}")  # fmt: skip
+    for hf_name in sorted(files):
+        if hf_name not in want and from_hf_name_or_none(hf_name, model) is not None:
+            raise UserError(f"{key}={path}: the checkpoint has {hf_name}, which the model has "
+                            "not")  # fmt: skip
+
+
+def from_hf_name_or_none(hf_name: str, model: ModelSpec) -> str | None:
+    """The dsnd name of `hf_name`, None for buffers dsnd recomputes or a tied head's copy, and
+    the HF name itself for a tensor the model does not have."""
+    try:
+        return from_hf_name(hf_name, model)
+    except KeyError:
+        return hf_name
+
+
+def _header_shape(file: str, hf_name: str) -> tuple[int, ...]:
+    with safe_open(file, framework="pt") as f:
+        return tuple(f.get_slice(hf_name).get_shape())
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -91,18 +109,17 @@ def _modules(stack: LayerStack) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def load_hf_stage(stack: LayerStack, path: str, dims: ModelDims) -> None:
-    """Copy this stage's parameters from the HF checkpoint directory `path` into `stack`."""
-    check_hf_config(path, dims)
+def load_hf_stage(stack: LayerStack, path: str, model: ModelSpec) -> None:
+    """Copy this stage's parameters from the HF checkpoint directory `path` into `stack`
+    (`check_init_from` has checked names and shapes before start)."""
     files = _weight_files(path)
-    lay = hf_layout(dims)
     for prefix, module in _modules(stack):
         named = list(module.named_parameters())
         if not named:  # e.g. a borrowed tied weight (pipeline/tied.py stripped it)
             continue
         tensors = {}
         for name, param in named:
-            hf_name = to_hf_names(prefix + name, dims, lay)[0]
+            hf_name = to_hf_names(prefix + name, model)[0]
             if hf_name not in files:
                 raise UserError(f"model.init_from={path}: the checkpoint has no {hf_name}")
             tensors[name] = _read(files[hf_name], hf_name, param, path)
@@ -130,21 +147,27 @@ def _join(pieces: list[tuple[torch.Tensor, Shard | None]]) -> torch.Tensor:
     return shard.combine([by_rank[r] for r in range(shard.size)]).contiguous()
 
 
-def write_hf_dir(path: str, dims: ModelDims, tensors: dict[str, torch.Tensor]) -> None:
-    """Write full tensors keyed by dsnd name as an HF directory: `config.json` and
-    `model.safetensors` (HF names; a tied weight under the embedding's name)."""
-    lay = hf_layout(dims)
+def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
+                 tokenizer_from: str | None = None) -> None:  # fmt: skip
+    """Write full tensors keyed by dsnd name as an HF directory: `config.json` (the model's
+    full config, architectures set), `model.safetensors` (HF names; a tied weight under the
+    embedding's name), and the tokenizer files of `tokenizer_from` when it has any."""
     named: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        hf_name = to_hf_names(name, dims, lay)[0]  # a tie: the embedding's
+        hf_name = to_hf_names(name, model)[0]  # a tie: the embedding's
         if hf_name in named:
             raise ValueError(f"two dsnd tensors map to the HF name {hf_name!r}")
         named[hf_name] = tensor.detach().to("cpu").contiguous()
     os.makedirs(path, exist_ok=True)
-    hf_config(dims).save_pretrained(path)
+    config = copy.deepcopy(model.config)
+    config.architectures = [model.family.architectures[0]]
+    config.save_pretrained(path)
     weights = os.path.join(path, _WEIGHTS)
     save_file(named, weights, metadata={"format": "pt"})
     os.chmod(weights, 0o666 & ~_umask())
+    for name in TOKENIZER_FILES if tokenizer_from else ():
+        if os.path.isfile(os.path.join(tokenizer_from, name)):
+            shutil.copyfile(os.path.join(tokenizer_from, name), os.path.join(path, name))
 
 
 def _umask() -> int:
@@ -162,7 +185,7 @@ def _umask() -> int:
     return mask
 
 
-def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.ProcessGroup) -> None:
+def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.ProcessGroup) -> None:
     """Write the full model (every stage's parameters) as an HF directory at `path` (rank 0).
 
     Collective over the world: every rank must call it.
@@ -186,4 +209,6 @@ def export_hf(stack: nn.Module, path: str, dims: ModelDims, data_group: dist.Pro
     for part in parts:
         for name, piece in part.items():
             pieces.setdefault(name, []).append(piece)
-    write_hf_dir(path, dims, {name: _join(found) for name, found in pieces.items()})
+    write_hf_dir(
+        path, model, {name: _join(found) for name, found in pieces.items()}, model.directory
+    )

@@ -1,10 +1,10 @@
-"""Parameter names: dsnd `LayerStack` ↔ `LlamaForCausalLM` / `GPT2LMHeadModel`.
+"""Parameter names: dsnd `LayerStack` ↔ the family's `*ForCausalLM` (its `HFNames`).
 
 dsnd names carry the global layer index (see `dsnd.model.specs`), N = num_layers:
-  layers.0.<e>              ↔ model.<e> / transformer.<e>                  (embedding)
+  layers.0.<e>              ↔ <base><e>, e.g. model.embed_tokens.weight     (embedding)
   tied_modules.embed.<e>    ↔ the same, and also lm_head.weight for the tied weight
-  layers.<1..N>.<rest>      ↔ model.layers.<i-1>.<rest> / transformer.h.<i-1>.<rest>
-  layers.<N+1>.<norm>       ↔ model.norm.weight / transformer.ln_f.{weight,bias}
+  layers.<1..N>.<rest>      ↔ <blocks><i-1>.<rest>, e.g. model.layers.<i-1>.<rest>
+  layers.<N+1>.<norm>       ↔ <base><norm>, e.g. model.norm.weight
   layers.<N+2>.lm_head.weight ↔ lm_head.weight                            (untied head)
 Inside a layer the names are those of the HF modules, so only prefixes change.
 """
@@ -12,47 +12,23 @@ Inside a layer the names are those of the HF modules, so only prefixes change.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dsnd.config.presets import ModelDims
-from dsnd.model.layers import GPT2Embedding, LlamaEmbedding
+from dsnd.model.spec import ModelSpec
 from dsnd.model.specs import TIED_EMBED_KEY
 
 _HEAD = "lm_head.weight"
-# Buffers some HF checkpoints carry that dsnd recomputes (rotary frequencies, GPT-2's old mask).
-_IGNORED_HF = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
 
 
-@dataclass(frozen=True)
-class _Layout:
-    base: str  # "model." / "transformer."
-    blocks: str  # "model.layers." / "transformer.h."
-    embed_names: tuple[str, ...]  # first name part of the embedding's parameters
-    final_norm: str  # first name part of the final norm's parameters
-    tied_attr: str
+def _embed_prefix(model: ModelSpec) -> str:
+    return f"tied_modules.{TIED_EMBED_KEY}." if model.tie_embeddings else "layers.0."
 
 
-def hf_layout(dims: ModelDims) -> _Layout:
-    if dims.family == "llama":
-        return _Layout(
-            "model.", "model.layers.", ("embed_tokens",), "norm", LlamaEmbedding.tied_weight_attr
-        )
-    if dims.family == "gpt2":
-        return _Layout(
-            "transformer.", "transformer.h.", ("wte", "wpe"), "ln_f", GPT2Embedding.tied_weight_attr
-        )
-    raise ValueError(f"unknown model family {dims.family!r}")
-
-
-def _embed_prefix(dims: ModelDims) -> str:
-    return f"tied_modules.{TIED_EMBED_KEY}." if dims.tie_embeddings else "layers.0."
-
-
-def to_hf_names(name: str, dims: ModelDims, lay: _Layout) -> list[str]:
-    n = dims.num_layers
+def to_hf_names(name: str, model: ModelSpec) -> list[str]:
+    """The HF names of dsnd parameter `name` (two for a tied weight: embedding, then head)."""
+    lay, n = model.family.names, model.num_layers
     if name.startswith(f"tied_modules.{TIED_EMBED_KEY}."):
         rest = name.removeprefix(f"tied_modules.{TIED_EMBED_KEY}.")
         return [lay.base + rest] + ([_HEAD] if rest == lay.tied_attr else [])
@@ -71,46 +47,45 @@ def to_hf_names(name: str, dims: ModelDims, lay: _Layout) -> list[str]:
     raise KeyError(f"layer index {index} out of range for {n} blocks: {name!r}")
 
 
-def _from_hf_name(name: str, dims: ModelDims, lay: _Layout) -> str | None:
+def from_hf_name(name: str, model: ModelSpec) -> str | None:
     """The dsnd name of HF parameter `name`, or None for entries dsnd does not store."""
-    if _IGNORED_HF.search(name):
+    lay, n = model.family.names, model.num_layers
+    if re.search(lay.ignored, name):
         return None
     if name == _HEAD:
-        return None if dims.tie_embeddings else f"layers.{dims.num_layers + 2}.{_HEAD}"
+        return None if model.tie_embeddings else f"layers.{n + 2}.{_HEAD}"
     if name.startswith(lay.blocks):
         match = re.fullmatch(r"(\d+)\.(.+)", name.removeprefix(lay.blocks))
-        if match is not None and int(match.group(1)) < dims.num_layers:
+        if match is not None and int(match.group(1)) < n:
             return f"layers.{int(match.group(1)) + 1}.{match.group(2)}"
     elif name.startswith(lay.base):
         rest = name.removeprefix(lay.base)
         head = rest.split(".")[0]
-        if head in lay.embed_names:
-            return _embed_prefix(dims) + rest
+        if head in lay.embedding:
+            return _embed_prefix(model) + rest
         if head == lay.final_norm:
-            return f"layers.{dims.num_layers + 1}.{rest}"
-    raise KeyError(f"unexpected {dims.family} HF parameter: {name!r}")
+            return f"layers.{n + 1}.{rest}"
+    raise KeyError(f"unexpected {model.family.name} HF parameter: {name!r}")
 
 
-def to_hf_state_dict(model: nn.Module, dims: ModelDims) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(stack: nn.Module, model: ModelSpec) -> dict[str, torch.Tensor]:
     """The HF state dict of `model`'s tensors (a full model loads with `strict=True`).
 
     A partial `LayerStack` (one pipeline stage) maps just the layers it holds. A tied weight is
     returned under both HF names, as `LlamaForCausalLM.state_dict()` lists it.
     """
-    lay = hf_layout(dims)
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        for hf_name in to_hf_names(name, dims, lay):
+    for name, tensor in stack.state_dict().items():
+        for hf_name in to_hf_names(name, model):
             out[hf_name] = tensor
     return out
 
 
-def from_hf_state_dict(sd: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(sd: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.Tensor]:
     """dsnd-named tensors from an HF state dict; raises KeyError on names it does not know."""
-    lay = hf_layout(dims)
     out: dict[str, torch.Tensor] = {}
     for hf_name, tensor in sd.items():
-        name = _from_hf_name(hf_name, dims, lay)
+        name = from_hf_name(hf_name, model)
         if name is not None:
             out[name] = tensor
     return out

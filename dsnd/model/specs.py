@@ -3,10 +3,13 @@
 Global layer index i: 0 = embedding, 1..num_layers = blocks, num_layers+1 = final norm,
 num_layers+2 = head. With tied embeddings the embedding and the head are `TiedLayerSpec`s with one
 key, as in DeepSpeed's GPT-NeoX/Megatron examples: one module is built, the head calls its
-`logits` through `forward_fn`.
+`logits` through `forward_fn`. The layers are the model family's (`dsnd.model.families`).
 
-Initial weights depend only on (seed, global layer index, parameter name) — never on the rank,
-stage or the order layers are built in — so every layout starts from the same model.
+Each layer is built on the meta device, given memory for this rank's shards only
+(`dsnd.model.parallelize.materialize`), initialised, and then handed to `partition` (ZeRO-3's
+conversion), so no rank ever holds a full layer it does not keep. Initial weights depend only
+on (seed, global layer index, parameter name), never on the rank, stage or the order layers
+are built in, so every layout starts from the same model.
 """
 
 from __future__ import annotations
@@ -15,76 +18,45 @@ import hashlib
 from collections.abc import Callable, Sequence
 from functools import partial
 
-import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.pytorch_utils import Conv1D
 
-from dsnd.config.presets import ModelDims
 from dsnd.model.checkpointing import run_layers
-from dsnd.model.hf_config import hf_config
-from dsnd.model.layers import (
-    GPT2BlockLayer,
-    GPT2Embedding,
-    GPT2FinalNorm,
-    LlamaBlock,
-    LlamaEmbedding,
-    LlamaFinalNorm,
-    LMHead,
-    tied_logits,
-)
-from dsnd.model.tp_layers import (
-    TPGPT2Block,
-    TPGPT2Embedding,
-    TPGPT2FinalNorm,
-    TPLlamaBlock,
-    TPLlamaEmbedding,
-    TPLlamaFinalNorm,
-    TPLMHead,
-)
+from dsnd.model.decoder import LMHead, tied_logits
+from dsnd.model.parallelize import materialize
+from dsnd.model.spec import ModelSpec
 from dsnd.tp import load_full
 from dsnd.tp.context import TensorParallel
 
 TIED_EMBED_KEY = "embed"
 
-_NORMS = (nn.LayerNorm, nn.RMSNorm, LlamaRMSNorm)
 _MATRICES = (nn.Linear, Conv1D, nn.Embedding)
 
 
-def layer_specs(dims: ModelDims, tp: TensorParallel | None = None) -> list[LayerSpec]:
+def layer_specs(model: ModelSpec, tp: TensorParallel | None = None) -> list[LayerSpec]:
     """Embedding, `num_layers` blocks, final norm, head: `num_layers + 3` specs.
 
-    With a tensor-parallel group of more than one rank the layers are those of
-    `dsnd.model.tp_layers` (same names and full shapes, each rank building its shards).
+    With a tensor-parallel group of more than one rank each rank builds its shards (same
+    names and full shapes, see `dsnd.model.parallelize`).
     """
-    config = hf_config(dims)
-    split = tp is not None and tp.size > 1
-    extra = (tp,) if split else ()
-    if dims.family == "llama" and split:
-        embed, block, final_norm, head = TPLlamaEmbedding, TPLlamaBlock, TPLlamaFinalNorm, TPLMHead
-    elif dims.family == "llama":
-        embed, block, final_norm, head = LlamaEmbedding, LlamaBlock, LlamaFinalNorm, LMHead
-    elif split:
-        embed, block, final_norm, head = TPGPT2Embedding, TPGPT2Block, TPGPT2FinalNorm, TPLMHead
-    else:
-        embed, block, final_norm, head = GPT2Embedding, GPT2BlockLayer, GPT2FinalNorm, LMHead
-    blocks = [LayerSpec(block, config, i, *extra) for i in range(dims.num_layers)]
-    if not dims.tie_embeddings:
+    fam, config = model.family, model.config
+    blocks = [LayerSpec(fam.block, config, i, tp) for i in range(model.num_layers)]
+    if not model.tie_embeddings:
         return [
-            LayerSpec(embed, config, *extra),
+            LayerSpec(fam.embedding, config, tp),
             *blocks,
-            LayerSpec(final_norm, config, *extra),
-            LayerSpec(head, config, *extra),
+            LayerSpec(fam.final_norm, config, tp),
+            LayerSpec(LMHead, config, tp),
         ]
-    attr = embed.tied_weight_attr
+    attr = fam.embedding.tied_weight_attr
     return [
-        TiedLayerSpec(TIED_EMBED_KEY, embed, config, *extra, tied_weight_attr=attr),
+        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, tied_weight_attr=attr),
         *blocks,
-        LayerSpec(final_norm, config, *extra),
+        LayerSpec(fam.final_norm, config, tp),
         TiedLayerSpec(
-            TIED_EMBED_KEY, embed, config, *extra, forward_fn=tied_logits, tied_weight_attr=attr
+            TIED_EMBED_KEY, fam.embedding, config, tp, forward_fn=tied_logits, tied_weight_attr=attr
         ),  # fmt: skip
     ]
 
@@ -103,12 +75,12 @@ def _initial_value(
     """The FULL tensor's initial value (a tensor-parallel shard is cut from it by the caller)."""
     shard = getattr(param, "tp_shard", None)
     shape = shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
-    if isinstance(owner, _NORMS):
-        return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
     if attr == "bias":
         return torch.zeros(shape)
     if isinstance(owner, _MATRICES) or param.ndim >= 2:
         return torch.empty(shape).normal_(0.0, std, generator=gen)
+    if attr == "weight" and param.ndim == 1:  # a norm's gain (RMSNorm, LayerNorm, q/k norms)
+        return torch.ones(shape)
     raise ValueError(f"init_layer: no rule for {type(owner).__name__}.{attr} {shape}")
 
 
@@ -116,7 +88,7 @@ def _initial_value(
 def init_layer(module: nn.Module, seed: int, layer_index: int, std: float) -> None:
     """Initialise every parameter of `module` from (seed, layer_index, its name in `module`).
 
-    Linear/Conv1D/embedding weights ~ N(0, std), norm weights 1, biases 0. Values are drawn in
+    Linear/Conv1D/embedding weights ~ N(0, std), norm gains 1, biases 0. Values are drawn in
     fp32 on the CPU and copied, so they do not depend on the parameter's device or dtype. A
     tensor-parallel shard draws the full tensor and keeps its part, so the full model is the same
     whatever the tensor-parallel size.
@@ -138,6 +110,7 @@ class LayerStack(nn.Module):
     `init_std` defaults to each layer's own `init_std` attribute.
     `activation_checkpoint_interval` k > 0 recomputes each run of k consecutive layers of this
     stack in backward while training (`dsnd.model.checkpointing`); 0 keeps every activation.
+    `partition` is called on each layer once it is initialised (ZeRO-3 shards it there).
     """
 
     def __init__(
@@ -147,6 +120,7 @@ class LayerStack(nn.Module):
         layer_indices: Sequence[int] | None = None,
         init_std: float | None = None,
         activation_checkpoint_interval: int = 0,
+        partition: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
         if activation_checkpoint_interval < 0:
@@ -173,16 +147,14 @@ class LayerStack(nn.Module):
             spec = specs[index]
             if isinstance(spec, TiedLayerSpec):
                 if spec.key not in self.tied_modules:
-                    module = spec.build()
-                    _init(module, seed, first_tied_index[spec.key], init_std)
+                    module = _build(spec, seed, first_tied_index[spec.key], init_std, partition)
                     self.tied_modules[spec.key] = module
                     self.tied_weight_attrs[spec.key] = list(spec.tied_weight_attr)
                 module = self.tied_modules[spec.key]
                 fn = module if spec.forward_fn is None else partial(spec.forward_fn, module)
                 self._forward_funcs.append(fn)
             else:
-                module = spec.build()
-                _init(module, seed, index, init_std)
+                module = _build(spec, seed, index, init_std, partition)
                 self.layers[str(index)] = module
                 self._forward_funcs.append(module)
 
@@ -201,17 +173,22 @@ def layer_of(name: str, stack: LayerStack) -> int:
     raise KeyError(f"not a LayerStack parameter name: {name!r}")
 
 
-def _init(module: nn.Module, seed: int, index: int, init_std: float | None) -> None:
+def _build(spec: LayerSpec, seed: int, index: int, init_std: float | None,
+           partition: Callable[[nn.Module], None] | None) -> nn.Module:  # fmt: skip
+    """Layer `index` of the model: built on meta, this rank's shards allocated, initialised
+    from (seed, index, name), then partitioned."""
+    with torch.device("meta"):
+        module = spec.build()
+    materialize(module)
     std = init_std if init_std is not None else getattr(module, "init_std", None)
     if std is None:
         raise ValueError(f"{type(module).__name__} has no init_std; pass LayerStack(init_std=...)")
-    # Built under deepspeed.zero.Init, the layer's parameters are already partitioned: gather
-    # this one layer, initialise it (the same values on every rank), and let each rank keep its
-    # shard. A no-op for ordinary parameters.
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-        init_layer(module, seed, index, std)
+    init_layer(module, seed, index, std)
+    if partition is not None:
+        partition(module)
+    return module
 
 
-def build_model(dims: ModelDims, seed: int) -> LayerStack:
-    """All layers of `dims`, initialised from `seed`."""
-    return LayerStack(layer_specs(dims), seed)
+def build_model(model: ModelSpec, seed: int) -> LayerStack:
+    """All layers of `model` on one rank, initialised from `seed`."""
+    return LayerStack(layer_specs(model), seed)

@@ -26,7 +26,7 @@ from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.schedule import schedule
 from dsnd.pipeline.stage import build_stage, stage_parts, tensor_parallel
 from dsnd.pipeline.tied import TiedWeights
-from dsnd.tp import allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
+from dsnd.tp import allreduce_partial_grads, vocab_parallel_cross_entropy
 from dsnd.zero import build_engine
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -41,9 +41,9 @@ class StageRunner:
             scope_zero3_trace_checks(groups.data)
         stack = build_stage(res, groups)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
-        self.tied = TiedWeights(stack, layer_specs(res.dims), stage_parts(res), groups)
+        self.tied = TiedWeights(stack, layer_specs(res.model), stage_parts(res), groups)
         if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
-            load_hf_stage(stack, res.run.model.init_from, res.dims)
+            load_hf_stage(stack, res.run.model.init_from, res.model)
         self.engine = build_engine(stack, res.ds, groups)
         pp, stage, gas = res.topology.pp, groups.coord.pp, res.batch.gas
         self.actions = schedule(res.run.parallel.schedule, pp, stage, gas)
@@ -51,15 +51,14 @@ class StageRunner:
         dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         tp = tensor_parallel(res, groups)
         seq = res.run.model.seq_len // (tp.size if tp.sequence_parallel else 1)
-        self.shape = StageShape(res.batch.micro, seq, res.dims.hidden_size, dtype)
+        self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype)
         self.math = StageMath(norm_group=groups.model, tp_rank=groups.coord.tp)
         if tp.size > 1:
             loss = partial(vocab_parallel_cross_entropy, group=tp.group,
-                           vocab_size=res.dims.vocab_size)  # fmt: skip
+                           vocab_size=res.model.vocab_size)  # fmt: skip
             params = list(self.engine.module.parameters())
-            sync = partial(allreduce_sequence_parallel_grads, params, tp.group)
-            self.math = StageMath(groups.model, groups.coord.tp, loss,
-                                  sync if tp.sequence_parallel else None)  # fmt: skip
+            sync = partial(allreduce_partial_grads, params, tp.group)
+            self.math = StageMath(groups.model, groups.coord.tp, loss, sync)
 
     def run(self, micro_batches: Batches) -> StepResult:
         """This stage's share of one optimizer step (no collective beyond the step's own)."""

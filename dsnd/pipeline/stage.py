@@ -18,7 +18,7 @@ def stage_parts(res: Resolved) -> list[int]:
     """Stage boundaries under `parallel.partition`: stage s holds global layers
     parts[s] .. parts[s + 1] - 1. Computed on the unsplit layers, so tensor parallelism never
     changes which layers a stage holds."""
-    return partition(res.run.parallel.partition, layer_specs(res.dims), res.topology.pp)
+    return partition(res.run.parallel.partition, layer_specs(res.model), res.topology.pp)
 
 
 def _group_count(specs: list, indices: list[int], owned_ties: set[str]) -> int:
@@ -44,7 +44,7 @@ def check_stages(res: Resolved) -> None:
     zero = res.ds.get("zero_optimization", {}).get("stage", 0)
     if res.topology.pp == 1 or zero == 0:
         return
-    specs = layer_specs(res.dims)
+    specs = layer_specs(res.model)
     counts, owners = [], set()
     for stage in range(res.topology.pp):
         indices = stage_layers(parts, stage)
@@ -69,24 +69,28 @@ def tensor_parallel(res: Resolved, groups: ProcessGroups) -> TensorParallel:
 
 def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
     """This rank's layers, initialised exactly as in the full model (seed, global index, name);
-    with tp > 1 this rank's shard of each split tensor (`dsnd.model.tp_layers`).
+    with tp > 1 this rank's shard of each split tensor (`dsnd.model.parallelize`).
 
-    With ZeRO-3 the layers are built under `deepspeed.zero.Init` over the stage's data-parallel
-    group: each layer is partitioned as soon as it is constructed (and initialised one layer at
-    a time), so no rank ever holds its whole stage, let alone the model.
+    Each layer is built on the meta device and given memory for this rank's shards only. With
+    ZeRO-3 it is then handed to `deepspeed.zero.Init(module=...)` over the stage's
+    data-parallel group, one layer at a time, so no rank ever holds its whole stage, let alone
+    the model.
     """
     zero3 = res.ds.get("zero_optimization", {}).get("stage", 0) == 3
-    # partitioning builds layers on the meta device to count them: never under zero.Init
     indices = stage_layers(stage_parts(res), groups.coord.pp)
-    with deepspeed.zero.Init(
-        data_parallel_group=groups.data,
-        config_dict_or_path=res.ds,
-        mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
-        enabled=zero3,
-    ):
-        return LayerStack(
-            layer_specs(res.dims, tensor_parallel(res, groups)),
-            res.run.train.seed,
-            layer_indices=indices,
-            activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
+
+    def partition(layer: torch.nn.Module) -> None:
+        deepspeed.zero.Init(
+            module=layer,
+            data_parallel_group=groups.data,
+            config_dict_or_path=res.ds,
+            mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
         )
+
+    return LayerStack(
+        layer_specs(res.model, tensor_parallel(res, groups)),
+        res.run.train.seed,
+        layer_indices=indices,
+        activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
+        partition=partition if zero3 else None,
+    )

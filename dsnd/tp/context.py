@@ -35,7 +35,7 @@ class TensorParallel:
     def mark_replicated(self, module: nn.Module) -> None:
         """Under sequence parallelism every parameter of `module` that is not split works on
         this rank's sequence slice only (norms, position embeddings, row biases), so its gradient
-        is a partial sum: mark it for `allreduce_sequence_parallel_grads`."""
+        is a partial sum: mark it for `allreduce_partial_grads`."""
         for param in module.parameters():
             if not getattr(param, "tensor_model_parallel", False):
-                param.sequence_parallel = self.sequence_parallel
+                param.partial_grad = self.sequence_parallel

@@ -9,9 +9,10 @@ all-gather and a reduce-scatter along the sequence (see dsnd/tp/mappings.py).
 Split parameters carry ``tensor_model_parallel = True`` (DeepSpeed's
 ``is_model_parallel_parameter`` reads it), ``partition_dim``, ``partition_stride`` and
 ``tp_shard``, the `dsnd.tp.shard.Shard` saying which part of the full tensor the rank holds.
-Replicated parameters whose gradient is only partial on each rank under sequence parallelism
-(the row layer's bias) carry ``sequence_parallel = True``: `allreduce_sequence_parallel_grads`
-sums those over the group after backward, as Megatron does when it finalises gradients.
+Replicated parameters whose gradient is only partial on each rank (under sequence parallelism,
+the row layer's bias; inside a region, per-head norms) carry ``partial_grad = True``:
+`allreduce_partial_grads` sums those over the group after backward, as Megatron does when it
+finalises gradients.
 
 Every layer's `load_full` takes the unsplit weight and keeps this rank's slice, so the full
 model is the same whatever the tensor-parallel size. Linear layers take `transposed=True` for
@@ -43,7 +44,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "VocabParallelHead",
-    "allreduce_sequence_parallel_grads",
+    "allreduce_partial_grads",
     "divide",
     "enter_tp",
     "leave_tp",
@@ -195,7 +196,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None:
             _uniform_(self.bias, in_f)
             # each rank sees only its sequence slice, so its bias gradient is a partial sum
-            self.bias.sequence_parallel = sequence_parallel
+            self.bias.partial_grad = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -274,17 +275,16 @@ class VocabParallelHead(_VocabRows):
         return self.logits(hidden)
 
 
-def allreduce_sequence_parallel_grads(
-    params: Iterable[nn.Parameter], group: dist.ProcessGroup
-) -> None:
-    """Sum, over the group, the gradients of replicated parameters used on sequence slices.
+def allreduce_partial_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Sum, over the group, the gradients of replicated parameters marked ``partial_grad``.
 
-    Under sequence parallelism a replicated parameter (the row layer's bias, later norms)
-    sees only this rank's tokens, so its gradient is a partial sum; call this after backward
+    Under sequence parallelism a replicated parameter (the row layer's bias, norms) sees only
+    this rank's tokens; inside a split region one (a per-head q/k norm) sees only this rank's
+    heads: either way its gradient is a partial sum; call this after backward
     and before the optimizer (or DeepSpeed's data-parallel reduction). One flat all-reduce.
     """
     grads = [p.grad for p in params
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]  # fmt: skip
+             if getattr(p, "partial_grad", False) and p.grad is not None]  # fmt: skip
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -12,19 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from dsnd.config.presets import PRESETS
+from tests.models import spec_of
 from dsnd.errors import UserError
-from dsnd.model.hf_io import check_hf_config
-from dsnd.model import hf_config
+from dsnd.model import build_model
+from dsnd.model.hf_io import check_init_from, write_hf_dir
 from tests.dist.parity import run_cases
 
 
 def _hf_model(preset: str) -> torch.nn.Module:
     torch.manual_seed(7)
-    cls = LlamaForCausalLM if preset == "llama-tiny" else GPT2LMHeadModel
-    model = cls(hf_config(PRESETS[preset])).eval()
+    model = AutoModelForCausalLM.from_config(spec_of(preset).config).eval()
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for p in model.parameters():
@@ -130,8 +129,13 @@ def test_hf_roundtrip_tensor_parallel_and_init_independent_of_tp(tmp_path):
                     torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5)
 
 
-def test_init_from_refuses_a_checkpoint_of_another_shape(tmp_path):
-    hf_config(PRESETS["gpt2-tiny"]).save_pretrained(tmp_path)
-    check_hf_config(str(tmp_path), PRESETS["gpt2-tiny"])
-    with pytest.raises(UserError, match=r"n_head=4 .*num_key_value_heads=2"):
-        check_hf_config(str(tmp_path), PRESETS["llama-tiny"])
+def test_init_from_refuses_a_checkpoint_of_another_model(tmp_path):
+    gpt2 = spec_of("gpt2-tiny")
+    write_hf_dir(str(tmp_path), gpt2, build_model(gpt2, seed=0).state_dict())
+    check_init_from(str(tmp_path), gpt2)
+    with pytest.raises(UserError, match=r"config.json activation_function='gelu_new' but the "
+                                        r"run's model \(preset llama-tiny\) has None"):
+        check_init_from(str(tmp_path), spec_of("llama-tiny"))
+    wider = spec_of("gpt2-tiny", hidden_size=128)
+    with pytest.raises(UserError, match=r"config.json n_embd=64 but .* has 128"):
+        check_init_from(str(tmp_path), wider)

@@ -9,7 +9,7 @@ import math
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dsnd.config.presets import PRESETS
+from tests.models import spec_of
 from dsnd.flops import flops_per_token
 from dsnd.pipeline.executor import PHASES
 from tests.dist.parity import case, run_cases
@@ -35,7 +35,7 @@ def test_pipeline_run_writes_every_scalar_to_tensorboard(tmp_path):
         assert len(values) == STEPS and all(math.isfinite(v) for v in values), tag
     assert scalars["train/loss"] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     assert 5.0 < scalars["train/loss"][0] < 5.7  # ln(256) = 5.55 for a fresh byte model
-    fpt = flops_per_token(PRESETS["llama-tiny"], 64)
+    fpt = flops_per_token(spec_of("llama-tiny"), 64)
     for tok, mfu in zip(scalars["perf/tokens_per_s"], scalars["perf/mfu"], strict=True):
         assert mfu == pytest.approx(tok * fpt / (2 * PEAK), rel=1e-5)
     for s in range(STEPS):

@@ -71,7 +71,7 @@ def test_parallel_parameters_are_marked_for_deepspeed(found):
 @pytest.mark.dist
 def test_sequence_parallel_bias_gradient_is_partial_until_reduced(found):
     """Under SP each rank adds the row bias to its own tokens only: its gradient is a partial sum
-    (far from the reference) until allreduce_sequence_parallel_grads sums it over the group."""
+    (far from the reference) until allreduce_partial_grads sums it over the group."""
     for row in rows(found, "mlp_sp"):
         assert row["row_bias_grad_before_sp_reduce"] > 0.1
         assert row["row_bias_grad"] < ATOL

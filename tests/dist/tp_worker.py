@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from dsnd.config.presets import ModelDims  # noqa: E402
+from tests.models import spec_of  # noqa: E402
 from dsnd.dist.groups import build_groups  # noqa: E402
 from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model import LayerStack, layer_specs  # noqa: E402
@@ -33,7 +33,7 @@ from dsnd.tp import (  # noqa: E402
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    allreduce_sequence_parallel_grads,
+    allreduce_partial_grads,
     vocab_parallel_cross_entropy,
 )
 from dsnd.tp.context import TensorParallel  # noqa: E402
@@ -127,7 +127,7 @@ def mlp_case(group, sequence_parallel: bool, gather_output: bool = False) -> dic
     # loss is the whole loss), a partition of the tokens with SP
     y, forward, backward = run_counted(lambda t: row(F.gelu(col(t))), x_tp, probe_tp)
     bias_before = row.bias.grad.clone()
-    allreduce_sequence_parallel_grads(row.parameters(), group)
+    allreduce_partial_grads(row.parameters(), group)
 
     y_full = gather(y, 1, group) if sequence_parallel else y
     dx = gather(x_tp.grad, 1, group) if sequence_parallel else x_tp.grad
@@ -151,7 +151,7 @@ def mlp_case(group, sequence_parallel: bool, gather_output: bool = False) -> dic
             "col_bias": [col.bias.tensor_model_parallel, col.bias.partition_dim],
             "row_weight": [row.weight.tensor_model_parallel, row.weight.partition_dim],
             "row_bias_split": getattr(row.bias, "tensor_model_parallel", False),
-            "row_bias_sp": row.bias.sequence_parallel,
+            "row_bias_sp": row.bias.partial_grad,
         },
     }
 
@@ -225,12 +225,12 @@ def cross_entropy_case(group) -> dict:
 
 
 def block_case(group, family: str, sequence_parallel: bool) -> dict:
-    """One transformer block (dsnd.model.tp_layers) against the unsplit block, both initialised
+    """One transformer block (split by its family's TP plan) against the unsplit block, both initialised
     by dsnd from the same (seed, layer index): outputs, input and parameter gradients, and the
     collectives of forward and backward."""
-    dims = ModelDims(family, hidden_size=32, num_layers=1, num_heads=8,
-                     num_kv_heads=4 if family == "llama" else 8, ffn_size=64, vocab_size=VOCAB,
-                     max_seq_len=SEQ, tie_embeddings=False)  # fmt: skip
+    dims = spec_of(f"{family}-tiny", {"tie_word_embeddings": False}, hidden_size=32,
+                   num_layers=1, num_heads=8, num_kv_heads=4 if family == "llama" else 8,
+                   ffn_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ)  # fmt: skip
     tp = TensorParallel(group, sequence_parallel)
     ref = LayerStack(layer_specs(dims), seed=5, layer_indices=[1])
     block = LayerStack(layer_specs(dims, tp), seed=5, layer_indices=[1])
@@ -241,7 +241,7 @@ def block_case(group, family: str, sequence_parallel: bool) -> dict:
     x_tp = (my_slice(x, 1, group) if sequence_parallel else x).clone().requires_grad_()
     probe_tp = my_slice(probe, 1, group) if sequence_parallel else probe
     y, forward, backward = run_counted(block, x_tp, probe_tp)
-    allreduce_sequence_parallel_grads(block.parameters(), group)
+    allreduce_partial_grads(block.parameters(), group)
     want = dict(ref.named_parameters())
     grads = 0.0
     for name, param in block.named_parameters():

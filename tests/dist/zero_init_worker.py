@@ -2,7 +2,7 @@
 
 Usage (every rank): python tests/dist/zero_init_worker.py OUT.json
 Builds the llama-tiny stage of pp=1 x dp=WORLD with ds_configs/zero3.json through dsnd's own
-`build_stage` (deepspeed.zero.Init over the data-parallel group) and measures, from the live
+`build_stage` (each layer handed to deepspeed.zero.Init over the data-parallel group) and measures, from the live
 parameter objects themselves, the bytes materialised on this rank: at every layer's
 initialisation (the construction peak) and after construction.
 """
@@ -27,13 +27,16 @@ from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.pipeline.stage import build_stage  # noqa: E402
 
 
-def live_zero_param_bytes() -> int:
-    """Bytes held by every ZeRO-3 parameter alive in this process: its materialised data (full
-    only while gathered) plus its own shard."""
+def live_param_bytes() -> int:
+    """Bytes held by every parameter alive in this process: a ZeRO-3 parameter's materialised
+    data (full only while gathered) plus its own shard; any other (the layer being built,
+    before ZeRO takes it) its data. Meta parameters hold nothing."""
     total = 0
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Parameter) and hasattr(obj, "ds_id"):
-            total += obj.data.numel() * obj.element_size()
+        if not isinstance(obj, torch.nn.Parameter) or obj.is_meta:
+            continue
+        total += obj.data.numel() * obj.element_size()
+        if hasattr(obj, "ds_id"):
             total += obj.ds_tensor.numel() * obj.ds_tensor.element_size()
     return total
 
@@ -46,8 +49,8 @@ def main(out_path: str) -> None:
     samples = []
     original = specs_module.init_layer
 
-    def measured_init_layer(module, seed, index, std):  # runs inside GatheredParameters
-        samples.append(live_zero_param_bytes())
+    def measured_init_layer(module, seed, index, std):  # the layer whole, before ZeRO-3
+        samples.append(live_param_bytes())
         original(module, seed, index, std)
 
     specs_module.init_layer = measured_init_layer
@@ -60,7 +63,7 @@ def main(out_path: str) -> None:
                 sum(p.ds_numel * p.element_size() for p in layer.parameters())
                 for layer in stack.layers.values()
             ),
-            "after_build_bytes": live_zero_param_bytes(),
+            "after_build_bytes": live_param_bytes(),
             "construction_peak_bytes": max(samples),
             "all_partitioned": all(p.data.numel() == 0 for p in params),
             "dp": res.topology.dp,

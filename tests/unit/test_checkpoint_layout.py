@@ -4,7 +4,6 @@ stands in for a real one)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -31,8 +30,8 @@ from dsnd.checkpoint.layout import (
 )
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume
 from dsnd.checkpoint.verify import newest_intact, verify
-from dsnd.config.presets import PRESETS
 from dsnd.config.schema import RunConfig
+from tests.models import spec_of
 
 MODEL_0 = model_file(0)
 
@@ -46,7 +45,7 @@ def manifest_of(step: int) -> dict:
         "topology": {"pp": 1, "tp": 1, "dp": 1, "world_size": 1},
         "zero_stage": 0,
         "parts": [0, 1],
-        "model": dataclasses.asdict(PRESETS["llama-tiny"]),
+        "model": spec_of("llama-tiny").manifest(),
         "versions": {"dsnd": "0.0-test"},
         "config": {},
         "corpus": {"name": "t", "tokens": 1, "sha256": ""},

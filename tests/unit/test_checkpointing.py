@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from dsnd.config.load import load
-from dsnd.config.presets import PRESETS
 from dsnd.config.resolve import resolve
 from dsnd.errors import UserError
 from dsnd.model import LayerStack, layer_specs, lm_loss
 from dsnd.model.checkpointing import chunk_bounds, run_layers
+from tests.models import spec_of
 
 torch.set_num_threads(1)
 
@@ -38,7 +38,7 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _saved_bytes_and_grads(preset: str, interval: int) -> tuple[int, torch.Tensor, dict]:
     """(bytes saved for backward by one forward, loss, {name: grad}) at `interval`."""
-    dims = PRESETS[preset]
+    dims = spec_of(preset)
     model = LayerStack(layer_specs(dims), seed=0, activation_checkpoint_interval=interval)
     x, y = _batch(dims.vocab_size)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -60,7 +60,7 @@ def _saved_bytes_and_grads(preset: str, interval: int) -> tuple[int, torch.Tenso
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
 def test_checkpointing_saves_memory_with_the_same_gradients(preset):
-    dims = PRESETS[preset]
+    dims = spec_of(preset)
     base_bytes, base_loss, base_grads = _saved_bytes_and_grads(preset, 0)
     num_layers = len(layer_specs(dims))
     for interval, factor in MIN_FACTOR.items():
@@ -94,7 +94,7 @@ def test_chunks_follow_deepspeed_pipeline_module():
 
 
 def test_parameter_names_do_not_change():
-    specs = layer_specs(PRESETS["llama-tiny"])
+    specs = layer_specs(spec_of("llama-tiny"))
     off = LayerStack(specs, seed=0, layer_indices=[2, 3, 4])
     on = LayerStack(specs, seed=0, layer_indices=[2, 3, 4], activation_checkpoint_interval=2)
     assert list(on.state_dict()) == list(off.state_dict())
@@ -103,7 +103,7 @@ def test_parameter_names_do_not_change():
 
 
 def test_no_recompute_in_evaluation():
-    dims = PRESETS["llama-tiny"]
+    dims = spec_of("llama-tiny")
     model = LayerStack(layer_specs(dims), seed=0, activation_checkpoint_interval=1).eval()
     x, _ = _batch(dims.vocab_size)
     hooks_seen = []

@@ -8,7 +8,6 @@ export must load in `transformers` and give the dsnd model's logits.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -21,8 +20,8 @@ from transformers import AutoModelForCausalLM
 from dsnd import cli
 from dsnd.checkpoint.commit import write_manifest
 from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
-from dsnd.config.presets import PRESETS
 from dsnd.model.specs import build_model
+from tests.models import spec_of
 
 STEP = 10
 PRESET_NAMES = ("llama-tiny", "gpt2-tiny")
@@ -36,8 +35,8 @@ def _layer_of(name: str) -> int:
 
 
 def write_checkpoint(root: str, preset: str) -> str:
-    """A committed checkpoint of `build_model(PRESETS[preset], seed=3)` under `root`."""
-    dims = PRESETS[preset]
+    """A committed checkpoint of `build_model(spec_of(preset), seed=3)` under `root`."""
+    dims = spec_of(preset)
     step_dir = os.path.join(root, step_dir_name(STEP))
     os.makedirs(os.path.join(step_dir, "rng"))
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -63,7 +62,7 @@ def write_checkpoint(root: str, preset: str) -> str:
         "topology": {"pp": 2, "tp": 1, "dp": 2, "world_size": 4},
         "zero_stage": 3,
         "parts": [0, 3, n],
-        "model": dataclasses.asdict(dims),
+        "model": dims.manifest(),
         "versions": {"dsnd": "0.0-test", "torch": torch.__version__},
         "config": {"run": {}, "deepspeed": {}},
         "corpus": {"name": "t", "tokens": 1, "sha256": ""},
@@ -236,7 +235,7 @@ def test_inspect_json(capsys, ckpt):
     assert (r["ok"], r["problems"], r["step"], r["consumed_samples"]) == (True, [], 10, 160)
     assert r["topology"] == {"pp": 2, "tp": 1, "dp": 2, "world_size": 4}
     assert (r["zero_stage"], r["stages"]) == (3, [[0, 2], [3, 6]])
-    assert r["model"] == dataclasses.asdict(PRESETS["llama-tiny"])
+    assert r["model"] == spec_of("llama-tiny").manifest()
     files = {row["file"]: row for row in r["files"]}
     assert files[RNG_0] == {
         "file": RNG_0,
@@ -290,8 +289,8 @@ def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp
     rc, out, err = run(capsys, "ckpt", "export", pristine[preset], out_dir)
     assert (rc, err) == (0, "")
     step_dir = os.path.join(pristine[preset], step_dir_name(STEP))
-    count = len(build_model(PRESETS[preset], seed=3).state_dict())
-    family = PRESETS[preset].family
+    count = len(build_model(spec_of(preset), seed=3).state_dict())
+    family = spec_of(preset).family
     assert out == f"wrote {out_dir}: {family}, {count} tensors from {step_dir}\n"
     assert sorted(os.listdir(out_dir)) == ["config.json", "model.safetensors"]
     hf, info = AutoModelForCausalLM.from_pretrained(
@@ -299,7 +298,7 @@ def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp
     )
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
-    want = _logits(build_model(PRESETS[preset], seed=3).eval(), tokens)
+    want = _logits(build_model(spec_of(preset), seed=3).eval(), tokens)
     got = _logits(hf.eval(), tokens)
     assert got.shape == want.shape == (2, 24, 256)
     assert (got - want).abs().max().item() < 1e-5
@@ -343,8 +342,8 @@ def test_generate_samples_from_the_checkpointed_weights(capsys, pristine, preset
     assert rc == 0
     texts = {}
     for seed in (3, 4):
-        model = build_model(PRESETS[preset], seed=seed).eval()
-        ids = generate(model, prompt, 24, PRESETS[preset].max_seq_len, 1.0,
+        model = build_model(spec_of(preset), seed=seed).eval()
+        ids = generate(model, prompt, 24, spec_of(preset).max_seq_len, 1.0,
                        torch.Generator().manual_seed(5))  # fmt: skip
         texts[seed] = tok.decode(ids[0].tolist()) + "\n"
     assert out == texts[3] and out.startswith("def main(")

@@ -391,11 +391,11 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "tp does not divide heads": (
             [*L, "8", D, "--set", "parallel.tp=8"],
-            "model.num_heads=4 is not divisible by parallel.tp=8",
+            "preset llama-tiny: num_heads=4 is not divisible by parallel.tp=8",
         ),
         "tp does not divide kv heads": (
             [*L, "4", D, "--set", "parallel.tp=4"],
-            "model.num_kv_heads=2 is not divisible by parallel.tp=4",
+            "preset llama-tiny: num_kv_heads=2 is not divisible by parallel.tp=4",
         ),
         "fp16 refused": (
             [*L, "2", D, "--set", "ds.fp16.enabled=true"],
@@ -416,7 +416,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "--nprocs -1": ([*L, "-1"], "--nprocs must be >= 1, got -1"),
         "tp=2, MLP width odd": (
             [*L, "2", D, "--set", "parallel.tp=2", "--set", "model.ffn_size=175"],
-            "model.ffn_size=175 is not divisible by parallel.tp=2",
+            "preset llama-tiny: ffn_size=175 is not divisible by parallel.tp=2",
         ),
         "sequence parallel, odd sequence": (
             [*L, "2", D, "--set", "parallel.tp=2", "--set", "model.seq_len=63", "--set", SP],

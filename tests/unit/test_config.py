@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shlex
 
 import pytest
 
@@ -20,6 +21,7 @@ from dsnd.config.load import default_config_path, load, parse_set
 from dsnd.config.resolve import resolve
 from dsnd.config.schema import RunConfig
 from dsnd.errors import UserError
+from dsnd.model.spec import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZERO0 = os.path.join(ROOT, "ds_configs", "zero0.json")
@@ -69,7 +71,15 @@ def test_packaged_default_is_llama_tiny_zero0_batch_16_micro_2():
     assert loaded.yaml_path == default_config_path()
     assert loaded.ds_path == PACKAGED_DS
     run = loaded.run
-    assert (run.model.preset, run.parallel.pp, run.parallel.tp) == ("llama-tiny", 1, 1)
+    # no model named: llama-tiny, and model.config or model.init_from may name another one
+    assert (run.model.config, run.model.preset, run.parallel.pp, run.parallel.tp) == (
+        None,
+        None,
+        1,
+        1,
+    )
+    assert resolve(loaded, 1).model.source == "preset llama-tiny"
+    assert resolve(load(None, ["model.config=gpt2-tiny"]), 1).model.source == "preset gpt2-tiny"
     assert loaded.ds["zero_optimization"]["stage"] == 0
     assert loaded.ds["train_batch_size"] == 16
     assert loaded.ds["train_micro_batch_size_per_gpu"] == 2
@@ -90,7 +100,7 @@ def test_default_resolves_for_data_parallel_worlds(world, gas):
     assert res.ds["train_batch_size"] == 16
     assert res.ds["train_micro_batch_size_per_gpu"] == 2
     assert res.ds["gradient_accumulation_steps"] == gas
-    assert (res.dims.hidden_size, res.dims.num_heads, res.dims.num_kv_heads) == (64, 4, 2)
+    assert (res.model.hidden_size, res.model.num_heads, res.model.num_kv_heads) == (64, 4, 2)
 
 
 def test_default_does_not_divide_over_16_ranks():
@@ -181,13 +191,13 @@ def test_set_takes_numbers_for_strings_as_written(text, expected):
 def test_set_null_for_an_optional_field():
     loaded = load(None, ["model.hidden_size=null", "data.path=null"])
     assert loaded.run.model.hidden_size is None and loaded.run.data.path is None
-    assert resolve(loaded, 1).dims.hidden_size == 64  # the preset's
+    assert resolve(loaded, 1).model.hidden_size == 64  # the preset's
 
 
 def test_set_optional_int_field():
     loaded = load(None, ["model.hidden_size=128", "model.num_heads=8", "model.num_kv_heads=4"])
-    dims = resolve(loaded, 1).dims
-    assert (dims.hidden_size, dims.num_heads, dims.num_kv_heads) == (128, 8, 4)
+    model = resolve(loaded, 1).model
+    assert (model.hidden_size, model.num_heads, model.num_kv_heads) == (128, 8, 4)
 
 
 @pytest.mark.parametrize(
@@ -207,11 +217,6 @@ def test_set_optional_int_field():
             "--set train.lr_scaling=cubic: train.lr_scaling must be one of none, linear, sqrt, "
             "got 'cubic'",
         ),
-        (
-            "model.preset=llama-tinny",
-            "model.preset must be one of llama-tiny, gpt2-tiny, got 'llama-tinny' "
-            "(did you mean 'llama-tiny'?)",
-        ),
         ("parallel.ppp=2", "--set parallel.ppp=2: unknown key 'parallel.ppp' (did you mean"),
         ("trian.steps=2", "--set trian.steps=2: unknown key 'trian.steps' (did you mean 'train."),
         ("parallel=3", "--set parallel=3: unknown key 'parallel'"),
@@ -219,6 +224,16 @@ def test_set_optional_int_field():
 )
 def test_set_errors(item, message):
     assert message in error(load, None, [item])
+
+
+def test_an_unknown_preset_lists_the_shipped_ones():
+    # any string is a valid model.preset to --set; resolve names the shipped presets
+    loaded = load(None, ["model.preset=llama-tinny"])
+    assert {"llama-tiny", "gpt2-tiny"} <= set(presets())
+    assert error(resolve, loaded, 1) == (
+        f"model.preset='llama-tinny' is not a preset ({', '.join(presets())}); name a model "
+        "directory or config.json with model.config"
+    )
 
 
 def test_later_set_wins():
@@ -724,24 +739,48 @@ def test_no_optimizer_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     "sets, world, message",
     [
-        (["parallel.tp=3"], 3, "model.hidden_size=64 is not divisible by parallel.tp=3"),
-        (["parallel.tp=8"], 8, "model.num_heads=4 is not divisible by parallel.tp=8"),
-        (["parallel.tp=4"], 4, "model.num_kv_heads=2 is not divisible by parallel.tp=4"),
+        # tp splits the heads (hidden_size itself need not divide: the heads' width is split)
+        (["parallel.tp=3"], 3, "preset llama-tiny: num_heads=4 is not divisible by parallel.tp=3"),
+        (["parallel.tp=8"], 8, "preset llama-tiny: num_heads=4 is not divisible by parallel.tp=8"),
+        (
+            ["parallel.tp=4"],
+            4,
+            "preset llama-tiny: num_kv_heads=2 is not divisible by parallel.tp=4",
+        ),
         (
             ["parallel.tp=2", "model.num_kv_heads=1"],
             2,
-            "model.num_kv_heads=1 is not divisible by parallel.tp=2",
+            "preset llama-tiny: num_kv_heads=1 is not divisible by parallel.tp=2",
         ),
         (
             ["parallel.tp=4", "model.hidden_size=96", "model.num_heads=6", "model.num_kv_heads=6"],
             4,
-            "model.num_heads=6 is not divisible by parallel.tp=4",
+            "preset llama-tiny: num_heads=6 is not divisible by parallel.tp=4",
         ),
-        (["model.num_kv_heads=3"], 1, "model.num_heads=4 is not divisible by model.num_kv_heads=3"),
-        (["model.hidden_size=66"], 1, "model.hidden_size=66 is not divisible by model.num_heads=4"),
+        (
+            ["parallel.tp=2", "model.preset=gpt2-tiny", "model.ffn_size=255"],
+            2,
+            "preset gpt2-tiny: ffn_size=255 is not divisible by parallel.tp=2",
+        ),
+        (
+            ["model.num_kv_heads=3"],
+            1,
+            "preset llama-tiny: num_attention_heads=4 is not divisible by num_key_value_heads=3",
+        ),
+        (
+            ["model.preset=gpt2-tiny", "model.hidden_size=66"],
+            1,
+            "preset gpt2-tiny: hidden_size=66 is not divisible by num_attention_heads=4",
+        ),
+        (  # refused by transformers' own LlamaConfig check, in one line
+            ["model.hidden_size=66"],
+            1,
+            "model.preset=llama-tiny: transformers refuses the config: The hidden size (66) is "
+            "not a multiple of the number of attention heads (4).",
+        ),
     ],
 )
-def test_tp_must_divide_hidden_and_heads(sets, world, message):
+def test_tp_must_divide_the_heads_and_the_heads_the_model(sets, world, message):
     assert error(resolve, load(None, sets), world) == message
 
 
@@ -761,7 +800,7 @@ def test_tp_that_divides_everything(preset, tp, world):
         (4, 1, 2, "world size 2 is not divisible by parallel.pp * parallel.tp = 4 * 1 = 4"),
         (0, 1, 2, "parallel.pp and parallel.tp must be >= 1, got pp=0 tp=1"),
         (1, -1, 2, "parallel.pp and parallel.tp must be >= 1, got pp=1 tp=-1"),
-        (8, 1, 8, "parallel.pp=8 exceeds model.num_layers=4"),
+        (8, 1, 8, "parallel.pp=8 exceeds the 4 blocks of preset llama-tiny"),
     ],
 )
 def test_world_must_divide_by_pp_times_tp(pp, tp, world, message):
@@ -786,8 +825,19 @@ def test_pp_tp_dp_layout():
             "dist.timeout_s=1e300",
             "dist.timeout_s must be > 0 and at most 31536000 (a year), got 1e+300",
         ),
-        ("model.seq_len=129", "model.seq_len=129 must be in 1..128"),
-        ("model.num_heads=0", "model.num_heads must be >= 1, got 0"),
+        (
+            "model.seq_len=129",
+            "model.seq_len=129 must be in 1..128, the max_position_embeddings of preset "
+            "llama-tiny; raise it with model.max_position_embeddings if the model may run "
+            "longer sequences",
+        ),
+        (
+            "model.seq_len=0",
+            "model.seq_len=0 must be in 1..128, the max_position_embeddings of preset "
+            "llama-tiny; raise it with model.max_position_embeddings if the model may run "
+            "longer sequences",
+        ),
+        ("model.num_heads=0", "preset llama-tiny: num_heads must be >= 1, got 0"),
         ("data.max_bytes=0", "data.max_bytes must be >= 1, got 0"),
         ("train.seed=-1", "train.seed must be in 0..9223372036854775807, got -1"),
         (f"train.seed={2**63}", f"train.seed must be in 0..9223372036854775807, got {2**63}"),
@@ -805,6 +855,25 @@ def test_pp_tp_dp_layout():
 )
 def test_value_ranges(item, message):
     assert error(resolve, load(None, [item]), 1) == message
+
+
+def test_a_dropout_refusal_says_a_set_that_works():
+    sets = ["model.preset=gpt2-tiny", 'model.overrides={"resid_pdrop": 0.1}']
+    message = error(resolve, load(None, sets), 1)
+    assert message.startswith(
+        "preset gpt2-tiny: resid_pdrop=0.1: dsnd trains without dropout (layouts would draw "
+        "different masks); set it to 0 (--set "
+    )
+    (advice,) = shlex.split(re.fullmatch(r".*\(--set (.+)\)", message).group(1))
+    model = resolve(load(None, [*sets, advice]), 1).model
+    assert model.config.resid_pdrop == 0
+
+
+def test_max_position_embeddings_raises_the_longest_seq_len():
+    loaded = load(None, ["model.seq_len=129", "model.max_position_embeddings=256"])
+    assert resolve(loaded, 1).model.max_seq_len == 256
+    loaded = load(None, ["model.seq_len=257", "model.max_position_embeddings=256"])
+    assert error(resolve, loaded, 1).startswith("model.seq_len=257 must be in 1..256, ")
 
 
 # ---- learning-rate scaling -----------------------------------------------------------------------

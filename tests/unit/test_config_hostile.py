@@ -296,7 +296,10 @@ def test_yaml_non_finite_floats(tmp_path, train, key, value, got):
             "dist.timeout_s=1e9",
             "dist.timeout_s must be > 0 and at most 31536000 (a year), got 1000000000.0",
         ),
-        ("model.hidden_size=0", "model.hidden_size must be >= 1, got 0"),
+        ("model.hidden_size=0", "preset llama-tiny: hidden_size must be >= 1, got 0"),
+        ("model.num_kv_heads=0", "preset llama-tiny: num_kv_heads must be >= 1, got 0"),
+        ("model.ffn_size=0", "preset llama-tiny: ffn_size must be >= 1, got 0"),
+        ("model.head_dim=0", "preset llama-tiny: head_dim must be >= 1, got 0"),
         ("log.dir=", "log.dir must not be empty"),
     ],
 )

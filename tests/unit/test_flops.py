@@ -7,18 +7,17 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dsnd.config.presets import PRESETS, with_overrides
 from dsnd.flops import flops_per_token, matmul_params, peak_flops
 from dsnd.model import build_model, lm_loss
+from tests.models import spec_of
 
 
 @pytest.mark.parametrize(
     "dims",
     [
-        PRESETS["llama-tiny"],  # grouped-query attention, untied head
-        PRESETS["gpt2-tiny"],  # tied head (counted once), biases and positions (not counted)
-        with_overrides(
-            PRESETS["llama-tiny"], hidden_size=128, num_heads=8, num_kv_heads=8, ffn_size=352
+        spec_of("llama-tiny"),  # grouped-query attention, untied head
+        spec_of("gpt2-tiny"),  # tied head (counted once), biases and positions (not counted)
+        spec_of("llama-tiny", hidden_size=128, num_heads=8, num_kv_heads=8, ffn_size=352
         ),  # fmt: skip
     ],
     ids=["llama-tiny", "gpt2-tiny", "llama-wider"],
@@ -39,7 +38,7 @@ def test_formula_matches_flop_counter_within_2_percent(dims):
 
 
 def test_matmul_params_leave_out_lookups_norms_and_biases():
-    dims = PRESETS["gpt2-tiny"]
+    dims = spec_of("gpt2-tiny")
     model = build_model(dims, seed=1)
     total = sum(p.numel() for p in model.parameters())
     wpe = dims.max_seq_len * dims.hidden_size

@@ -17,14 +17,14 @@ from dsnd.checkpoint.layout import CheckpointError, step_dir_name
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_checkpoint
 from dsnd.checkpoint.root import RootLock, check_writable, probe_lock, run_dirs
 from dsnd.commands.launch import absolute_path_sets, with_restarts
-from dsnd.config.presets import PRESETS
 from dsnd.config.schema import RunConfig
 from dsnd.dist.discover import job_id
 from dsnd.errors import EXIT_DIVERGED, EXIT_PEER_FAILED
 from dsnd.launch.protocol import RankOutcome, diagnose, diverged
+from tests.models import spec_of
 from tests.unit.test_checkpoint_layout import manifest_of, save
 
-DIMS = dataclasses.asdict(PRESETS["llama-tiny"])
+DIMS = spec_of("llama-tiny").manifest()
 
 
 def save_for_job(root: str, step: int, job: str | None, run: dict | None = None) -> str:

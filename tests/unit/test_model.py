@@ -5,40 +5,37 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import replace
 
 import pytest
 import torch
 from deepspeed.pipe import TiedLayerSpec
 from torch import nn
-from transformers import GPT2LMHeadModel, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from dsnd.config.presets import PRESETS
 from dsnd.model import (
     LayerStack,
     build_model,
-    hf_config,
     layer_specs,
     lm_loss,
     param_groups,
 )
 from dsnd.model.hf_io import write_hf_dir
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
+from tests.models import spec_of
 
 torch.set_num_threads(1)
 
-HF_CLASSES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
 
 
 def _hf_model(dims, sd):
-    model = HF_CLASSES[dims.family](hf_config(dims)).eval()
+    model = AutoModelForCausalLM.from_config(dims.config).eval()
     model.load_state_dict(sd, strict=True)
     return model
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
 def test_logits_match_transformers(preset):
-    dims = PRESETS[preset]
+    dims = spec_of(preset)
     model = build_model(dims, seed=0).eval()
     hf = _hf_model(dims, to_hf_state_dict(model, dims))
     ids = torch.randint(0, dims.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -56,7 +53,7 @@ def test_logits_match_transformers(preset):
 
 
 def test_causal():
-    dims = PRESETS["llama-tiny"]
+    dims = spec_of("llama-tiny")
     model = build_model(dims, seed=0).eval()
     ids = torch.randint(0, dims.vocab_size, (1, 16))
     changed = ids.clone()
@@ -68,10 +65,10 @@ def test_causal():
 @pytest.mark.parametrize(
     "dims",
     [
-        PRESETS["llama-tiny"],
-        PRESETS["gpt2-tiny"],
-        replace(PRESETS["llama-tiny"], num_layers=2, tie_embeddings=True),
-        replace(PRESETS["gpt2-tiny"], tie_embeddings=False),
+        spec_of("llama-tiny"),
+        spec_of("gpt2-tiny"),
+        spec_of("llama-tiny", {"tie_word_embeddings": True}, num_layers=2),
+        spec_of("gpt2-tiny", {"tie_word_embeddings": False}),
     ],
     ids=["llama", "gpt2", "llama-tied", "gpt2-untied"],
 )
@@ -88,7 +85,7 @@ def test_hf_round_trip(dims):
 
 
 def test_exported_weights_get_the_mode_the_umask_gives(tmp_path):
-    dims = PRESETS["llama-tiny"]
+    dims = spec_of("llama-tiny")
     out = tmp_path / "hf"
     old = os.umask(0o027)  # not the usual 022: the mode must follow the umask, not a constant
     try:
@@ -100,14 +97,14 @@ def test_exported_weights_get_the_mode_the_umask_gives(tmp_path):
 
 
 def test_from_hf_rejects_unknown_names():
-    dims = PRESETS["llama-tiny"]
+    dims = spec_of("llama-tiny")
     with pytest.raises(KeyError):
         from_hf_state_dict({"model.mystery.weight": torch.zeros(1)}, dims)
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
 def test_init_depends_only_on_seed_index_name(preset):
-    dims = PRESETS[preset]
+    dims = spec_of(preset)
     specs = layer_specs(dims)
     full = build_model(dims, seed=7).state_dict()
     for indices in ([2], [3, len(specs) - 1], [len(specs) - 1]):
@@ -122,18 +119,18 @@ def test_init_depends_only_on_seed_index_name(preset):
 
 
 def test_init_values():
-    dims = PRESETS["gpt2-tiny"]
+    dims = spec_of("gpt2-tiny")
     sd = build_model(dims, seed=0).state_dict()
     assert torch.equal(sd["layers.1.ln_1.weight"], torch.ones(dims.hidden_size))
     assert torch.equal(sd["layers.1.attn.c_attn.bias"], torch.zeros(3 * dims.hidden_size))
     std = sd["layers.1.mlp.c_fc.weight"].std().item()
-    assert abs(std - dims.init_std) < 0.002
+    assert abs(std - dims.config.initializer_range) < 0.002
     # Different layers and names draw different values.
     assert not torch.equal(sd["layers.1.attn.c_proj.weight"], sd["layers.2.attn.c_proj.weight"])
 
 
 def test_gpt2_head_shares_embedding_parameter():
-    dims = PRESETS["gpt2-tiny"]
+    dims = spec_of("gpt2-tiny")
     model = build_model(dims, seed=0)
     embed = model.tied_modules["embed"]
     assert len(model.tied_modules) == 1
@@ -150,7 +147,7 @@ def test_gpt2_head_shares_embedding_parameter():
 
 def test_layer_specs_shape():
     for preset in ("llama-tiny", "gpt2-tiny"):
-        dims = PRESETS[preset]
+        dims = spec_of(preset)
         specs = layer_specs(dims)
         assert len(specs) == dims.num_layers + 3
         tied = [s for s in specs if isinstance(s, TiedLayerSpec)]
@@ -164,7 +161,7 @@ def test_layer_specs_shape():
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
 def test_param_groups(preset):
-    dims = PRESETS[preset]
+    dims = spec_of(preset)
     model = build_model(dims, seed=0)
     groups = param_groups(model)
     assert len(groups) == 2
@@ -185,7 +182,7 @@ def test_param_groups(preset):
 
 
 def test_param_groups_drop_empty_group():
-    dims = PRESETS["llama-tiny"]
+    dims = spec_of("llama-tiny")
     head = LayerStack(layer_specs(dims), seed=0, layer_indices=[dims.num_layers + 2])
     groups = param_groups(head)
     assert len(groups) == 1 and "weight_decay" not in groups[0]

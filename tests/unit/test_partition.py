@@ -19,7 +19,6 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch import nn
 
-from dsnd.config.presets import PRESETS, with_overrides
 from dsnd.errors import UserError
 from dsnd.model.specs import layer_specs
 from dsnd.pipeline.partition import (
@@ -28,13 +27,14 @@ from dsnd.pipeline.partition import (
     partition,
     stage_layers,
 )
+from tests.models import spec_of
 
 torch.set_num_threads(1)
 
 METHODS = ["uniform", "parameters", "type:block", "type:embedding", "type:norm|head", "Uniform"]
 # llama-tiny with a 4096-token vocabulary: embedding and head (262144 each) outweigh a block.
-BIG_VOCAB = with_overrides(PRESETS["llama-tiny"], vocab_size=4096)
-SPECS = {name: layer_specs(dims) for name, dims in PRESETS.items()}
+BIG_VOCAB = spec_of("llama-tiny", vocab_size=4096)
+SPECS = {name: layer_specs(spec_of(name)) for name in ("llama-tiny", "gpt2-tiny")}
 SPECS["llama-tiny-vocab4096"] = layer_specs(BIG_VOCAB)
 
 
@@ -148,9 +148,7 @@ def test_counting_builds_on_meta():
 
 
 def test_seven_billion_shaped_model_counts_without_memory():
-    dims = with_overrides(
-        PRESETS["llama-tiny"],
-        hidden_size=4096,
+    dims = spec_of("llama-tiny", hidden_size=4096,
         num_layers=32,
         num_heads=32,
         num_kv_heads=32,

@@ -1,0 +1,60 @@
+"""A model's parameters, counted on the meta device: names, full shapes and per-layer counts of
+any size (a 70B model costs no memory and a few seconds)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from deepspeed.pipe import TiedLayerSpec
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from dsnd.model.spec import ModelSpec
+from dsnd.model.specs import layer_specs
+
+
+def meta_layers(model: ModelSpec) -> Iterator[tuple[int, str, nn.Module | None]]:
+    """(global index, dsnd name prefix, the layer built on meta) for every layer; a tied
+    module is built at its first index and is None (nothing new) at the others."""
+    seen: set[str] = set()
+    for index, spec in enumerate(layer_specs(model)):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key in seen:
+                yield index, f"tied_modules.{spec.key}.", None
+                continue
+            seen.add(spec.key)
+            prefix = f"tied_modules.{spec.key}."
+        else:
+            prefix = f"layers.{index}."
+        with torch.device("meta"):
+            yield index, prefix, spec.build()
+
+
+def full_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every parameter's dsnd name and full (unsplit) shape."""
+    return {prefix + name: tuple(p.shape)
+            for _, prefix, layer in meta_layers(model) if layer is not None
+            for name, p in layer.named_parameters()}  # fmt: skip
+
+
+def layer_table(model: ModelSpec) -> list[tuple[int, str, int]]:
+    """(global index, layer kind, parameters) per layer; a tied head counts 0 (its weight is
+    the embedding's). The counts sum to the model's total."""
+    rows = []
+    for index, _, layer in meta_layers(model):
+        if layer is None:
+            rows.append((index, "head (tied to the embedding)", 0))
+        else:
+            rows.append((index, type(layer).__name__, sum(p.numel() for p in layer.parameters())))
+    return rows
+
+
+def matmul_params(model: ModelSpec) -> int:
+    """Parameters that take part in matrix multiplications: every block's projections (nn.Linear
+    and Conv1D weights) and the output head; not the input embedding (a lookup), norms, biases
+    or position embeddings. A head tied to the embedding counts once."""
+    with torch.device("meta"):
+        block = model.family.block(model.config, 0)
+    per_block = sum(m.weight.numel() for m in block.modules() if isinstance(m, (nn.Linear, Conv1D)))
+    return model.num_layers * per_block + model.vocab_size * model.hidden_size

@@ -1,0 +1,68 @@
+"""What a model family is, as data: its layers, tensor-parallel plan, HF names and config checks.
+
+A family (one file under `dsnd.model.families`) fills one `Family`. The rest of dsnd reads these
+fields and never asks which family it has: pipeline layer specs (`dsnd.model.specs`), tensor
+parallelism (`dsnd.model.parallelize`), HF import/export (`dsnd.model.hf_weights`), parameter
+counts and FLOPs (built on the meta device), checkpoints (keyed by the names the layers have).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Megatron's column/row pattern over a block's submodules (paths relative to the block).
+
+    Inside a block, `enter` modules are where a tensor-parallel region starts: their input goes
+    through f (identity forward, all-reduce of the gradient backward; with sequence parallelism
+    the all-gather of the sequence slices), once per region however many column layers read it.
+    `column` layers (nn.Linear or Conv1D) are split by output features, so each rank computes its
+    heads / its slice of the MLP width; a fused weight (GPT-2's q|k|v) names its stride, the
+    number of equal parts split separately. `row` layers are split by input features; their
+    partial sums leave the region through g (all-reduce; reduce-scatter under sequence
+    parallelism) and their bias, replicated, is added once after it. `divide` names integer
+    attributes of submodules that count this rank's share (GPT-2's `attn.split_size`).
+    Every other parameter is replicated; those used inside a region see only this rank's heads
+    (Qwen3's q/k norms) and get their gradient summed over the group.
+    """
+
+    enter: tuple[str, ...]
+    column: dict[str, int]  # module path -> stride
+    row: tuple[str, ...]
+    divide: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HFNames:
+    """Where a `*ForCausalLM` state dict keeps each dsnd layer (see `dsnd.model.hf_weights`)."""
+
+    base: str  # "model." / "transformer."
+    blocks: str  # "model.layers." / "transformer.h."
+    embedding: tuple[str, ...]  # first name part of the embedding's parameters
+    final_norm: str  # first name part of the final norm's parameters
+    tied_attr: str  # the embedding's parameter the head shares when tied
+    ignored: str = r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$"  # recomputed buffers
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture. The layer classes are called as `embedding(config, tp)`,
+    `block(config, layer_idx, tp)`, `final_norm(config, tp)`; `tp` is None for a single rank.
+    `check(config, seq_len)` returns one line per config value dsnd cannot honour."""
+
+    name: str
+    architectures: tuple[str, ...]  # `architectures` entries of config.json it serves
+    model_types: tuple[str, ...]  # config.model_type values
+    config_class: type[PretrainedConfig]
+    embedding: Callable[..., nn.Module]
+    block: Callable[..., nn.Module]
+    final_norm: Callable[..., nn.Module]
+    tp_plan: TPPlan
+    names: HFNames
+    check: Callable[[PretrainedConfig, int], list[str]]
