@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dsnd.model.families import gpt2, llama
+from dsnd.model.families import gpt2, llama, mistral
 from dsnd.model.family import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, gpt2.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gpt2.FAMILY, mistral.FAMILY)
 
 
 def by_name(name: str) -> Family:
