@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dsnd.model.families import gpt2, llama, mistral
+from dsnd.model.families import gpt2, llama, mistral, qwen2
 from dsnd.model.family import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, gpt2.FAMILY, mistral.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY
+)  # fmt: skip
 
 
 def by_name(name: str) -> Family:
