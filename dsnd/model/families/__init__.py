@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dsnd.model.families import gpt2, llama, mistral, qwen2
+from dsnd.model.families import gpt2, llama, mistral, qwen2, qwen3
 from dsnd.model.family import Family
 
 FAMILIES: tuple[Family, ...] = (
-    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY
+    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY
 )  # fmt: skip
 
 
