@@ -67,6 +67,15 @@ def tensor_parallel(res: Resolved, groups: ProcessGroups) -> TensorParallel:
     return TensorParallel(groups.tensor, sequence_parallel=sp)
 
 
+def zero3_dtype(ds: dict) -> torch.dtype:
+    """The dtype ZeRO-3 keeps parameters in: bf16 or fp16 when the JSON enables it, else fp32."""
+    if (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled"):
+        return torch.bfloat16
+    if (ds.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
 def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
     """This rank's layers, initialised exactly as in the full model (seed, global index, name);
     with tp > 1 this rank's shard of each split tensor (`dsnd.model.parallelize`).
@@ -80,6 +89,9 @@ def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
     indices = stage_layers(stage_parts(res), groups.coord.pp)
 
     def partition(layer: torch.nn.Module) -> None:
+        # zero.Init as a context creates parameters in the run's dtype; handed a built module it
+        # keeps their dtype, and a bf16 engine would then send fp32 activations between stages
+        layer.to(zero3_dtype(res.ds))
         deepspeed.zero.Init(
             module=layer,
             data_parallel_group=groups.data,
