@@ -96,7 +96,8 @@ def _model_problems(model: dict) -> list[str]:
     if "config" not in model:  # written before configs were recorded: the shape only
         return table_problems("model", model, {"family": family, **LEGACY_MODEL},
                               {"init_std": NUMBER})  # fmt: skip
-    return table_problems("model", model, {"family": family, "config": TABLE}, {"source": TEXT})
+    return table_problems("model", model, {"family": family, "config": TABLE},
+                          {"source": TEXT, "directory": TEXT})  # fmt: skip
 
 
 def _params_problems(params: dict) -> list[str]:

@@ -18,7 +18,7 @@ from dsnd.data.token_file import meta_path, write_token_file
 from dsnd.errors import UserError
 
 
-def _load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str) -> Any:
     """A transformers tokenizer from local directory `path`. Its loader raises whatever the
     files provoke (OSError, ValueError, KeyError, TypeError, JSONDecodeError), all of them the
     user's files to fix, so any exception becomes one line."""
@@ -42,7 +42,7 @@ def _load_tokenizer(path: str) -> Any:
 def _encode(data: bytes, tokenizer: str) -> tuple[np.ndarray, int]:
     if tokenizer == "byte":
         return np.frombuffer(data, dtype=np.uint8), 256
-    tok = _load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer)
     ids = np.asarray(tok(data.decode("utf-8", errors="replace"),
                          add_special_tokens=False)["input_ids"], dtype=np.int64)  # fmt: skip
     # ids past len(tok) (gaps in a vocabulary) would make the sidecar refuse its own tokens

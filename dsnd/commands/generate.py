@@ -1,11 +1,15 @@
 """``dsnd generate CKPT --prompt TEXT``: sample text from a checkpoint of any layout.
 
 One process, no process group: the checkpoint's full tensors (they are stored whole, by name)
-load into the single-process model, which then continues the prompt token by token (byte-level
-tokens; temperature 0 = greedy). Checksums are verified first, as for every load.
+load into the single-process model, which then continues the prompt token by token (the
+tokenizer of the run's model directory when it has one, else byte-level tokens; temperature 0 =
+greedy). Checksums are verified first, as for every load.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 
@@ -15,7 +19,7 @@ from dsnd.checkpoint.verify import check_intact, read_manifest
 from dsnd.data.tokenizer import ByteTokenizer
 from dsnd.errors import UserError
 from dsnd.model import build_model
-from dsnd.model.spec import from_manifest
+from dsnd.model.spec import ModelSpec, from_manifest
 
 
 @torch.no_grad()
@@ -32,7 +36,8 @@ def generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, max_seq
     return ids
 
 
-def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
+def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec]:
+    """The single-process model holding checkpoint `path`'s weights (checksums verified)."""
     step_dir = resolve_step_dir(path)
     check_intact(step_dir)
     manifest = read_manifest(step_dir)
@@ -42,8 +47,24 @@ def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: 
     if missing or unexpected:
         raise UserError(f"{step_dir}: does not fit {spec.family.name} (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")  # fmt: skip
-    tok = ByteTokenizer()
-    ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long).view(1, -1)
+    return model, spec
+
+
+def tokenizer_of(spec: ModelSpec) -> Any:
+    """The tokenizer of the run's model directory when it has one (what `dsnd data prepare
+    --tokenizer DIR` encoded the corpus with), else dsnd's byte tokenizer."""
+    if spec.directory and any(os.path.isfile(os.path.join(spec.directory, f))
+                              for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        from dsnd.commands.data import load_tokenizer
+
+        return load_tokenizer(spec.directory)
+    return ByteTokenizer()
+
+
+def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
+    model, spec = load_checkpoint_model(path)
+    tok = tokenizer_of(spec)
+    ids = torch.as_tensor(list(tok.encode(prompt)), dtype=torch.long).view(1, -1)
     if ids.numel() == 0:
         raise UserError("--prompt must not be empty")
     out = generate(model, ids, tokens, spec.max_seq_len, temperature,

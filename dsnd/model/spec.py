@@ -98,7 +98,10 @@ class ModelSpec:
 
     def manifest(self) -> dict[str, Any]:
         """What a checkpoint records to rebuild this model (`from_manifest`)."""
-        return {"family": self.family.name, "source": self.source, "config": self.math()}
+        config = {k: v for k, v in self.config.to_dict().items()
+                  if k not in ("_name_or_path", "transformers_version")}  # fmt: skip
+        entry = {"family": self.family.name, "source": self.source, "config": config}
+        return entry | ({"directory": self.directory} if self.directory else {})
 
 
 # What checkpoints written before model configs (dsnd 0.1) recorded: the tiny presets' shape.
@@ -117,7 +120,8 @@ def from_manifest(entry: dict[str, Any]) -> ModelSpec:
                      "initializer_range": entry.get("init_std", 0.02)}  # fmt: skip
         return load_model(f"{entry['family']}-tiny", "manifest model", shape, overrides)
     family = by_name(entry["family"])
-    return ModelSpec(family, _build(family, dict(entry["config"])), entry.get("source", "?"))
+    config = _build(family, dict(entry["config"]))
+    return ModelSpec(family, config, entry.get("source", "?"), entry.get("directory"))
 
 
 def _build(family: Family, raw: dict[str, Any]) -> PretrainedConfig:
