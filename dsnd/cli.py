@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | bench | env | ckpt | plot | data | generate.
+"""``dsnd``: train | launch | bench | env | ckpt | plot | data | model | generate.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="byte (default) or a local transformers tokenizer directory",
     )
 
+    model = sub.add_parser("model", help="the shipped presets; a model's size and layers")
+    model_what = model.add_subparsers(dest="model_command", required=True)
+    model_what.add_parser("list", help="every shipped preset with its parameter count")
+    show = model_what.add_parser("show", help="parameters (exact) and the per-layer table")
+    show.add_argument("name", metavar="NAME|DIR", help="a preset, model directory or config.json")
+
     gen = sub.add_parser("generate", help="sample text from a checkpoint of any layout")
     gen.add_argument("checkpoint", metavar="CKPT", help="a checkpoint root or step directory")
     gen.add_argument("--prompt", required=True, help="text to continue")
@@ -188,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_prepare(args.source, args.out, args.format, args.text_field,
                                args.tokenizer)  # fmt: skip
+        if args.command == "model":
+            from dsnd.commands.model import run_list, run_show
+
+            return run_list() if args.model_command == "list" else run_show(args.name)
         if args.command == "generate":
             from dsnd.commands.generate import run_generate
 

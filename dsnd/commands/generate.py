@@ -53,8 +53,10 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec]:
 def tokenizer_of(spec: ModelSpec) -> Any:
     """The tokenizer of the run's model directory when it has one (what `dsnd data prepare
     --tokenizer DIR` encoded the corpus with), else dsnd's byte tokenizer."""
-    if spec.directory and any(os.path.isfile(os.path.join(spec.directory, f))
-                              for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if spec.directory and any(
+        os.path.isfile(os.path.join(spec.directory, f))
+        for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
         from dsnd.commands.data import load_tokenizer
 
         return load_tokenizer(spec.directory)

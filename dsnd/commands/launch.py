@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.root import probe_lock, run_dirs
-from dsnd.commands.prestart import check_before_start
+from dsnd.commands.prestart import check_before_start, check_inputs
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.config.schema import RunConfig
@@ -298,6 +298,7 @@ def run_launch(args: argparse.Namespace) -> int:
     env = passed_env(dict(os.environ), res.run.launch.env, env_file)
     launches = agent_launches(args, slots, res, env, args.sets)
     if args.dry_run:
+        check_inputs(res)
         agents = [{"host": a.host, "ranks": a.spec.ranks, "command": a.argv} for a in launches]
         return _print_plan(launches[0].spec.argv, rows, args.json, agents)
     problems = run_preflight(args, launches, slots, res)
@@ -322,6 +323,7 @@ def run_launch(args: argparse.Namespace) -> int:
 def _launch_external(args, slots, env_file, rows, res) -> int:
     argv = external_argv(args, slots, env_file, args.sets)
     if args.dry_run:
+        check_inputs(res)
         return _print_plan(argv, rows, args.json)
     check_before_start(res, args.job_id)
     forwarded: list[str] = []

@@ -14,8 +14,17 @@ from dsnd.checkpoint.root import check_writable
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.data.check import check_data
+from dsnd.model.hf_io import check_init_from
 
 log = logging.getLogger(__name__)
+
+
+def check_inputs(res: Resolved) -> None:
+    """What a dry run checks too (it writes nothing): the data against the model's vocabulary
+    and `model.init_from` against the model (names, shapes, config)."""
+    check_data(res.run.data, res.model.vocab_size)
+    if res.run.model.init_from:
+        check_init_from(res.run.model.init_from, res.model)
 
 
 def check_before_start(res: Resolved, job_id: str | None) -> str | None:
@@ -38,8 +47,6 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
         for line in compare_with_checkpoint(run, res.ds, res.model, manifest,
                                             resume, explicit):  # fmt: skip
             log.warning("resuming %s with a change: %s", os.path.basename(resume), line)
-    elif run.model.init_from:
-        from dsnd.model.hf_io import check_init_from
-
+    elif run.model.init_from:  # a resume takes its weights from the checkpoint instead
         check_init_from(run.model.init_from, res.model)
     return resume

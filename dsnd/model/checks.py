@@ -39,6 +39,26 @@ def unknown_keys(raw: dict, config: PretrainedConfig) -> list[str]:
             "what it does to the model" for key in sorted(raw) if key not in known]  # fmt: skip
 
 
+def rope_conflicts(raw: dict, config: PretrainedConfig) -> list[str]:
+    """4.x rope keys beside a 5.x `rope_parameters` that says otherwise: transformers reads
+    `rope_parameters` and drops the others silently."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_parameters" not in raw:
+        return []
+    out = []
+    if "rope_theta" in raw and raw["rope_theta"] != params.get("rope_theta"):
+        out.append(f"rope_theta={raw['rope_theta']!r} disagrees with rope_parameters."
+                   f"rope_theta={params.get('rope_theta')!r}; keep one of them")  # fmt: skip
+    scaling = raw.get("rope_scaling")
+    if isinstance(scaling, dict):
+        for key, value in scaling.items():
+            key = "rope_type" if key == "type" else key
+            if params.get(key) != value:
+                out.append(f"rope_scaling.{key}={value!r} disagrees with rope_parameters.{key}="
+                           f"{params.get(key)!r}; keep one of them")  # fmt: skip
+    return out
+
+
 def no_dropout(config: PretrainedConfig, *fields: str) -> list[str]:
     return [f"{name}={getattr(config, name)}: dsnd trains without dropout (layouts would draw "
             f"different masks); set it to 0 (--set model.overrides.{name}=0)"

@@ -18,7 +18,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from dsnd.errors import UserError
-from dsnd.model.checks import METADATA, unknown_keys
+from dsnd.model.checks import METADATA, rope_conflicts, unknown_keys
 from dsnd.model.families import by_name, family_of, supported
 from dsnd.model.family import Family
 
@@ -220,7 +220,7 @@ def load_model(source: str, key: str, shape: dict[str, int | None] | None = None
         config = _build(family, raw)
     except (TypeError, ValueError, KeyError) as e:
         raise UserError(f"{key}={source}: transformers refuses the config: {e}") from e
-    problems = unknown_keys(raw, config)
+    problems = unknown_keys(raw, config) + rope_conflicts(raw, config)
     if problems:
         raise UserError(f"{path}: {problems[0]}")
     return ModelSpec(family, config, label, directory)
