@@ -94,8 +94,13 @@ def test_real_size_parameter_count_is_exact(name):
         {"rope_type": "linear", "factor": 2.0},
         {"rope_type": "dynamic", "factor": 2.0},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 16},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     ],
     ids=lambda s: s["rope_type"],
 )
@@ -128,8 +133,12 @@ def _dir(tmp_path, name: str, **changes) -> str:
 @pytest.mark.parametrize(
     ("preset", "changes", "seq_len", "message"),
     [
-        ("mistral-7b", {"sliding_window": 16}, 64,
-         r"sliding_window=16: shorter than model.seq_len=64"),
+        (
+            "mistral-7b",
+            {"sliding_window": 16},
+            64,
+            r"sliding_window=16: shorter than model.seq_len=64",
+        ),
         ("gpt2", {"resid_pdrop": 0.1}, 64, r"resid_pdrop=0.1: dsnd trains without dropout"),
         ("llama-3.2-1b", {"attention_dropout": 0.1}, 64, r"attention_dropout=0.1"),
         ("llama-3.2-1b", {"hidden_act": "swishy"}, 64, r"hidden_act='swishy': not an activation"),
@@ -152,9 +161,11 @@ def test_a_window_at_least_the_sequence_is_honoured(tmp_path):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
-         r"architecture \['GemmaForCausalLM'\] is not supported; dsnd trains LlamaForCausalLM, "
-         r"GPT2LMHeadModel, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+        (
+            {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
+            r"architecture \['GemmaForCausalLM'\] is not supported; dsnd trains LlamaForCausalLM, "
+            r"GPT2LMHeadModel, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        ),
         ({"use_mrope": True}, r"use_mrope=True: not a Qwen2Config setting"),
         ({"my_new_trick": 3}, r"my_new_trick=3: not a Qwen2Config setting, so dsnd cannot tell"),
     ],
@@ -166,6 +177,9 @@ def test_a_config_dsnd_cannot_read_whole_is_refused(tmp_path, changes, message):
 
 
 def test_nothing_is_downloaded():
-    with pytest.raises(UserError, match=r"not a preset .* nor a local directory or config.json "
-                                        r"\(dsnd never downloads models\)"):
+    with pytest.raises(
+        UserError,
+        match=r"not a preset .* nor a local directory or config.json "
+        r"\(dsnd never downloads models\)",
+    ):
         load_model("meta-llama/Llama-3.2-1B", "model.config")
