@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-style, dsnd/model/tp_layers.py) in every composition with
+"""Tensor parallelism (Megatron-style, each family's TP plan) in every composition with
 pipeline stages, ZeRO 0-3 and data parallelism equals a plain single-process PyTorch run.
 
 Real gloo ranks; same global batch (16); losses, gradient norms (replicated parameters counted
