@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.models import spec_of
 from dsnd.errors import UserError
 from dsnd.model import build_model
 from dsnd.model.hf_io import check_init_from, write_hf_dir
 from tests.dist.parity import run_cases
+from tests.models import spec_of
 
 
 def _hf_model(preset: str) -> torch.nn.Module:

@@ -9,10 +9,10 @@ import math
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.models import spec_of
 from dsnd.flops import flops_per_token
 from dsnd.pipeline.executor import PHASES
 from tests.dist.parity import case, run_cases
+from tests.models import spec_of
 
 STEPS = 3
 PEAK = 1e10  # a stated peak (log.peak_flops), so MFU can be recomputed exactly below

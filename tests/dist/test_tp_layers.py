@@ -145,8 +145,9 @@ def test_vocab_parallel_cross_entropy_matches_reference(found):
 @pytest.mark.parametrize("case", ["llama_block", "llama_block_sp", "gpt2_block", "gpt2_block_sp"])
 def test_transformer_blocks_match_the_unsplit_block(found, case):
     """Blocks split by their family's TP plan (Llama with grouped-query attention, GPT-2 with
-    fused q|k|v) initialised from the same seed as the unsplit block: same names, same outputs and gradients
-    (each rank's parameter gradient = its shard of the full one; replicated ones whole)."""
+    fused q|k|v) initialised from the same seed as the unsplit block: same names, same outputs
+    and gradients (each rank's parameter gradient = its shard of the full one; replicated ones
+    whole)."""
     for rank, row in enumerate(rows(found, case)):
         assert row["names_equal"], (case, rank)
         assert_close(row, ["out", "x_grad", "param_grads"], (case, rank))

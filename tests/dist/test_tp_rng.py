@@ -1,4 +1,5 @@
-"""`dsnd.tp.random.TPRandomState` on 4 real gloo ranks, pp=1 x dp=2 x tp=2 (tests/dist/rng_worker.py).
+"""`dsnd.tp.random.TPRandomState` on 4 real gloo ranks, pp=1 x dp=2 x tp=2
+(tests/dist/rng_worker.py).
 
 Outside `fork()` every rank of the stage draws the same dropout masks; inside it the masks differ
 between tp ranks, agree between data-parallel replicas of one tp rank, and are reproducible from

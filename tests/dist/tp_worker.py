@@ -24,7 +24,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests.models import spec_of  # noqa: E402
 from dsnd.dist.groups import build_groups  # noqa: E402
 from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model import LayerStack, layer_specs  # noqa: E402
@@ -37,6 +36,7 @@ from dsnd.tp import (  # noqa: E402
     vocab_parallel_cross_entropy,
 )
 from dsnd.tp.context import TensorParallel  # noqa: E402
+from tests.models import spec_of  # noqa: E402
 
 COUNTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather")
 VOCAB = 249  # divisible by neither 2 nor 4: padded to 250 at tp=2, 252 at tp=4
@@ -225,9 +225,9 @@ def cross_entropy_case(group) -> dict:
 
 
 def block_case(group, family: str, sequence_parallel: bool) -> dict:
-    """One transformer block (split by its family's TP plan) against the unsplit block, both initialised
-    by dsnd from the same (seed, layer index): outputs, input and parameter gradients, and the
-    collectives of forward and backward."""
+    """One transformer block (split by its family's TP plan) against the unsplit block, both
+    initialised by dsnd from the same (seed, layer index): outputs, input and parameter
+    gradients, and the collectives of forward and backward."""
     dims = spec_of(f"{family}-tiny", {"tie_word_embeddings": False}, hidden_size=32,
                    num_layers=1, num_heads=8, num_kv_heads=4 if family == "llama" else 8,
                    ffn_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ)  # fmt: skip

@@ -2,9 +2,9 @@
 
 Usage (every rank): python tests/dist/zero_init_worker.py OUT.json
 Builds the llama-tiny stage of pp=1 x dp=WORLD with ds_configs/zero3.json through dsnd's own
-`build_stage` (each layer handed to deepspeed.zero.Init over the data-parallel group) and measures, from the live
-parameter objects themselves, the bytes materialised on this rank: at every layer's
-initialisation (the construction peak) and after construction.
+`build_stage` (each layer handed to deepspeed.zero.Init over the data-parallel group) and
+measures, from the live parameter objects themselves, the bytes materialised on this rank: at
+every layer's initialisation (the construction peak) and after construction.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
