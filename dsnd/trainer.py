@@ -213,6 +213,8 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                 "memory_live_bytes": max(
                     v for k, v in numbers.items() if k.endswith("_live_bytes")
                 ),  # fmt: skip
+                # per stage, its largest rank: memory_stage<s>_live_bytes / _peak_bytes
+                **{k.replace("/", "_"): v for k, v in numbers.items() if k.startswith("memory/")},
             }
             rows.append(row)
             if held_out is not None and (step + 1) % run.eval.every == 0:
