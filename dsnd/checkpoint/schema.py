@@ -87,17 +87,57 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _model_problems(model: dict) -> list[str]:
+MODEL_ENTRY = ("family", "config", "source", "directory")
+# the shape keys a config must hold (spelled as the family's config class spells them)
+REQUIRED_SHAPE = ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_position_embeddings")
+
+
+def model_problems(model: dict) -> list[str]:
     """How manifest["model"] cannot rebuild the model (what export and generate build from)."""
     from dsnd.model.families import FAMILIES
 
     names = [f.name for f in FAMILIES]
     family: Rule = (f"one of {', '.join(names)}", lambda v: v in names)
-    if "config" not in model:  # written before configs were recorded: the shape only
-        return table_problems("model", model, {"family": family, **LEGACY_MODEL},
-                              {"init_std": NUMBER})  # fmt: skip
-    return table_problems("model", model, {"family": family, "config": TABLE},
-                          {"source": TEXT, "directory": TEXT})  # fmt: skip
+    legacy = "config" not in model and any(k in model for k in LEGACY_MODEL)
+    allowed = {"family", "init_std", *LEGACY_MODEL} if legacy else set(MODEL_ENTRY)
+    unknown = sorted(set(model) - allowed)
+    if unknown:
+        return [f"model has '{unknown[0]}', which is not a dsnd model setting"]
+    if legacy:  # written before configs were recorded: the shape only
+        out = table_problems("model", model, {"family": family, **LEGACY_MODEL},
+                             {"init_std": NUMBER})  # fmt: skip
+    else:
+        out = table_problems("model", model, {"family": family, "config": TABLE},
+                             {"source": TEXT, "directory": TEXT})  # fmt: skip
+    return out or _rebuild_problems(model, legacy)
+
+
+def _rebuild_problems(model: dict, legacy: bool) -> list[str]:
+    """What stops `from_manifest` (a config missing a shape key or holding one its class does
+    not know, a value transformers refuses)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from dsnd.errors import UserError
+    from dsnd.model.checks import unknown_keys
+    from dsnd.model.families import by_name
+    from dsnd.model.spec import SHAPE_KEYS, from_manifest
+
+    if not legacy:
+        config, cls = model["config"], by_name(model["family"]).config_class
+        known = set(cls().to_dict())
+        required = {next(n for n in SHAPE_KEYS[k] if n in known): SIZE for k in REQUIRED_SHAPE}
+        out = table_problems("model.config", config, required)
+        if out:
+            return out
+    try:
+        spec = from_manifest(model)
+    except UserError as e:
+        return [f"model: {e}"]
+    except (TypeError, ValueError, KeyError, ArithmeticError, StrictDataclassError) as e:
+        return [f"model.config: transformers refuses it: {e.__cause__ or e}"]
+    if not legacy:
+        return [f"model.config: {p}" for p in unknown_keys(config, spec.config)][:1]
+    return []
 
 
 def _params_problems(params: dict) -> list[str]:
@@ -119,7 +159,7 @@ def manifest_problems(manifest: dict) -> list[str]:
         return out
     for key, rules in NESTED.items():
         out += table_problems(key, manifest[key], rules)
-    return out + _model_problems(manifest["model"]) + _params_problems(manifest["params"])
+    return out + model_problems(manifest["model"]) + _params_problems(manifest["params"])
 
 
 def file_entry_problem(meta: object) -> str | None:

@@ -121,9 +121,11 @@ def format_report(r: dict) -> str:
         f"pp={t.get('pp')} tp={t.get('tp')} dp={t.get('dp')} (world {t.get('world_size')}), "
         f"ZeRO stage {r['zero_stage']}"
     )
+    from dsnd.checkpoint.schema import model_problems
     from dsnd.model.spec import from_manifest
 
-    model = from_manifest(m).describe()
+    bad = model_problems(m)  # the problems list below says so too; show what can be read
+    model = f"{m.get('family')}: {bad[0]}" if bad else from_manifest(m).describe()
     rows = [
         ("step dir", r["step_dir"]),
         ("step", r["step"]),

@@ -106,12 +106,14 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
         if key.startswith("ds."):
             ds_sets.append((_ds_key(key, label), value, label))
             continue
-        if key not in known:
+        # a mapping field (model.overrides) takes its keys one by one too: KEY.SUBKEY=VALUE
+        mapping = next((k for k in known if known[k] is dict and key.startswith(k + ".")), None)
+        if key not in known and mapping is None:
             raise UserError(f"{label}: unknown key '{key}'" + strict.did_you_mean(key, known))
-        if _is_str_field(known[key]) and isinstance(value, (int, float, bool)):
+        if mapping is None and _is_str_field(known[key]) and isinstance(value, (int, float, bool)):
             value = item.partition("=")[2].strip()  # log.dir=1e3 is "1e3", not "1000.0"
         _assign(data, key, value, label)
-        where[key] = label
+        where[mapping or key] = label
         ds_from_cli |= key == "deepspeed"
 
     run = strict.build(RunConfig, data, where, yaml_path)

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 from dsnd.errors import UserError
@@ -62,17 +63,21 @@ class ModelSpec:
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.config, "num_key_value_heads", None) or self.num_heads
+        kv = getattr(self.config, "num_key_value_heads", None)
+        return self.num_heads if kv is None else kv
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.config, "head_dim", None) or self.hidden_size // self.num_heads
+        dim = getattr(self.config, "head_dim", None)
+        return self.hidden_size // self.num_heads if dim is None else dim
 
     @property
     def ffn_size(self) -> int:
         c = self.config
-        width = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
-        return width or 4 * c.hidden_size
+        for name in ("intermediate_size", "n_inner"):
+            if getattr(c, name, None) is not None:
+                return getattr(c, name)
+        return 4 * c.hidden_size
 
     @property
     def vocab_size(self) -> int:
@@ -115,7 +120,6 @@ def from_manifest(entry: dict[str, Any]) -> ModelSpec:
     checkpoints written before configs were recorded: their family's tiny preset reshaped)."""
     if "config" not in entry:
         shape = {new: entry[old] for old, new in LEGACY_SHAPE.items()}
-        shape["head_dim"] = entry["hidden_size"] // entry["num_heads"]
         overrides = {"tie_word_embeddings": entry["tie_embeddings"],
                      "initializer_range": entry.get("init_std", 0.02)}  # fmt: skip
         return load_model(f"{entry['family']}-tiny", "manifest model", shape, overrides)
@@ -215,10 +219,14 @@ def load_model(source: str, key: str, shape: dict[str, int | None] | None = None
     bad = [k for k in (overrides or {}) if k in ("architectures", "model_type")]
     if bad:
         raise UserError(f"model.overrides.{bad[0]}: choose another model.config instead")
+    for name, value in (shape or {}).items():
+        if value is not None and value < 1:  # before hidden // heads below divides by it
+            raise UserError(f"{label}: {name} must be >= 1, got {value}")
     raw = _apply(family, raw, shape or {}, overrides or {})
     try:
         config = _build(family, raw)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, ArithmeticError, StrictDataclassError) as e:
+        e = e.__cause__ or e  # huggingface_hub wraps the validator's error in two lines
         raise UserError(f"{key}={source}: transformers refuses the config: {e}") from e
     problems = unknown_keys(raw, config) + rope_conflicts(raw, config)
     if problems:
