@@ -44,10 +44,14 @@ def test_resume_is_exact_and_reshapes(tmp_path):
     saved = os.path.join(tmp_path, "halves-z3", "checkpoints", "step_00000005")
     reshaped = [
         case("to-pp1-dp4-z1", 1, sets=("train.steps=10", f"checkpoint.resume={saved}")),
-        case("to-pp4-z0", 0, sets=("parallel.pp=4", "train.steps=10",
-                                   f"checkpoint.resume={saved}")),  # fmt: skip
-        case("to-tp2-pp2-z3", 3, sets=(*PP2, "parallel.tp=2", "train.steps=10",
-                                       f"checkpoint.resume={saved}")),  # fmt: skip
+        case(
+            "to-pp4-z0", 0, sets=("parallel.pp=4", "train.steps=10", f"checkpoint.resume={saved}")
+        ),  # fmt: skip
+        case(
+            "to-tp2-pp2-z3",
+            3,
+            sets=(*PP2, "parallel.tp=2", "train.steps=10", f"checkpoint.resume={saved}"),
+        ),  # fmt: skip
     ]
     bf16 = (*PP2, "ds.bf16.enabled=true")
     got = run_cases(tmp_path, 4, [

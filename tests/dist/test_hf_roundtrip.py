@@ -133,8 +133,11 @@ def test_init_from_refuses_a_checkpoint_of_another_model(tmp_path):
     gpt2 = spec_of("gpt2-tiny")
     write_hf_dir(str(tmp_path), gpt2, build_model(gpt2, seed=0).state_dict())
     check_init_from(str(tmp_path), gpt2)
-    with pytest.raises(UserError, match=r"config.json activation_function='gelu_new' but the "
-                                        r"run's model \(preset llama-tiny\) has None"):
+    with pytest.raises(
+        UserError,
+        match=r"config.json activation_function='gelu_new' but the "
+        r"run's model \(preset llama-tiny\) has None",
+    ):
         check_init_from(str(tmp_path), spec_of("llama-tiny"))
     wider = spec_of("gpt2-tiny", hidden_size=128)
     with pytest.raises(UserError, match=r"config.json n_embd=64 but .* has 128"):

@@ -25,10 +25,18 @@ def test_pipeline_run_writes_every_scalar_to_tensorboard(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    want = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
-            "perf/samples_per_s", "perf/step_time_s", "perf/mfu", "pipeline/bubble_fraction",
-            *(f"time/{p}_s" for p in PHASES),
-            *(f"memory/stage{s}_{k}" for s in (0, 1) for k in ("live_bytes", "peak_bytes"))}
+    want = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/samples_per_s",
+        "perf/step_time_s",
+        "perf/mfu",
+        "pipeline/bubble_fraction",
+        *(f"time/{p}_s" for p in PHASES),
+        *(f"memory/stage{s}_{k}" for s in (0, 1) for k in ("live_bytes", "peak_bytes")),
+    }
     assert want <= tags, want - tags
     scalars = {t: [e.value for e in events.Scalars(t)] for t in want}
     for tag, values in scalars.items():

@@ -252,8 +252,9 @@ def block_case(group, family: str, sequence_parallel: bool) -> dict:
         "forward_calls": forward,
         "backward_calls": backward,
         "out": diff(gather(y, 1, group) if sequence_parallel else y, ref(x)),
-        "x_grad": diff(gather(x_tp.grad, 1, group) if sequence_parallel else x_tp.grad,
-                       x_ref.grad),  # fmt: skip
+        "x_grad": diff(
+            gather(x_tp.grad, 1, group) if sequence_parallel else x_tp.grad, x_ref.grad
+        ),  # fmt: skip
         "param_grads": grads,
         "names_equal": sorted(want) == sorted(n for n, _ in block.named_parameters()),
     }

@@ -36,8 +36,9 @@ from dsnd.checkpoint.layout import (
 )
 from dsnd.checkpoint.load import _restore_rng, read_full_model
 from dsnd.checkpoint.verify import check_intact, member, read_manifest
+from dsnd.model.families import FAMILIES
 from tests.procs import run_cli
-from tests.unit.test_ckpt_cli import STEP, write_checkpoint
+from tests.unit.test_ckpt_cli import LEGACY_MODEL, STEP, write_checkpoint
 
 MODEL_1, OPTIM_1 = model_file(1), optim_file(1)
 NORM = "layers.1.input_layernorm.weight"  # shape [64]
@@ -240,8 +241,27 @@ MANIFEST_EDITS = {
                       "'params' of the manifest is [], expected an object"),
     "model with an unknown key": (lambda m: m["model"].update(heads=4),
                                   "model has 'heads', which is not a dsnd model setting"),
-    "model without vocab_size": (lambda m: m["model"].pop("vocab_size"),
-                                 "model has no 'vocab_size'"),
+    "model without config (nor the shape before configs)": (lambda m: m["model"].pop("config"),
+                                                            "model has no 'config'"),
+    "model with an unknown family": (lambda m: m["model"].update(family="bert"),
+                                     "'family' of model is 'bert', expected one of "
+                                     f"{', '.join(f.name for f in FAMILIES)}"),
+    "model config with an unknown key": (lambda m: m["model"]["config"].update(heads=4),
+                                         "model.config: heads=4: not a LlamaConfig setting, so "
+                                         "dsnd cannot tell what it does to the model"),
+    "model config without vocab_size": (lambda m: m["model"]["config"].pop("vocab_size"),
+                                        "model.config has no 'vocab_size'"),
+    "model config with a string vocab_size": (lambda m: m["model"]["config"].update(
+                                                  vocab_size="256"),
+                                              "'vocab_size' of model.config is '256', expected "
+                                              "a positive integer"),
+    "model from before configs without vocab_size": (
+        lambda m: m.update(model={k: v for k, v in LEGACY_MODEL["llama-tiny"].items()
+                                  if k != "vocab_size"}),
+        "model has no 'vocab_size'"),
+    "model from before configs with an unknown key": (
+        lambda m: m.update(model={**LEGACY_MODEL["llama-tiny"], "heads": 4}),
+        "model has 'heads', which is not a dsnd model setting"),
     "corpus without sha256": (lambda m: m["corpus"].pop("sha256"), "corpus has no 'sha256'"),
 }  # fmt: skip
 

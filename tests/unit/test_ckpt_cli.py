@@ -28,6 +28,15 @@ PRESET_NAMES = ("llama-tiny", "gpt2-tiny")
 MODEL_1, OPTIM_1, RNG_0 = model_file(1), optim_file(1), rng_file(0)
 FILES = [MODEL_1, OPTIM_1, RNG_0, "manifest.json", "manifest.sha256"]
 KEYS = ("exp_avg", "exp_avg_sq")
+# what checkpoints written before model configs were recorded hold: the shape only
+LEGACY_MODEL = {
+    "llama-tiny": {"family": "llama", "hidden_size": 64, "num_layers": 4, "num_heads": 4,
+                   "num_kv_heads": 2, "ffn_size": 176, "vocab_size": 256, "max_seq_len": 128,
+                   "tie_embeddings": False, "init_std": 0.02},
+    "gpt2-tiny": {"family": "gpt2", "hidden_size": 64, "num_layers": 4, "num_heads": 4,
+                  "num_kv_heads": 4, "ffn_size": 256, "vocab_size": 256, "max_seq_len": 128,
+                  "tie_embeddings": True, "init_std": 0.02},
+}  # fmt: skip
 
 
 def _layer_of(name: str) -> int:
@@ -212,7 +221,7 @@ def test_inspect_summary(capsys, ckpt):
         "step      10",
         "samples   160",
         "topology  pp=2 tp=1 dp=2 (world 4), ZeRO stage 3",
-        "model     llama: hidden 64, 4 layers, 4 heads (2 kv), vocab 256",
+        "model     llama (preset llama-tiny): hidden 64, 4 layers, 4 heads (2 kv), vocab 256",
         f"versions  dsnd 0.0-test, torch {torch.__version__}",
         "stage 0   layers 0-2",
         "stage 1   layers 3-6",
@@ -235,7 +244,7 @@ def test_inspect_json(capsys, ckpt):
     assert (r["ok"], r["problems"], r["step"], r["consumed_samples"]) == (True, [], 10, 160)
     assert r["topology"] == {"pp": 2, "tp": 1, "dp": 2, "world_size": 4}
     assert (r["zero_stage"], r["stages"]) == (3, [[0, 2], [3, 6]])
-    assert r["model"] == spec_of("llama-tiny").manifest()
+    assert r["model"] == json.loads(json.dumps(spec_of("llama-tiny").manifest()))  # as written
     files = {row["file"]: row for row in r["files"]}
     assert files[RNG_0] == {
         "file": RNG_0,
@@ -290,7 +299,7 @@ def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp
     assert (rc, err) == (0, "")
     step_dir = os.path.join(pristine[preset], step_dir_name(STEP))
     count = len(build_model(spec_of(preset), seed=3).state_dict())
-    family = spec_of(preset).family
+    family = spec_of(preset).family.name
     assert out == f"wrote {out_dir}: {family}, {count} tensors from {step_dir}\n"
     assert sorted(os.listdir(out_dir)) == ["config.json", "model.safetensors"]
     hf, info = AutoModelForCausalLM.from_pretrained(
@@ -303,6 +312,37 @@ def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp
     assert got.shape == want.shape == (2, 24, 256)
     assert (got - want).abs().max().item() < 1e-5
     assert want.abs().max().item() > 1e-3  # not a trivially zero model
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_a_checkpoint_from_before_model_configs_is_the_same_model(capsys, pristine, tmp_path,
+                                                                   preset):  # fmt: skip
+    """Checkpoints written before manifests recorded the model's config hold only its shape
+    (the old presets' fields): inspect, export and generate see the same model as today's."""
+    root = str(tmp_path / "old")
+    shutil.copytree(pristine[preset], root)
+    step_dir = os.path.join(root, step_dir_name(STEP))
+    with open(os.path.join(step_dir, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    files = sorted(manifest.pop("files"))
+    manifest["model"] = LEGACY_MODEL[preset]
+    write_manifest(step_dir, manifest, files)
+    rc, out, _ = run(capsys, "ckpt", "verify", root)
+    assert (rc, out) == (0, f"ok: {step_dir} ({len(files) + 2} files)\n")
+    rc, out, err = run(capsys, "ckpt", "inspect", root)
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[4] == f"model     {spec_of(preset).describe()}"
+    exports = {}
+    for name, where in (("old", root), ("new", pristine[preset])):
+        exports[name] = str(tmp_path / f"hf-{name}")
+        rc, _, err = run(capsys, "ckpt", "export", where, exports[name])
+        assert (rc, err) == (0, "")
+    for file in ("config.json", "model.safetensors"):
+        with open(os.path.join(exports["old"], file), "rb") as old, \
+                open(os.path.join(exports["new"], file), "rb") as new:  # fmt: skip
+            assert old.read() == new.read(), file
+    args = ("--prompt", "def main(", "--tokens", "8", "--seed", "5")
+    assert run(capsys, "generate", root, *args) == run(capsys, "generate", pristine[preset], *args)
 
 
 def test_export_of_a_damaged_checkpoint_writes_nothing(capsys, ckpt, tmp_path):

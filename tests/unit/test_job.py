@@ -23,8 +23,9 @@ from dsnd.errors import EXIT_DIVERGED, EXIT_PEER_FAILED
 from dsnd.launch.protocol import RankOutcome, diagnose, diverged
 from tests.models import spec_of
 from tests.unit.test_checkpoint_layout import manifest_of, save
+from tests.unit.test_ckpt_cli import LEGACY_MODEL
 
-DIMS = spec_of("llama-tiny").manifest()
+MODEL = spec_of("llama-tiny")
 
 
 def save_for_job(root: str, step: int, job: str | None, run: dict | None = None) -> str:
@@ -65,26 +66,44 @@ def test_a_restart_resumes_its_own_job_whatever_resume_says(tmp_path, mode):
 def test_compare_refuses_another_model_and_another_runs_seed_and_data(tmp_path):
     run = RunConfig()
     then = dataclasses.asdict(run)
-    manifest = {"model": DIMS, "config": {"run": then, "deepspeed": {"gradient_clipping": 1.0}}}
+    manifest = {"model": MODEL.manifest(),
+                "config": {"run": then, "deepspeed": {"gradient_clipping": 1.0}}}  # fmt: skip
     ds = {"gradient_clipping": 1.0}
-    assert compare_with_checkpoint(run, ds, DIMS, manifest, "S", explicit=False) == []
-    other = dict(DIMS, hidden_size=128)
-    with pytest.raises(CheckpointError, match=r"^S: written for another model \(hidden_size 64 "
-                                              r"-> 128\)"):  # fmt: skip
-        compare_with_checkpoint(run, ds, other, manifest, "S", explicit=True)
+    assert compare_with_checkpoint(run, ds, MODEL, manifest, "S", explicit=False) == []
+    wider = spec_of("llama-tiny", hidden_size=128)  # head_dim follows: 128 / 4 heads
+    with pytest.raises(CheckpointError, match=r"^S: written for another model \(head_dim 16 -> "
+                                              r"32, hidden_size 64 -> 128\); resume it with the "
+                                              r"same model"):  # fmt: skip
+        compare_with_checkpoint(run, ds, wider, manifest, "S", explicit=True)
+    # any config value that changes the math, not only the shape
+    other_eps = spec_of("llama-tiny", {"rms_norm_eps": 1e-5})
+    with pytest.raises(CheckpointError, match=r"^S: written for another model \(rms_norm_eps "
+                                              r"1e-06 -> 1e-05\)"):  # fmt: skip
+        compare_with_checkpoint(run, ds, other_eps, manifest, "S", explicit=True)
     run.train.seed, run.data.max_bytes = 99, 1000
     with pytest.raises(CheckpointError, match=r"other settings \(train.seed 1234 -> 99, "
                                               r"data.max_bytes 4000000 -> 1000\)"):  # fmt: skip
-        compare_with_checkpoint(run, ds, DIMS, manifest, "S", explicit=False)
+        compare_with_checkpoint(run, ds, MODEL, manifest, "S", explicit=False)
     # named by path: allowed, said as warnings, with the DeepSpeed changes that alter the math
-    warnings = compare_with_checkpoint(run, {"gradient_clipping": 0.5}, DIMS, manifest, "S",
+    warnings = compare_with_checkpoint(run, {"gradient_clipping": 0.5}, MODEL, manifest, "S",
                                        explicit=True)  # fmt: skip
     assert warnings == ["train.seed 1234 -> 99", "data.max_bytes 4000000 -> 1000",
                         "ds.gradient_clipping 1.0 -> 0.5"]  # fmt: skip
     layout = copy.deepcopy(run)
     layout.parallel.pp, layout.train.steps = 4, 500  # layout and length are free to change
-    assert compare_with_checkpoint(layout, {"gradient_clipping": 0.5}, DIMS, manifest, "S",
+    assert compare_with_checkpoint(layout, {"gradient_clipping": 0.5}, MODEL, manifest, "S",
                                    explicit=True) == warnings  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(LEGACY_MODEL))
+def test_compare_accepts_the_same_model_from_a_checkpoint_before_configs(preset):
+    run = RunConfig()
+    manifest = {"model": LEGACY_MODEL[preset], "config": {"run": dataclasses.asdict(run)}}
+    assert compare_with_checkpoint(run, {}, spec_of(preset), manifest, "S", explicit=False) == []
+    with pytest.raises(CheckpointError, match=r"^S: written for another model \(vocab_size 256 "
+                                              r"-> 512\)"):  # fmt: skip
+        compare_with_checkpoint(run, {}, spec_of(preset, vocab_size=512), manifest, "S",
+                                explicit=False)  # fmt: skip
 
 
 _HOLD = """

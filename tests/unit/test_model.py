@@ -26,7 +26,6 @@ from tests.models import spec_of
 torch.set_num_threads(1)
 
 
-
 def _hf_model(dims, sd):
     model = AutoModelForCausalLM.from_config(dims.config).eval()
     model.load_state_dict(sd, strict=True)

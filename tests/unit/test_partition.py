@@ -108,11 +108,11 @@ def test_gpt2_tied_layer_counts_its_module_at_both_positions():
 
 def test_type_names_mirror_deepspeed():
     assert layer_type_names(SPECS["llama-tiny"]) == (
-        ["LlamaEmbedding"] + ["LlamaBlock"] * 4 + ["LlamaFinalNorm", "LMHead"]
+        ["TokenEmbedding"] + ["LlamaBlock"] * 4 + ["LlamaRMSNormFinal", "LMHead"]
     )
     # The tied head is named after its module class, not after its forward_fn.
     assert layer_type_names(SPECS["gpt2-tiny"]) == (
-        ["GPT2Embedding"] + ["GPT2BlockLayer"] * 4 + ["GPT2FinalNorm", "GPT2Embedding"]
+        ["Embedding"] + ["Block"] * 4 + ["LayerNormFinal", "Embedding"]
     )
 
 
@@ -148,7 +148,9 @@ def test_counting_builds_on_meta():
 
 
 def test_seven_billion_shaped_model_counts_without_memory():
-    dims = spec_of("llama-tiny", hidden_size=4096,
+    dims = spec_of(
+        "llama-tiny",
+        hidden_size=4096,
         num_layers=32,
         num_heads=32,
         num_kv_heads=32,
@@ -220,7 +222,7 @@ def test_explicit_lists_rejected(method, pp, expected):
         ("typ:Block", 2, ["did you mean 'type:Block'"]),
         ("profile", 2, ["'profile' is not a method", "type:<regex>"]),
         ("type:(block", 2, ["parallel.partition='type:(block'", "bad regex '(block'"]),
-        ("type:conv", 2, ["matches none", "LlamaEmbedding, LlamaBlock, LlamaFinalNorm, LMHead"]),
+        ("type:conv", 2, ["matches none", "TokenEmbedding, LlamaBlock, LlamaRMSNormFinal, LMHead"]),
         ("type:block:x", 2, ["may not contain ':'", "match 'block'"]),
         ("type:(?:block)", 2, ["may not contain ':'"]),
         (r"type:\S+Block", 2, [r"\S would mean \s"]),
