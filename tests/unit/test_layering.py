@@ -1,0 +1,47 @@
+"""Imports flow one way: each part of dsnd imports only parts listed before it in LAYERS (read
+from the source with `ast`, lazy imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import dsnd
+
+LAYERS = [
+    "errors", "extensions", "secrets", "topology", "tp", "model", "config", "data", "compat",
+    "dist", "zero", "memory", "flops", "pipeline", "progress", "stop_request", "metrics",
+    "telemetry", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
+]  # fmt: skip
+ROOT = pathlib.Path(dsnd.__file__).parent
+
+
+def _part(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).with_suffix("").parts[0]
+
+
+def _imported_parts(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return {n.split(".")[1] for n in names if n.startswith("dsnd.")}
+
+
+def test_every_part_is_placed():
+    parts = {_part(p) for p in ROOT.rglob("*.py")} - {"__init__"}
+    assert parts == set(LAYERS)
+
+
+def test_imports_flow_one_way():
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        me = _part(path)
+        if me == "__init__":
+            continue
+        for other in _imported_parts(path) - {me}:
+            if LAYERS.index(other) > LAYERS.index(me):
+                upward.append(f"{path.relative_to(ROOT)} imports dsnd.{other}")
+    assert upward == []
