@@ -161,6 +161,9 @@ def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
     os.makedirs(path, exist_ok=True)
     config = copy.deepcopy(model.config)
     config.architectures = [model.family.architectures[0]]
+    # the dtype the tensors are written in (a bf16 model directory trained in fp32 exports fp32:
+    # its config must not tell from_pretrained to cast them back down)
+    config.dtype = next(iter(named.values())).dtype
     config.save_pretrained(path)
     weights = os.path.join(path, _WEIGHTS)
     save_file(named, weights, metadata={"format": "pt"})
