@@ -33,7 +33,7 @@ from dsnd.config.deepspeed_json import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.data.token_file import check_vocab
-from dsnd.dist.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.metrics import MetricsWriter, TensorBoardWriter

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
-from dsnd.dist.groups import ProcessGroups
-from dsnd.dist.mpu import Mpu
+from dsnd.distributed.groups import ProcessGroups
+from dsnd.distributed.mpu import Mpu
 from dsnd.model import param_groups
 
 log = logging.getLogger(__name__)

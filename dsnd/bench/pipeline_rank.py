@@ -32,8 +32,8 @@ from dsnd.bench.results import WORLD
 from dsnd.config.load import default_config_path, load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step, load_corpus
-from dsnd.dist.groups import ProcessGroups, build_groups
-from dsnd.dist.init import init_world, shutdown, world_info
+from dsnd.distributed.groups import ProcessGroups, build_groups
+from dsnd.distributed.init import init_world, shutdown, world_info
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
 from dsnd.pipeline.partition import layer_param_counts
 from dsnd.pipeline.runner import StageRunner

@@ -28,7 +28,7 @@ from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, ste
 from dsnd.checkpoint.state import full_state, optim_keys, optimizer_step
 from dsnd.config.resolve import Resolved
 from dsnd.data.corpus import Corpus
-from dsnd.dist.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups
 from dsnd.errors import Diverged
 from dsnd.model.specs import layer_of
 from dsnd.pipeline.stage import stage_parts

@@ -32,7 +32,7 @@ def run_env() -> int:
     from deepspeed.accelerator import get_accelerator
 
     from dsnd import __version__
-    from dsnd.dist.init import resolve_backend
+    from dsnd.distributed.init import resolve_backend
 
     rows = [
         ("dsnd", __version__),

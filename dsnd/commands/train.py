@@ -27,8 +27,8 @@ from dsnd.checkpoint.verify import read_manifest
 from dsnd.commands.prestart import check_before_start
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
-from dsnd.dist.discover import job_id as job_id_from_env
-from dsnd.dist.init import init_world, shutdown, world_info
+from dsnd.distributed.discover import job_id as job_id_from_env
+from dsnd.distributed.init import init_world, shutdown, world_info
 from dsnd.errors import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -94,7 +94,7 @@ def _train_in_world(res, info, resume, stop, job_id) -> int:
     """Train; the exit code says how it ended (the trainer has put any traceback into the
     rank's log file)."""
     logfile = rank_log_path(res.run.log.dir, info.rank)
-    from dsnd.dist.groups import build_groups
+    from dsnd.distributed.groups import build_groups
     from dsnd.trainer import train
 
     try:

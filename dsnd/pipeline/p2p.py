@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dsnd.dist.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups
 
 ACTIVATION, GRADIENT = 1, 2  # message tags; tied weights (pipeline/tied.py) use the default 0
 

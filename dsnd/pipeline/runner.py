@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dsnd.compat import scope_zero3_trace_checks
 from dsnd.config.resolve import Resolved
-from dsnd.dist.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups
 from dsnd.model import layer_specs
 from dsnd.model.hf_io import load_hf_stage
 from dsnd.pipeline.executor import (

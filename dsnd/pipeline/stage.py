@@ -6,8 +6,8 @@ import deepspeed
 import torch
 
 from dsnd.config.resolve import Resolved
-from dsnd.dist.groups import ProcessGroups
-from dsnd.dist.mpu import Mpu
+from dsnd.distributed.groups import ProcessGroups
+from dsnd.distributed.mpu import Mpu
 from dsnd.errors import UserError
 from dsnd.model import LayerStack, layer_specs, param_groups
 from dsnd.pipeline.partition import partition, stage_layers

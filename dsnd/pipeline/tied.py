@@ -29,7 +29,7 @@ import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
-from dsnd.dist.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups
 from dsnd.model import LayerStack
 
 

@@ -254,9 +254,9 @@ from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.data import load_corpus
-from dsnd.dist.discover import discover
-from dsnd.dist.groups import build_groups
-from dsnd.dist.init import init_world, shutdown
+from dsnd.distributed.discover import discover
+from dsnd.distributed.groups import build_groups
+from dsnd.distributed.init import init_world, shutdown
 from dsnd.errors import Diverged
 from dsnd.pipeline.runner import StageRunner
 

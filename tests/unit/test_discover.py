@@ -1,10 +1,11 @@
-"""`dsnd.dist.discover.discover` on launcher environments (pure: env dicts in, WorldInfo out)."""
+"""`dsnd.distributed.discover.discover` on launcher environments (pure: env dicts in,
+WorldInfo out)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsnd.dist.discover import DEFAULT_PORT, WorldInfo, discover
+from dsnd.distributed.discover import DEFAULT_PORT, WorldInfo, discover
 from dsnd.errors import UserError
 
 

@@ -18,7 +18,7 @@ from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_
 from dsnd.checkpoint.root import RootLock, check_writable, probe_lock, run_dirs
 from dsnd.commands.launch import absolute_path_sets, with_restarts
 from dsnd.config.schema import RunConfig
-from dsnd.dist.discover import job_id
+from dsnd.distributed.discover import job_id
 from dsnd.errors import EXIT_DIVERGED, EXIT_PEER_FAILED
 from dsnd.launch.protocol import RankOutcome, diagnose, diverged
 from tests.models import spec_of

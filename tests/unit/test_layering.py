@@ -10,7 +10,7 @@ import dsnd
 
 LAYERS = [
     "errors", "extensions", "secrets", "topology", "tp", "model", "config", "data", "compat",
-    "dist", "zero", "memory", "flops", "pipeline", "progress", "stop_request", "metrics",
+    "distributed", "zero", "memory", "flops", "pipeline", "progress", "stop_request", "metrics",
     "telemetry", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent

@@ -13,8 +13,9 @@ def test_ruff_is_clean():
 
 
 def test_the_suite_collects_the_multi_rank_tests():
-    """pytest skips folders named "dist" by default; the parity tests live in tests/dist."""
+    """The parity tests live in tests/distributed (pytest's default skips folders named "dist",
+    where they once were)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q"],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
-    assert "tests/dist/test_parity_pipeline.py::" in proc.stdout, proc.stdout[-2000:]
-    assert "tests/dist/test_parity_dp.py::" in proc.stdout, proc.stdout[-2000:]
+    assert "tests/distributed/test_parity_pipeline.py::" in proc.stdout, proc.stdout[-2000:]
+    assert "tests/distributed/test_parity_dp.py::" in proc.stdout, proc.stdout[-2000:]

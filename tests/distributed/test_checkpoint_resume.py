@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.dist.parity import RTOL, case, run_cases
+from tests.distributed.parity import RTOL, case, run_cases
 
 PP2 = ("parallel.pp=2",)
 

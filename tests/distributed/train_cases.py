@@ -1,6 +1,6 @@
 """Rank program for multi-process tests: train several configs in one set of ranks.
 
-Usage (every rank): python tests/dist/train_cases.py OUT.json CASES.json
+Usage (every rank): python tests/distributed/train_cases.py OUT.json CASES.json
 CASES.json: [{"name": ..., "config": path-or-null, "sets": [...], "reference": bool}]
 Rank 0 writes {name: metric rows}. Starting ranks costs seconds, so cases share one world.
 """
@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from dsnd.checkpoint.resume import choose_resume  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
-from dsnd.dist.groups import build_groups  # noqa: E402
-from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.trainer import train  # noqa: E402
 
 

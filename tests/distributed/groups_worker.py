@@ -1,6 +1,6 @@
 """Rank program: dsnd's process groups and mpu against DeepSpeed's PipelineParallelGrid.
 
-Usage (every rank): python tests/dist/groups_worker.py OUT.json
+Usage (every rank): python tests/distributed/groups_worker.py OUT.json
 For each (pp, tp) layout of the world, every rank builds dsnd's groups and then DeepSpeed's grid
 (both call `new_group` for every group, in the same order on every rank), reads back the member
 ranks of each group with `get_process_group_ranks`, and runs one all_reduce over dsnd's data
@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch.distributed as dist  # noqa: E402
 
-from dsnd.dist.groups import build_groups  # noqa: E402
-from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
-from dsnd.dist.mpu import Mpu  # noqa: E402
+from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.distributed.mpu import Mpu  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]

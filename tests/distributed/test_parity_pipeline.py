@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.parity import assert_same, case, run_cases
+from tests.distributed.parity import assert_same, case, run_cases
 
 PP2 = ("parallel.pp=2",)
 CKPT = "parallel.activation_checkpoint_interval"

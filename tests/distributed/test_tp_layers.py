@@ -1,6 +1,6 @@
 """dsnd's tensor-parallel layers on 2 and 4 real gloo ranks (tp = world) against torch.nn.
 
-One set of ranks per world size (tests/dist/tp_worker.py) runs every case: outputs, input
+One set of ranks per world size (tests/distributed/tp_worker.py) runs every case: outputs, input
 gradients and each rank's parameter-gradient slice against a single-process reference built from
 the same full weights, and the collectives each forward and backward issues.
 """
@@ -22,7 +22,7 @@ VOCAB = 249
 def found(request, tmp_path_factory) -> tuple[int, dict]:
     world = request.param
     out = tmp_path_factory.mktemp(f"tp{world}") / "out.json"
-    run_ranks(world, ["tests/dist/tp_worker.py", str(out)], timeout=120)
+    run_ranks(world, ["tests/distributed/tp_worker.py", str(out)], timeout=120)
     return world, json.loads(out.read_text())
 
 

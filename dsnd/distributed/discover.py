@@ -4,7 +4,7 @@ Sources, first match wins:
   env://       RANK / WORLD_SIZE / LOCAL_RANK (DeepSpeed's launcher, torchrun)
   Open MPI     OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK (+ _LOCAL_SIZE)
   MPICH/Intel  PMI_RANK / PMI_SIZE / MPI_LOCALRANKID (+ MPI_LOCALNRANKS)
-  mpi4py       when only PMIx/Hydra traces are present (see `dsnd.dist.init`)
+  mpi4py       when only PMIx/Hydra traces are present (see `dsnd.distributed.init`)
   single       none of the above: a world of one.
 
 DeepSpeed 0.19.8's own MPI discovery assumes local ranks follow world-rank order, which Open MPI 5

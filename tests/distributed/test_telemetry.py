@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dsnd.flops import flops_per_token
 from dsnd.pipeline.executor import PHASES
-from tests.dist.parity import case, run_cases
+from tests.distributed.parity import case, run_cases
 from tests.models import spec_of
 
 STEPS = 3

@@ -1,6 +1,6 @@
 """Rank program: dsnd's tensor-parallel layers against single-process torch.nn references.
 
-Usage (every rank): python tests/dist/tp_worker.py OUT.json
+Usage (every rank): python tests/distributed/tp_worker.py OUT.json
 tp = world size. Every case builds the torch.nn reference from seeded full weights (identical on
 every rank), builds the tensor-parallel layer from the same full weights via `load_full`, runs
 forward and backward on identical inputs, and records the largest absolute differences of
@@ -24,8 +24,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from dsnd.dist.groups import build_groups  # noqa: E402
-from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model import LayerStack, layer_specs  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
 from dsnd.tp import (  # noqa: E402

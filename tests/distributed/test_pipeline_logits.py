@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.dist.logits_worker import IDS
+from tests.distributed.logits_worker import IDS
 from tests.models import spec_of
 from tests.procs import run_ranks
 
@@ -44,7 +44,7 @@ def test_pipeline_logits_equal_transformers(tmp_path):
     )
     want["qwen2.5-0.5b-sp"] = want["qwen2.5-0.5b"]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run_ranks(4, ["tests/dist/logits_worker.py", str(tmp_path / "out.json"),
+    run_ranks(4, ["tests/distributed/logits_worker.py", str(tmp_path / "out.json"),
                   str(tmp_path / "cases.json")], timeout=400)  # fmt: skip
     got = json.loads((tmp_path / "out.json").read_text())
     assert sorted(got) == sorted(want)

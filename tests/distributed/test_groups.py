@@ -1,7 +1,7 @@
 """dsnd's process groups and mpu on 4 real gloo ranks, against golden rank tables and against
 DeepSpeed's own `PipelineParallelGrid` built from the same topology.
 
-One set of ranks (tests/dist/groups_worker.py) checks every (pp, tp) layout of the world.
+One set of ranks (tests/distributed/groups_worker.py) checks every (pp, tp) layout of the world.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def group_of(layout: tuple[int, int], axis: str, rank: int) -> list[int]:
 @pytest.fixture(scope="module")
 def found(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("groups") / "out.json"
-    run_ranks(WORLD, ["tests/dist/groups_worker.py", str(out)], timeout=120)
+    run_ranks(WORLD, ["tests/distributed/groups_worker.py", str(out)], timeout=120)
     raw = json.loads(out.read_text())
     return {tuple(int(x) for x in key.split(",")): rows for key, rows in raw.items()}
 
@@ -113,7 +113,7 @@ def test_model_parallel_rank_is_the_tensor_rank_not_the_replica_rank(found, layo
     dsnd runs one DeepSpeedEngine per stage and passes its mpu to it; DeepSpeed's gradient-norm
     code counts a replicated parameter only where the model-parallel rank is 0, so the grid's
     rank would drop every stage's gradients but the first. dsnd's mpu sums norms over the whole
-    replica but answers the tensor rank (see dsnd/dist/mpu.py)."""
+    replica but answers the tensor rank (see dsnd/distributed/mpu.py)."""
     pp, tp = layout
     for rank, row in enumerate(found[layout]):
         replica = group_of(layout, "model", rank)

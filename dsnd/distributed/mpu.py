@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from dsnd.dist.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups
 
 
 class Mpu:

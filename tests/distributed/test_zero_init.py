@@ -13,7 +13,7 @@ from tests.procs import run_ranks
 @pytest.mark.dist
 def test_zero3_stage_is_built_partitioned(tmp_path):
     out = tmp_path / "mem"
-    run_ranks(2, ["tests/dist/zero_init_worker.py", str(out)], timeout=300)
+    run_ranks(2, ["tests/distributed/zero_init_worker.py", str(out)], timeout=300)
     for rank in range(2):
         got = json.loads((tmp_path / f"mem.{rank}").read_text())
         share = got["stage_bytes"] / got["dp"]

@@ -31,7 +31,7 @@ def run_cases(tmp_path, world: int, cases: list[dict]) -> dict:
     for c in cases:
         c["sets"] = [s.replace("runs/test", str(tmp_path)) for s in c["sets"]]
     cases_file.write_text(json.dumps(cases))
-    run_ranks(world, ["tests/dist/train_cases.py", str(out), str(cases_file)], timeout=400)
+    run_ranks(world, ["tests/distributed/train_cases.py", str(out), str(cases_file)], timeout=400)
     return json.loads(out.read_text())
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.dist.parity import case, run_cases
+from tests.distributed.parity import case, run_cases
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.parity import STEPS, assert_same, case, run_cases
+from tests.distributed.parity import STEPS, assert_same, case, run_cases
 
 
 @pytest.mark.dist

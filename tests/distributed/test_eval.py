@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.dist.parity import RTOL, case, run_cases
+from tests.distributed.parity import RTOL, case, run_cases
 
 EVAL = ("eval.every=2", "eval.batches=2", "train.steps=4")
 

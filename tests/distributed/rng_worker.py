@@ -1,6 +1,6 @@
 """Rank program: dropout masks drawn on the replicated and tensor-parallel streams.
 
-Usage (every rank of 4): python tests/dist/rng_worker.py OUT.json
+Usage (every rank of 4): python tests/distributed/rng_worker.py OUT.json
 Topology pp=1 x dp=2 x tp=2. Each rank draws dropout masks outside and inside
 `TPRandomState.fork()`, reruns the same draws with a fresh tracker, round-trips `state_dict()`
 and checks that a fork leaves the default stream's sequence alone. Rank 0 gathers every rank's
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dsnd.dist.init import shutdown, world_info  # noqa: E402
+from dsnd.distributed.init import shutdown, world_info  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
 from dsnd.tp.random import TPRandomState  # noqa: E402
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from dsnd.cli import main
 from dsnd.commands.generate import generate, load_checkpoint_model
-from tests.dist.parity import run_cases
+from tests.distributed.parity import run_cases
 from tests.models import spec_of
 
 PRESETS = ("gpt2", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b")

@@ -1,6 +1,6 @@
 """Rank program: parameter bytes a rank holds while and after building its stage under ZeRO-3.
 
-Usage (every rank): python tests/dist/zero_init_worker.py OUT.json
+Usage (every rank): python tests/distributed/zero_init_worker.py OUT.json
 Builds the llama-tiny stage of pp=1 x dp=WORLD with ds_configs/zero3.json through dsnd's own
 `build_stage` (each layer handed to deepspeed.zero.Init over the data-parallel group) and
 measures, from the live parameter objects themselves, the bytes materialised on this rank: at
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import dsnd.model.specs as specs_module  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
-from dsnd.dist.groups import build_groups  # noqa: E402
-from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.pipeline.stage import build_stage  # noqa: E402
 
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from dsnd.errors import UserError
 from dsnd.model import build_model
 from dsnd.model.hf_io import check_init_from, write_hf_dir
-from tests.dist.parity import run_cases
+from tests.distributed.parity import run_cases
 from tests.models import spec_of
 
 

@@ -1,5 +1,5 @@
 """`dsnd.tp.random.TPRandomState` on 4 real gloo ranks, pp=1 x dp=2 x tp=2
-(tests/dist/rng_worker.py).
+(tests/distributed/rng_worker.py).
 
 Outside `fork()` every rank of the stage draws the same dropout masks; inside it the masks differ
 between tp ranks, agree between data-parallel replicas of one tp rank, and are reproducible from
@@ -20,7 +20,7 @@ SEED = 1234
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("rng") / "out.json"
-    run_ranks(4, ["tests/dist/rng_worker.py", str(out)], timeout=120)
+    run_ranks(4, ["tests/distributed/rng_worker.py", str(out)], timeout=120)
     found = json.loads(out.read_text())
     assert [r["coord"] for r in found] == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
     return found

@@ -1,7 +1,7 @@
 """Rank program: the logits of dsnd's forward-only path on pp x tp ranks, from a user's model
 directory (`model.init_from`), for `test_pipeline_logits_equal_transformers`.
 
-Usage (every rank): python tests/dist/logits_worker.py OUT.json CASES.json
+Usage (every rank): python tests/distributed/logits_worker.py OUT.json CASES.json
 CASES.json: [{"name", "dir", "sets"}]. Each case builds this rank's stage exactly as training
 does (`build_stage`, then the directory's weights with `load_hf_stage`), runs a fixed batch of
 ids through stage 0, sends the hidden states to stage 1 (plain point-to-point), and the last
@@ -23,8 +23,8 @@ import torch.distributed as dist  # noqa: E402
 
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
-from dsnd.dist.groups import build_groups  # noqa: E402
-from dsnd.dist.init import init_world, shutdown, world_info  # noqa: E402
+from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model.hf_io import load_hf_stage  # noqa: E402
 from dsnd.pipeline.stage import build_stage  # noqa: E402
 from dsnd.tp import gather_from_tp  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.parity import assert_same, case, run_cases
+from tests.distributed.parity import assert_same, case, run_cases
 
 TP2 = ("parallel.tp=2",)
 PP2_TP2 = ("parallel.pp=2", "parallel.tp=2")

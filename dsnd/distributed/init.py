@@ -11,7 +11,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsnd.dist.discover import LOOPBACK, WorldInfo, discover
+from dsnd.distributed.discover import LOOPBACK, WorldInfo, discover
 
 log = logging.getLogger(__name__)
 
