@@ -3,8 +3,9 @@ memory per stage. Every rank measures itself; one all-gather brings the numbers 
 and `step_numbers` (pure) turns them into TensorBoard tags.
 
 Memory per rank: on CUDA, allocated and peak-allocated bytes; on CPU, the bytes of the model
-states the rank holds (parameters, gradients, fp32 masters, optimizer state; `dsnd.memory`) as
-"live", and the process's peak resident set as "peak" (all of Python and torch, an upper bound).
+states the rank holds (parameters, gradients, fp32 masters, optimizer state;
+`dsnd.engine.memory`) as "live", and the process's peak resident set as "peak" (all of Python
+and torch, an upper bound).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import resource
 import torch
 import torch.distributed as dist
 
-from dsnd.memory import state_bytes
+from dsnd.engine.memory import state_bytes
 from dsnd.pipeline.executor import PHASES
 from dsnd.topology import Topology
 

@@ -104,6 +104,6 @@ class Topology:
 
     def to_deepspeed(self):  # -> deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology
         """The equivalent DeepSpeed topology object (imports DeepSpeed lazily)."""
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+        from dsnd.engine.deepspeed_api import pipe_topology
 
-        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+        return pipe_topology(self.pp, self.tp, self.dp)

@@ -34,6 +34,7 @@ from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
+from dsnd.engine.build import zero_stage
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.metrics import MetricsWriter, TensorBoardWriter
@@ -44,7 +45,6 @@ from dsnd.progress import Progress, RankLogFile
 from dsnd.secrets import mask_config
 from dsnd.stop_request import StopRequest
 from dsnd.telemetry import gather_stats, step_numbers, stop_agreed
-from dsnd.zero import zero_stage
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,12 @@ from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.distributed.groups import ProcessGroups, build_groups
 from dsnd.distributed.init import init_world, shutdown, world_info
+from dsnd.distributed.mpu import Mpu
+from dsnd.engine.build import build_engine
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
 from dsnd.pipeline.partition import layer_param_counts
 from dsnd.pipeline.runner import StageRunner
 from dsnd.pipeline.stage import build_stage
-from dsnd.zero import build_engine
 
 PIPE_SETS = ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.partition=parameters")
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -164,12 +165,13 @@ def bench_pipeline(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any
 def zero_state(res: Resolved) -> dict[str, int]:
     """Model-state bytes on this rank of a pp=1 engine, with gradients accumulating and Adam's
     state created (one full step done, then one micro-batch of the next)."""
-    from dsnd.memory import state_bytes
+    from dsnd.engine.memory import state_bytes
 
     groups = build_groups(res.topology)
     samples = _samples(res)
     torch.manual_seed(res.run.train.seed)
-    engine = build_engine(build_stage(res, groups), res.ds, groups)
+    stack = build_stage(res, groups)
+    engine = build_engine(stack, res.ds, param_groups(stack), Mpu(groups))
     counted = None
     try:
         for step in range(2):

@@ -22,13 +22,13 @@ from safetensors import SafetensorError, safe_open
 from dsnd.checkpoint import rng
 from dsnd.checkpoint.contents import expected_tensors, tensor_file
 from dsnd.checkpoint.layout import CheckpointError, optim_file, rng_file
-from dsnd.checkpoint.state import (
+from dsnd.checkpoint.verify import member, read_manifest
+from dsnd.config.resolve import Resolved
+from dsnd.engine.state import (
     materialise_optimizer_state,
     set_full_state,
     unmanaged_masters,
 )
-from dsnd.checkpoint.verify import member, read_manifest
-from dsnd.config.resolve import Resolved
 from dsnd.model.specs import layer_of
 from dsnd.tp.shard import read_part
 

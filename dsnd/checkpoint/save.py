@@ -25,10 +25,10 @@ from dsnd import __version__
 from dsnd.checkpoint import rng
 from dsnd.checkpoint.commit import prune, publish, temporary_dir, write_atomic, write_manifest
 from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
-from dsnd.checkpoint.state import full_state, optim_keys, optimizer_step
 from dsnd.config.resolve import Resolved
 from dsnd.data.corpus import Corpus
 from dsnd.distributed.groups import ProcessGroups
+from dsnd.engine.state import full_state, optim_keys, optimizer_step
 from dsnd.errors import Diverged
 from dsnd.model.specs import layer_of
 from dsnd.pipeline.stage import stage_parts

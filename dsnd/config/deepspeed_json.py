@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from dsnd.config import json_lines
 from dsnd.config.json_lines import MAX_DEPTH
 from dsnd.config.strict import did_you_mean
+from dsnd.engine import deepspeed_api
 from dsnd.errors import UserError
 
 T = TypeVar("T")
@@ -290,16 +291,13 @@ def check_keys(ds: dict[str, Any], path: str) -> None:
             raise UserError(f"{path}: {key} must be {expected}, got {value!r}")
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict):
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-        known = _pydantic_keys(DeepSpeedZeroConfig) - set(ZERO_REFUSED)
+        known = _pydantic_keys(deepspeed_api.zero_config_model()) - set(ZERO_REFUSED)
         _check_keys(zero, known, ZERO_REFUSED, f"{path}: zero_optimization")
     _check_ranges(ds, path)
     for name in ("bf16", "bfloat16"):
         if isinstance(ds.get(name), dict):
-            from deepspeed.runtime.precision_config import DeepSpeedBF16Config
-
-            _check_keys(ds[name], _pydantic_keys(DeepSpeedBF16Config), {}, f"{path}: {name}")
+            bf16 = _pydantic_keys(deepspeed_api.bf16_config_model())
+            _check_keys(ds[name], bf16, {}, f"{path}: {name}")
     _check_optimizer(ds.get("optimizer"), path)
     _check_scheduler(ds.get("scheduler"), path)
 
@@ -342,8 +340,7 @@ def _check_scheduler(sched: Any, path: str) -> None:
     if section is None:
         return
     kind, params = section
-    from deepspeed.runtime import lr_schedules
-
+    lr_schedules = deepspeed_api.lr_schedules()
     if kind not in lr_schedules.VALID_LR_SCHEDULES:
         raise UserError(
             f"{path}: scheduler.type '{kind}' is not a DeepSpeed scheduler"
@@ -375,8 +372,6 @@ def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:
     before any mpu), so the check is given the batch of one data-parallel rank; dsnd's batch
     math has already checked the real numbers.
     """
-    from deepspeed.runtime.config import DeepSpeedConfig
-
     one_rank = copy.deepcopy(ds)
     one_rank["train_batch_size"] = (
         ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
@@ -384,7 +379,7 @@ def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:
     from pydantic import ValidationError
 
     try:
-        DeepSpeedConfig(one_rank)
+        deepspeed_api.deepspeed_config(one_rank)
     except ValidationError as e:
         raise UserError(f"{path}: DeepSpeed rejects the config: {describe(e, ds)}") from None
     except Exception as e:  # DeepSpeed raises AssertionError, ValueError, TypeError too

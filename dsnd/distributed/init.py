@@ -80,7 +80,7 @@ def init_world(info: WorldInfo, timeout_s: float, backend: str = "auto") -> None
         )
     import deepspeed
 
-    from dsnd.compat import log_op_builds
+    from dsnd.engine.compat import log_op_builds
 
     log_op_builds()  # before DeepSpeed's comm layer JIT-builds its shared-memory op
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.tp import VocabParallelEmbedding
 
 # Whole modules whose parameters are never decayed. Decaying an embedding shrinks the rows of rare
@@ -31,8 +32,7 @@ def param_groups(model: nn.Module) -> list[dict]:
             if id(param) in seen or not param.requires_grad:
                 continue
             seen.add(id(param))
-            # a ZeRO-3 parameter built under zero.Init is a 1-D shard; its real shape is ds_shape
-            ndim = len(getattr(param, "ds_shape", param.shape))
+            ndim = len(unpartitioned_shape(param))  # a ZeRO-3 parameter is a 1-D shard
             if isinstance(module, NO_DECAY_MODULES) or ndim < 2:
                 no_decay.append(param)
             else:

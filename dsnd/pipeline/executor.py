@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dsnd.engine.build import replica_grad_norm
 from dsnd.model import lm_loss
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.schedule import Action
 from dsnd.pipeline.tied import TiedWeights
-from dsnd.zero import replica_grad_norm
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 from deepspeed.pipe import LayerSpec
-from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
 from dsnd.config.strict import did_you_mean
+from dsnd.engine.deepspeed_api import partition_balanced, partition_uniform
 from dsnd.errors import UserError
 
 KEY = "parallel.partition"

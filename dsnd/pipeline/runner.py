@@ -10,10 +10,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from dsnd.compat import scope_zero3_trace_checks
 from dsnd.config.resolve import Resolved
 from dsnd.distributed.groups import ProcessGroups
-from dsnd.model import layer_specs
+from dsnd.distributed.mpu import Mpu
+from dsnd.engine.build import build_engine
+from dsnd.engine.compat import scope_zero3_trace_checks
+from dsnd.model import layer_specs, param_groups
 from dsnd.model.hf_io import load_hf_stage
 from dsnd.pipeline.executor import (
     StageMath,
@@ -27,7 +29,6 @@ from dsnd.pipeline.schedule import schedule
 from dsnd.pipeline.stage import build_stage, stage_parts, tensor_parallel
 from dsnd.pipeline.tied import TiedWeights
 from dsnd.tp import allreduce_partial_grads, vocab_parallel_cross_entropy
-from dsnd.zero import build_engine
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -44,7 +45,7 @@ class StageRunner:
         self.tied = TiedWeights(stack, layer_specs(res.model), stage_parts(res), groups)
         if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
             load_hf_stage(stack, res.run.model.init_from, res.model)
-        self.engine = build_engine(stack, res.ds, groups)
+        self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(groups))
         pp, stage, gas = res.topology.pp, groups.coord.pp, res.batch.gas
         self.actions = schedule(res.run.parallel.schedule, pp, stage, gas)
         self.links = StageLinks(groups, self.engine.device)

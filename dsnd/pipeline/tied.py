@@ -30,6 +30,7 @@ from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
 from dsnd.distributed.groups import ProcessGroups
+from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.model import LayerStack
 
 
@@ -85,7 +86,7 @@ class TiedWeights:
                 weight = getattr(holder, name)
                 tie = _Tie(owner=me == owner, peer=pipe_ranks[borrower if me == owner else owner],
                            holder=holder, name=name, dtype=weight.dtype,
-                           shape=getattr(weight, "ds_shape", weight.shape))  # fmt: skip
+                           shape=unpartitioned_shape(weight))  # fmt: skip
                 self.ties.append(tie)
             if me == borrower:
                 _strip_parameters(module)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from dsnd.engine.deepspeed_api import unpartitioned_shape
+
 __all__ = ["Shard"]
 
 
@@ -103,7 +105,7 @@ def read_part(stored: Any, param: torch.Tensor) -> torch.Tensor:
     ``safe_open(...).get_slice(name)``): its tensor-parallel shard, or all of it. Only those
     bytes are read. ValueError when the stored shape is not `param`'s full shape."""
     shard = getattr(param, "tp_shard", None)
-    local = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3: the shape before sharding
+    local = unpartitioned_shape(param)  # ZeRO-3: the shape before sharding
     want = shard.full_shape(local) if shard is not None else local
     have = tuple(stored.get_shape())
     if have != want:

@@ -11,7 +11,7 @@ import pytest
 
 from dsnd import cli
 from dsnd.bench import results as r
-from dsnd.memory import claim_bytes
+from dsnd.engine.memory import claim_bytes
 from dsnd.pipeline.schedule import BACKWARD, FORWARD, Action, one_f_one_b
 
 

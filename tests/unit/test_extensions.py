@@ -6,7 +6,7 @@ import logging
 import os
 
 from dsnd.cli import main
-from dsnd.compat import log_op_builds, logged_jit_load
+from dsnd.engine.compat import log_op_builds, logged_jit_load
 from dsnd.extensions import VARIABLE, _creatable, extensions_dir, use_environment_dir
 
 HOME = {"HOME": "/home/u"}
@@ -80,7 +80,7 @@ def test_a_build_is_logged_before_and_after_and_a_load_is_quiet(monkeypatch, tmp
     monkeypatch.setenv(VARIABLE, str(tmp_path))
     monkeypatch.setattr(FakeBuilder, "jit_load", logged_jit_load(FakeBuilder.jit_load))
     builder, build_dir = FakeBuilder(), str(tmp_path / FakeBuilder.name)
-    caplog.set_level(logging.DEBUG, logger="dsnd.compat")
+    caplog.set_level(logging.DEBUG, logger="dsnd.engine.compat")
     assert builder.jit_load(verbose=False) == "module"
     assert _infos(caplog) == [
         f"building DeepSpeed op dsnd_fake_op (first use in this environment, cached in "

@@ -9,8 +9,8 @@ import pathlib
 import dsnd
 
 LAYERS = [
-    "errors", "extensions", "secrets", "topology", "tp", "model", "config", "data", "compat",
-    "distributed", "zero", "memory", "flops", "pipeline", "progress", "stop_request", "metrics",
+    "errors", "engine", "extensions", "secrets", "topology", "tp", "model", "config", "data",
+    "distributed", "flops", "pipeline", "progress", "stop_request", "metrics",
     "telemetry", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent
@@ -45,3 +45,25 @@ def test_imports_flow_one_way():
             if LAYERS.index(other) > LAYERS.index(me):
                 upward.append(f"{path.relative_to(ROOT)} imports dsnd.{other}")
     assert upward == []
+
+
+def test_only_the_engine_reads_deepspeed_internals():
+    """`deepspeed.runtime` (and `deepspeed.utils.groups`) are imported by dsnd/engine/ only."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if _part(path) == "engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.startswith(("deepspeed.runtime", "deepspeed.utils.groups")) for n in names):
+                found.append(str(path.relative_to(ROOT)))
+    assert found == []
+
+
+def test_the_engine_imports_no_other_part_of_dsnd():
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        assert _imported_parts(path) <= {"engine"}, path

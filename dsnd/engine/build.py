@@ -1,4 +1,4 @@
-"""Build a DeepSpeed engine (ZeRO 0-3) over dsnd's own data-parallel group."""
+"""Build a DeepSpeed engine (ZeRO 0-3) for one pipeline stage, and the replica gradient norm."""
 
 from __future__ import annotations
 
@@ -8,23 +8,21 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.runtime.utils import is_model_parallel_parameter  # the rule ZeRO's norm uses
 from torch import nn
-
-from dsnd.distributed.groups import ProcessGroups
-from dsnd.distributed.mpu import Mpu
-from dsnd.model import param_groups
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(model: nn.Module, ds_config: dict[str, Any], groups: ProcessGroups):
-    """`deepspeed.initialize` with no-decay parameter groups and dsnd's mpu."""
+def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list[dict],
+                 mpu: Any):  # fmt: skip
+    """`deepspeed.initialize` on a process group that already exists: the optimizer's parameter
+    groups and an mpu (whose data-parallel group is the stage's) are the caller's."""
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=param_groups(model),
+        model_parameters=param_groups,
         config=ds_config,
-        mpu=Mpu(groups),
+        mpu=mpu,
         dist_init_required=False,
     )
     return engine

@@ -1,0 +1,31 @@
+"""The DeepSpeed boundary: the only part of dsnd that reads DeepSpeed's internals.
+
+It imports torch and DeepSpeed only, and any other part of dsnd may import it. A DeepSpeed
+upgrade is a read of this package. Elsewhere dsnd uses DeepSpeed's public API only:
+`deepspeed.initialize` (here), `deepspeed.zero.Init` / `GatheredParameters`,
+`deepspeed.pipe.LayerSpec` / `TiedLayerSpec`, and the engine's methods `backward`, `step`,
+`coalesce_grad_reduction`, `zero_optimization_stage`, `bfloat16_enabled`, `module`, `device`.
+
+Modules and the private (or `deepspeed.runtime`) names each touches, with why:
+- `build`: `deepspeed.runtime.utils.is_model_parallel_parameter`, the rule DeepSpeed's own
+  gradient norm uses to count a tensor-parallel-replicated parameter once.
+- `compat`: `assert_ints_same_as_other_ranks` as imported into `deepspeed.runtime.zero.utils`,
+  `.stage3`, `.partition_parameters`, `.partitioned_param_coordinator`, replaced by a copy
+  scoped to the stage's data-parallel group (the world-wide check hangs when pipeline stages
+  hold different layers); `deepspeed.ops.op_builder.builder.OpBuilder.jit_load` wrapped to log
+  op builds (with torch's `torch.utils.cpp_extension._get_build_directory`).
+- `state`: `engine.optimizer.optimizer` (the torch optimizer inside ZeRO's wrapper), a
+  parameter's `ds_id` / `_hp_mapping` (whether DeepSpeed keeps a separate fp32 master),
+  `fp16_groups` / `fp32_groups` (bf16 at ZeRO-0), `fp32_partitioned_groups_flat` (ZeRO-3's flat
+  masters, in the optimizer only around a step), `_lazy_init_hp_params_optimizer_state` and
+  `_hp_optimizer_states_linked` (relinking ZeRO-1/2's state views; no public method exists).
+  The public `deepspeed.utils.safe_{get,set}_full_{fp32_param,optimizer_state}` do the rest.
+- `memory`: `ds_tensor`, `single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`,
+  `fp32_groups`, `grad_partitions_flat_buffer`, read (never changed) to count model-state bytes.
+- `deepspeed_api`: `deepspeed.runtime.zero.config.DeepSpeedZeroConfig`,
+  `deepspeed.runtime.precision_config.DeepSpeedBF16Config`, `deepspeed.runtime.config.
+  DeepSpeedConfig` (a JSON checked by the code that will read it), `deepspeed.runtime.
+  lr_schedules`, `deepspeed.runtime.utils.partition_uniform` / `partition_balanced` (stage
+  boundaries as DeepSpeed's PipelineModule cuts them), `deepspeed.runtime.pipe.topology.
+  PipeModelDataParallelTopology`, and a parameter's `ds_shape` (its shape before ZeRO-3).
+"""

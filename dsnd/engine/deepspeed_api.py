@@ -1,0 +1,65 @@
+"""The parts of `deepspeed.runtime` dsnd reads outside a running engine: DeepSpeed's own config
+models (so a JSON is checked by the code that will read it), its LR schedules, its partition
+helpers and its pipeline topology. Each is a thin accessor, so the rest of dsnd never imports
+`deepspeed.runtime`; each imports lazily (checking a config must not load DeepSpeed's engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+
+def zero_config_model() -> type:
+    """`DeepSpeedZeroConfig`: the pydantic model of `zero_optimization`."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return DeepSpeedZeroConfig
+
+
+def bf16_config_model() -> type:
+    """`DeepSpeedBF16Config`: the pydantic model of `bf16` / `bfloat16`."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+
+    return DeepSpeedBF16Config
+
+
+def lr_schedules() -> ModuleType:
+    """`deepspeed.runtime.lr_schedules` (VALID_LR_SCHEDULES and the scheduler classes)."""
+    from deepspeed.runtime import lr_schedules as module
+
+    return module
+
+
+def deepspeed_config(ds: dict[str, Any]) -> Any:
+    """`DeepSpeedConfig(ds)`: DeepSpeed's parse of a whole JSON (raises what it raises)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    return DeepSpeedConfig(ds)
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's `partition_uniform` (stage boundaries over `num_items` layers)."""
+    from deepspeed.runtime.utils import partition_uniform as uniform
+
+    return [int(p) for p in uniform(num_items=num_items, num_parts=num_parts)]
+
+
+def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
+    """DeepSpeed's `partition_balanced` (boundaries balancing `weights`; numpy ints made int)."""
+    from deepspeed.runtime.utils import partition_balanced as balanced
+
+    return [int(p) for p in balanced(weights=weights, num_parts=num_parts)]
+
+
+def pipe_topology(pp: int, tp: int, dp: int) -> Any:
+    """DeepSpeed's `PipeModelDataParallelTopology` for the same axes."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+
+
+def unpartitioned_shape(param: Any) -> tuple[int, ...]:
+    """A parameter's shape before ZeRO-3 partitioned it (`ds_shape`; a partitioned parameter's
+    own `.shape` is its flat local shard), else its shape."""
+    return tuple(getattr(param, "ds_shape", param.shape))
