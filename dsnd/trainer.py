@@ -13,17 +13,14 @@ every `checkpoint.every` steps and at the end.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
-import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from dsnd.checkpoint.commit import remove_temporaries
 from dsnd.checkpoint.load import load_checkpoint
@@ -32,35 +29,21 @@ from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.deepspeed_json import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
+from dsnd.data.corpus import Corpus
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.build import zero_stage
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
-from dsnd.metrics import MetricsWriter, TensorBoardWriter
 from dsnd.model.count import layer_table
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
-from dsnd.progress import Progress, RankLogFile
-from dsnd.secrets import mask_config
+from dsnd.progress import RankLogFile
+from dsnd.report import Reporter, step_row
 from dsnd.stop_request import StopRequest
 from dsnd.telemetry import gather_stats, step_numbers, stop_agreed
 
 log = logging.getLogger(__name__)
-
-
-def save_resolved_configs(res: Resolved, log_dir: str) -> None:
-    """config.yaml and deepspeed.json as the user gave them (--set applied, nothing derived), so
-    ``dsnd train --config <log.dir>/config.yaml`` from the same directory reruns the same run;
-    and deepspeed.resolved.json, the dict the engine got, for reading only (its batch keys are
-    derived for this world and its learning rates already scaled by train.lr_scaling)."""
-    os.makedirs(log_dir, exist_ok=True)
-    run = dataclasses.replace(res.run, deepspeed="deepspeed.json")  # beside config.yaml
-    with open(os.path.join(log_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(mask_config(dataclasses.asdict(run)), f, sort_keys=False)
-    for name, ds in (("deepspeed.json", res.ds_user), ("deepspeed.resolved.json", res.ds)):
-        with open(os.path.join(log_dir, name), "w", encoding="utf-8") as f:
-            json.dump(mask_config(ds), f, indent=2)
 
 
 def split_samples(corpus, run) -> tuple[SampleSet, SampleSet | None]:
@@ -134,16 +117,27 @@ def train(
         logfile.close()
 
 
-def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopRequest | None,
-           job_id: str | None) -> list[dict[str, Any]]:  # fmt: skip
+@dataclass
+class _Stage:
+    """What the loop needs, set up once: the stage's runner, the data, where checkpoints go and
+    the step to start at."""
+
+    runner: StageRunner
+    corpus: Corpus
+    samples: SampleSet
+    held_out: SampleSet | None
+    root: str
+    start: int
+
+
+def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
     run = res.run
     torch.manual_seed(run.train.seed)
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
     check_vocab(corpus.vocab_size, res.model.vocab_size, corpus.name)
     samples, held_out = split_samples(corpus, run)
     root = checkpoint_root(run)
-    is_writer = dist.get_rank() == 0
-    if is_writer:
+    if dist.get_rank() == 0:
         for name in remove_temporaries(root):
             log.warning("removed %s/%s, left by a save that did not finish", root, name)
     runner = StageRunner(res, groups, load_hf=resume is None)
@@ -155,87 +149,77 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
              f"{sum(counts[i] for i in engine.module.global_indices):,}",
              f"{sum(counts.values()):,}", zero_stage(engine), res.topology.dp,
              res.topology.tp)  # fmt: skip
-    start = 0
-    if resume is not None:
-        manifest = load_checkpoint(engine, res, resume)
-        start = manifest["step"]
-        if is_writer:
-            log.info("resumed from %s at step %d (saved with pp=%d tp=%d dp=%d, ZeRO-%d)",
-                     resume, start, *(manifest["topology"][k] for k in ("pp", "tp", "dp")),
-                     manifest["zero_stage"])  # fmt: skip
-            if manifest["corpus"]["sha256"] != corpus.fingerprint:
-                log.warning("the corpus differs from the checkpoint's (%s): same positions, "
-                            "different data", manifest["corpus"]["name"])  # fmt: skip
-    writer = MetricsWriter(run.log.dir) if is_writer else None
-    board = None
-    fpt, peak = flops_per_token(res.model, run.model.seq_len), _peak(res, engine)
-    if is_writer:
-        save_resolved_configs(res, run.log.dir)
-        if run.log.tensorboard:
-            text = yaml.safe_dump(mask_config(dataclasses.asdict(res.run)), sort_keys=False)
-            board = TensorBoardWriter(run.log.dir, text)
-        log.info(
-            "training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, batch %s",
-            res.model.describe(), corpus.name, len(samples), res.topology.pp, res.topology.dp,
-            res.topology.tp, zero_stage(engine), res.batch,
-        )  # fmt: skip
-        for note in deepspeed_notes(res.ds):
-            log.warning(note)
-    rows = []
-    progress = Progress(start, run.train.steps, run.log.every) if is_writer else None
+    start = 0 if resume is None else _resume(engine, res, resume, corpus)
+    return _Stage(runner, corpus, samples, held_out, root, start)
+
+
+def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> int:
+    """Load checkpoint `resume` into the engine; the step it was saved at."""
+    manifest = load_checkpoint(engine, res, resume)
+    if dist.get_rank() == 0:
+        log.info("resumed from %s at step %d (saved with pp=%d tp=%d dp=%d, ZeRO-%d)",
+                 resume, manifest["step"], *(manifest["topology"][k] for k in ("pp", "tp", "dp")),
+                 manifest["zero_stage"])  # fmt: skip
+        if manifest["corpus"]["sha256"] != corpus.fingerprint:
+            log.warning("the corpus differs from the checkpoint's (%s): same positions, "
+                        "different data", manifest["corpus"]["name"])  # fmt: skip
+    return manifest["step"]
+
+
+def _log_start(res: Resolved, st: _Stage) -> None:
+    log.info("training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, batch %s",
+             res.model.describe(), st.corpus.name, len(st.samples), res.topology.pp,
+             res.topology.dp, res.topology.tp, zero_stage(st.runner.engine), res.batch)  # fmt: skip
+    for note in deepspeed_notes(res.ds):
+        log.warning(note)
+
+
+def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tuple,
+          stop: StopRequest | None) -> tuple[dict[str, Any], dict[str, Any], bool]:  # fmt: skip
+    """Optimizer step `step` (0-based): its metrics row, its TensorBoard numbers, and whether
+    every rank agreed to stop after it. `flops` is (FLOPs per token, peak FLOP/s)."""
+    run, engine = res.run, st.runner.engine
+    lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
+    t0 = time.perf_counter()
+    micro = batch_for_step(st.samples, run.train.seed, step, res.batch.train, groups.coord.dp,
+                           res.topology.dp, res.batch.micro)  # fmt: skip
+    result = st.runner.run(micro)
+    loss, norm = st.runner.report(result)
+    check_finite(step + 1, loss, norm)
+    elapsed = time.perf_counter() - t0
+    stats = gather_stats(result.times, engine, stop is not None and stop.requested)
+    numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step, res.batch.train,
+                           *flops)  # fmt: skip
+    row = step_row(step + 1, loss, lr, norm, elapsed, res.tokens_per_step, numbers)
+    if st.held_out is not None and (step + 1) % run.eval.every == 0:
+        row["eval_loss"] = _evaluate(st.runner, res, groups, st.held_out)
+        row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))
+    return row, numbers, stop_agreed(stats)
+
+
+def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopRequest | None,
+           job_id: str | None) -> list[dict[str, Any]]:  # fmt: skip
+    run = res.run
+    st = _setup(res, groups, resume)
+    engine = st.runner.engine
+    flops = (flops_per_token(res.model, run.model.seq_len), _peak(res, engine))
+    reporter = Reporter(res, st.start) if dist.get_rank() == 0 else None
+    if reporter:
+        _log_start(res, st)
+    rows: list[dict[str, Any]] = []
     try:
-        for step in range(start, run.train.steps):
-            lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
-            t0 = time.perf_counter()
-            micro = batch_for_step(
-                samples, run.train.seed, step, res.batch.train, groups.coord.dp,
-                res.topology.dp, res.batch.micro,
-            )  # fmt: skip
-            result = runner.run(micro)
-            loss, norm = runner.report(result)
-            check_finite(step + 1, loss, norm)
-            elapsed = time.perf_counter() - t0
-            stats = gather_stats(result.times, engine, stop is not None and stop.requested)
-            numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step,
-                                   res.batch.train, fpt, peak)  # fmt: skip
-            stopping = stop_agreed(stats)
-            row = {
-                "step": step + 1,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": norm,
-                "tokens_per_s": res.tokens_per_step / elapsed,
-                "step_time_s": elapsed,
-                "samples_per_s": numbers["perf/samples_per_s"],
-                "mfu": numbers["perf/mfu"],
-                "pipeline_bubble": numbers["pipeline/bubble_fraction"],
-                # the largest rank's model-state bytes (CPU) or allocated bytes (CUDA)
-                "memory_live_bytes": max(
-                    v for k, v in numbers.items() if k.endswith("_live_bytes")
-                ),  # fmt: skip
-                # per stage, its largest rank: memory_stage<s>_live_bytes / _peak_bytes
-                **{k.replace("/", "_"): v for k, v in numbers.items() if k.startswith("memory/")},
-            }
+        for step in range(st.start, run.train.steps):
+            row, numbers, stopping = _step(res, groups, st, step, flops, stop)
             rows.append(row)
-            if held_out is not None and (step + 1) % run.eval.every == 0:
-                row["eval_loss"] = _evaluate(runner, res, groups, held_out)
-                row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))
-            if writer:
-                writer.write(row)
-            if board:
-                board.write(step + 1, {"train/loss": loss, "train/lr": lr,
-                                       "train/grad_norm": norm, **numbers,
-                                       "eval/loss": row.get("eval_loss"),
-                                       "eval/perplexity": row.get("eval_perplexity")})  # fmt: skip
-            if progress:
-                progress.update(row)
+            if reporter:
+                reporter.write(row, numbers)
             if _should_save(run, step + 1) or stopping:
-                saved = save_checkpoint(engine, res, groups, step + 1, root, corpus, job_id)
+                saved = save_checkpoint(engine, res, groups, step + 1, st.root, st.corpus, job_id)
                 if saved:
                     log.info("checkpoint %s committed", saved)
             if stopping:
                 row["stopped"] = True
-                if is_writer:
+                if reporter:
                     why = (stop and stop.signal_name) or "another rank"
                     log.warning("stopped at step %d on request (%s); relaunch to resume",
                                 step + 1, why)  # fmt: skip
@@ -243,9 +227,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data)
     finally:
-        if writer:
-            writer.close()
-        if board:
-            board.close()
+        if reporter:
+            reporter.close()
         engine.destroy()
     return rows

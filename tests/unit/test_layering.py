@@ -10,8 +10,8 @@ import dsnd
 
 LAYERS = [
     "errors", "engine", "extensions", "secrets", "topology", "tp", "model", "config", "data",
-    "distributed", "flops", "pipeline", "progress", "stop_request", "metrics",
-    "telemetry", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
+    "distributed", "flops", "pipeline", "progress", "stop_request", "metrics", "telemetry",
+    "report", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent
 
