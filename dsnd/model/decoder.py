@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from dsnd.model.family import HFNames, TPPlan
+from dsnd.model.checks import rotary_checks
+from dsnd.model.family import Family, HFNames, TPPlan
 from dsnd.model.parallelize import parallelize
 from dsnd.tp import VocabParallelEmbedding, VocabParallelHead
 from dsnd.tp.context import TensorParallel
@@ -58,10 +59,11 @@ class TokenEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied head: hidden @ embed_tokens.weight.T (this rank's vocabulary slice)."""
-        return _tied_logits(self.embed_tokens, hidden)
+        return embedding_logits(self.embed_tokens, hidden)
 
 
-def _tied_logits(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def embedding_logits(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden @ the embedding's weight.T (this rank's vocabulary slice when it is split)."""
     if isinstance(embedding, VocabParallelEmbedding):
         return embedding.logits(hidden)
     return nn.functional.linear(hidden, embedding.weight)
@@ -161,3 +163,23 @@ ROTARY_NAMES = HFNames(base="model.", blocks="model.layers.", embedding=("embed_
                        final_norm="norm", tied_attr=TokenEmbedding.tied_weight_attr)  # fmt: skip
 """`*ForCausalLM` of Llama-style models: model.embed_tokens, model.layers.<i>, model.norm,
 lm_head."""
+
+
+def rotary_family(name: str, architecture: str, config_class: type[PretrainedConfig],
+                  layer_class: type[nn.Module], norm_class: type[nn.Module],
+                  rotary_class: type[nn.Module]) -> Family:  # fmt: skip
+    """A Llama-style family (`model_type` `name`): token embedding, `transformers`' decoder
+    layer with its own rotary embedding, final RMSNorm `norm`, Megatron's column/row plan,
+    HF names model.embed_tokens / model.layers / model.norm / lm_head, `rotary_checks`."""
+    return Family(
+        name=name,
+        architectures=(architecture,),
+        model_types=(name,),
+        config_class=config_class,
+        embedding=TokenEmbedding,
+        block=rotary_block(layer_class, rotary_class, ROTARY_TP_PLAN),
+        final_norm=final_norm(norm_class, "norm", "rms_norm_eps"),
+        tp_plan=ROTARY_TP_PLAN,
+        names=ROTARY_NAMES,
+        check=rotary_checks,
+    )

@@ -9,7 +9,7 @@ from transformers import GPT2Config, PretrainedConfig
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from dsnd.model.checks import activation, no_dropout
-from dsnd.model.decoder import _tied_logits, final_norm, split, vocab_embedding
+from dsnd.model.decoder import embedding_logits, final_norm, split, vocab_embedding
 from dsnd.model.family import Family, HFNames, TPPlan
 from dsnd.model.parallelize import parallelize
 from dsnd.tp.context import TensorParallel
@@ -46,7 +46,7 @@ class Embedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied head: hidden @ wte.weight.T."""
-        return _tied_logits(self.wte, hidden)
+        return embedding_logits(self.wte, hidden)
 
 
 class Block(GPT2Block):

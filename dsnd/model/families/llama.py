@@ -8,25 +8,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from dsnd.model.checks import rotary_checks
-from dsnd.model.decoder import (
-    ROTARY_NAMES,
-    ROTARY_TP_PLAN,
-    TokenEmbedding,
-    final_norm,
-    rotary_block,
-)
-from dsnd.model.family import Family
+from dsnd.model.decoder import rotary_family
 
-FAMILY = Family(
-    name="llama",
-    architectures=("LlamaForCausalLM",),
-    model_types=("llama",),
-    config_class=LlamaConfig,
-    embedding=TokenEmbedding,
-    block=rotary_block(LlamaDecoderLayer, LlamaRotaryEmbedding, ROTARY_TP_PLAN),
-    final_norm=final_norm(LlamaRMSNorm, "norm", "rms_norm_eps"),
-    tp_plan=ROTARY_TP_PLAN,
-    names=ROTARY_NAMES,
-    check=rotary_checks,
+FAMILY = rotary_family(
+    "llama", "LlamaForCausalLM", LlamaConfig, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 )

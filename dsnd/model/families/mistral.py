@@ -8,25 +8,13 @@ from transformers.models.mistral.modeling_mistral import (
     MistralRotaryEmbedding,
 )
 
-from dsnd.model.checks import rotary_checks
-from dsnd.model.decoder import (
-    ROTARY_NAMES,
-    ROTARY_TP_PLAN,
-    TokenEmbedding,
-    final_norm,
-    rotary_block,
-)
-from dsnd.model.family import Family
+from dsnd.model.decoder import rotary_family
 
-FAMILY = Family(
-    name="mistral",
-    architectures=("MistralForCausalLM",),
-    model_types=("mistral",),
-    config_class=MistralConfig,
-    embedding=TokenEmbedding,
-    block=rotary_block(MistralDecoderLayer, MistralRotaryEmbedding, ROTARY_TP_PLAN),
-    final_norm=final_norm(MistralRMSNorm, "norm", "rms_norm_eps"),
-    tp_plan=ROTARY_TP_PLAN,
-    names=ROTARY_NAMES,
-    check=rotary_checks,
+FAMILY = rotary_family(
+    "mistral",
+    "MistralForCausalLM",
+    MistralConfig,
+    MistralDecoderLayer,
+    MistralRMSNorm,
+    MistralRotaryEmbedding,
 )

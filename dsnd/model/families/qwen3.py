@@ -9,25 +9,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from dsnd.model.checks import rotary_checks
-from dsnd.model.decoder import (
-    ROTARY_NAMES,
-    ROTARY_TP_PLAN,
-    TokenEmbedding,
-    final_norm,
-    rotary_block,
-)
-from dsnd.model.family import Family
+from dsnd.model.decoder import rotary_family
 
-FAMILY = Family(
-    name="qwen3",
-    architectures=("Qwen3ForCausalLM",),
-    model_types=("qwen3",),
-    config_class=Qwen3Config,
-    embedding=TokenEmbedding,
-    block=rotary_block(Qwen3DecoderLayer, Qwen3RotaryEmbedding, ROTARY_TP_PLAN),
-    final_norm=final_norm(Qwen3RMSNorm, "norm", "rms_norm_eps"),
-    tp_plan=ROTARY_TP_PLAN,
-    names=ROTARY_NAMES,
-    check=rotary_checks,
+FAMILY = rotary_family(
+    "qwen3", "Qwen3ForCausalLM", Qwen3Config, Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 )
