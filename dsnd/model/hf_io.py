@@ -57,35 +57,38 @@ def check_init_from(path: str, model: ModelSpec) -> None:
                 f"the run's model ({model.source}) has {mine_math.get(name)!r}"
             )
     files = _weight_files(path)
-    want: dict[str, tuple[int, ...]] = {}
-    for name, shape in full_shapes(model).items():
-        for hf_name in to_hf_names(name, model)[:1]:
-            want[hf_name] = shape
+    shapes = _header_shapes(files)
+    # a tied weight under its first HF name (the embedding's), as save_pretrained writes it
+    want = {to_hf_names(name, model)[0]: shape for name, shape in full_shapes(model).items()}
     for hf_name, shape in want.items():
-        if hf_name not in files:
+        if hf_name not in shapes:  # also a name the index lists in a file that lacks it
             raise UserError(f"{key}={path}: the checkpoint has no {hf_name} (shape {list(shape)})")
-        have = _header_shape(files[hf_name], hf_name)
+        have = shapes[hf_name]
         if have != shape:
             raise UserError(f"{key}={path}: {hf_name} has shape {list(have)} but the model's is "
                             f"{list(shape)}")  # fmt: skip
     for hf_name in sorted(files):
-        if hf_name not in want and from_hf_name_or_none(hf_name, model) is not None:
+        if hf_name not in want and _must_be_the_models(hf_name, model):
             raise UserError(f"{key}={path}: the checkpoint has {hf_name}, which the model has "
                             "not")  # fmt: skip
 
 
-def from_hf_name_or_none(hf_name: str, model: ModelSpec) -> str | None:
-    """The dsnd name of `hf_name`, None for buffers dsnd recomputes or a tied head's copy, and
-    the HF name itself for a tensor the model does not have."""
+def _must_be_the_models(hf_name: str, model: ModelSpec) -> bool:
+    """Whether a checkpoint's tensor `hf_name` has to be one of `model`'s: not for buffers dsnd
+    recomputes (rotary frequencies) nor a tied head's copy, which checkpoints may carry."""
     try:
-        return from_hf_name(hf_name, model)
-    except KeyError:
-        return hf_name
+        return from_hf_name(hf_name, model) is not None
+    except KeyError:  # not a tensor of this family at all
+        return True
 
 
-def _header_shape(file: str, hf_name: str) -> tuple[int, ...]:
-    with safe_open(file, framework="pt") as f:
-        return tuple(f.get_slice(hf_name).get_shape())
+def _header_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the headers (each safetensors file opened once)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as f:
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    return shapes
 
 
 def _weight_files(path: str) -> dict[str, str]:
