@@ -102,7 +102,7 @@ class Topology:
             for d in range(self.dp)
         ]
 
-    def to_deepspeed(self):  # -> deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology
+    def to_deepspeed(self):  # -> DeepSpeed's PipeModelDataParallelTopology
         """The equivalent DeepSpeed topology object (imports DeepSpeed lazily)."""
         from dsnd.engine.deepspeed_api import pipe_topology
 

@@ -7,8 +7,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dsnd.flops import flops_per_token, matmul_params, peak_flops
+from dsnd.flops import flops_per_token, peak_flops
 from dsnd.model import build_model, lm_loss
+from dsnd.model.count import matmul_params
 from tests.models import spec_of
 
 
