@@ -8,15 +8,15 @@ from __future__ import annotations
 import io
 import os
 from contextlib import redirect_stdout
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from dsnd.cli import main
 from dsnd.commands.generate import generate, load_checkpoint_model
 from tests.distributed.parity import run_cases
-from tests.models import spec_of
+from tests.models import random_hf_model, spec_of
 
 PRESETS = ("gpt2", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b")
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, ffn_size=96, vocab_size=320)
@@ -24,16 +24,10 @@ LR0 = ("ds.optimizer.params.lr=0", "ds.scheduler.params.warmup_min_lr=0",
        "ds.scheduler.params.warmup_max_lr=0")  # fmt: skip
 
 
-def _user_dir(preset: str, path) -> AutoModelForCausalLM:
+def _user_dir(preset: str, path) -> Any:
     shape = dict(SHAPE) | ({} if preset == "gpt2" else {"num_kv_heads": 2})
-    spec = spec_of(preset, **shape)
-    torch.manual_seed(3)
-    hf = AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in hf.parameters():  # norms and biases away from 1 and 0
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    hf.eval().save_pretrained(path)
+    hf = random_hf_model(spec_of(preset, **shape))
+    hf.save_pretrained(path)
     (path / "tokenizer_config.json").write_text('{"marker": "' + preset + '"}')
     return hf
 

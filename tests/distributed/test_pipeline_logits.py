@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tests.distributed.logits_worker import IDS
-from tests.models import spec_of
+from tests.models import random_hf_model, spec_of
 from tests.procs import run_ranks
 
 PRESETS = ("gpt2", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b")
@@ -21,13 +20,8 @@ def _user_dir(preset: str, path) -> torch.Tensor:
     """Save a random-weight reduced `preset` at `path`; its logits for IDS."""
     shape = dict(hidden_size=64, num_layers=4, num_heads=4, ffn_size=96, vocab_size=320)
     spec = spec_of(preset, **shape, **({} if preset == "gpt2" else {"num_kv_heads": 2}))
-    torch.manual_seed(3)
-    hf = AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in hf.parameters():  # norms and biases away from 1 and 0
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    hf.eval().save_pretrained(path)
+    hf = random_hf_model(spec)
+    hf.save_pretrained(path)
     with torch.no_grad():
         return hf(input_ids=IDS).logits
 

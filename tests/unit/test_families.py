@@ -18,7 +18,7 @@ from dsnd.model import build_model, from_hf_state_dict
 from dsnd.model.count import layer_table
 from dsnd.model.hf_io import check_init_from, load_hf_stage, write_hf_dir
 from dsnd.model.spec import PRESET_DIR, check_model, load_model, presets
-from tests.models import spec_of
+from tests.models import random_hf_model, spec_of
 
 torch.set_num_threads(1)
 
@@ -44,15 +44,6 @@ def reduced(name: str) -> dict:
     return shape
 
 
-def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
-    """Norm gains and biases away from 1 and 0, so a misplaced one shows in the logits."""
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
-
-
 def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -60,8 +51,7 @@ def _ids(vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", presets())
 def test_preset_at_reduced_width_is_the_transformers_model(name, tmp_path):
     spec = spec_of(name, **reduced(name))
-    torch.manual_seed(0)
-    hf = _perturbed(AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32))
+    hf = random_hf_model(spec)
     hf.save_pretrained(tmp_path / "user")  # random weights, as a user's directory
     user = str(tmp_path / "user")
 
@@ -114,8 +104,7 @@ def test_rope_scaling_in_the_4x_form_is_honoured(scaling, tmp_path):
     spec = load_model(str(tmp_path), "model.config")
     assert spec.config.rope_parameters["rope_type"] == scaling["rope_type"]
     assert spec.config.rope_parameters["rope_theta"] == 50000.0
-    torch.manual_seed(0)
-    hf = _perturbed(AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32))
+    hf = random_hf_model(spec)
     stack = build_model(spec, seed=1).eval()
     stack.load_state_dict(from_hf_state_dict(hf.state_dict(), spec), strict=True)
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
