@@ -11,8 +11,6 @@ keep. Values come later (`dsnd.model.specs.init_layer`, or a checkpoint).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -23,12 +21,10 @@ from dsnd.tp.context import TensorParallel
 from dsnd.tp.layers import divide
 
 
-def _parent(root: nn.Module, path: str) -> tuple[Any, str]:
-    *parents, leaf = path.split(".")
-    obj: Any = root
-    for name in parents:
-        obj = getattr(obj, name)
-    return obj, leaf
+def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """(the submodule holding `path`'s last part, that part): "attn.c_attn" -> (attn, "c_attn")."""
+    owner, _, leaf = path.rpartition(".")
+    return root.get_submodule(owner), leaf
 
 
 def _features(linear: nn.Module) -> tuple[int, int, bool, bool]:
@@ -75,16 +71,11 @@ def parallelize(block: nn.Module, plan: TPPlan, tp: TensorParallel) -> None:
         region = block.get_submodule(path)
         region.register_forward_pre_hook(_entry_hook(tp), with_kwargs=True)
         inside |= {id(p) for p in region.parameters()}
+    # a row layer's bias is added after g, so it is outside the region like a norm
+    inside -= {id(block.get_submodule(path).bias) for path in plan.row}
     for param in block.parameters():
-        if getattr(param, "tensor_model_parallel", False):
-            continue
-        # a row layer's bias is added after g, so it is outside the region like a norm
-        in_region = id(param) in inside and not _is_row_bias(block, plan, param)
-        param.partial_grad = sp or in_region
-
-
-def _is_row_bias(block: nn.Module, plan: TPPlan, param: nn.Parameter) -> bool:
-    return any(block.get_submodule(path).bias is param for path in plan.row)
+        if not getattr(param, "tensor_model_parallel", False):
+            param.partial_grad = sp or id(param) in inside
 
 
 @torch.no_grad()
