@@ -14,10 +14,19 @@ the rank that failed first, and a restart is not wasted on a run that would fail
     4  a peer failed first (a collective lost its connection or timed out)
 """
 
+import difflib
+from collections.abc import Iterable
+
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_PEER_FAILED = 4
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest option, or an empty string."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 class UserError(Exception):

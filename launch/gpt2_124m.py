@@ -28,7 +28,7 @@ def stage_parameters() -> list[int]:
     from dsnd.model.count import layer_table
     from dsnd.model.spec import load_model
     from dsnd.model.specs import layer_specs
-    from dsnd.pipeline.partition import partition, stage_layers
+    from dsnd.plan.partition import partition, stage_layers
 
     model = load_model("gpt2", "preset")
     counts = {i: n for i, _, n in layer_table(model)}

@@ -1,15 +1,27 @@
-"""Rank program of ``dsnd bench pipeline``; run by every rank of a 2-rank gloo world::
+"""Rank program of ``dsnd bench pipeline``; run by every rank of a gloo world::
 
     python -m dsnd.bench.pipeline_rank OUT.json [--steps N] [--warmup W] [--micro-batches M]
+                                                [--phase pipeline|pp4]
 
-Phase 1, pp=2 x dp=1: dsnd's `StageRunner` (exactly what the trainer runs each step) and
-DeepSpeed's `PipelineEngine` with ZeRO-1 are built side by
-side in these processes from the same layer specs, initial weights, DeepSpeed dict and partition
-method, and take turns on the same global batches (`batch_for_step`): repetition r runs step r on
-both, in alternating order, each timed from a common barrier to its end on every rank.
-Phase 2, pp=1 x dp=2: a ZeRO-1 and then a ZeRO-3 engine; after one full step (Adam's state
-exists) and one more micro-batch backward (gradients accumulating), the model-state bytes each
-holds on each rank.
+Phase ``pipeline`` (2 ranks):
+
+1. pp=2 x dp=1: dsnd's `StageRunner` (exactly what the trainer runs each step) and DeepSpeed's
+   `PipelineEngine` with ZeRO-1 are built side by side in these processes from the same layer
+   specs, initial weights, DeepSpeed dict and partition method, and take turns on the same
+   global batches (`batch_for_step`): repetition r runs step r on both, in alternating order,
+   each timed from a common barrier to its end on every rank.
+2. pp=2 x dp=1, schedules: one `StageRunner` per schedule (1F1B, interleaved 1F1B with v=2,
+   ZB-H1), built from the same config but for ``parallel.schedule`` (and
+   ``parallel.virtual_stages``), take turns in the same way, in rotating order; each step
+   records its stage time, receive waits, optimizer time and seconds per compute instruction
+   kind (`StepResult.op_seconds`), and the plan's programs are kept so that
+   `dsnd.bench.results` can replay them at the measured costs.
+3. pp=1 x dp=2: a ZeRO-1 and then a ZeRO-3 engine; after one full step (Adam's state exists)
+   and one more micro-batch backward (gradients accumulating), the model-state bytes each
+   holds on each rank.
+
+Phase ``pp4`` (4 ranks): step 2 alone at pp=4, on a model with 8 transformer blocks (interleaving
+needs 8 virtual stages of at least one layer each).
 
 Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.results` turns them into rows.
 """
@@ -22,13 +34,13 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsnd.bench.results import WORLD
+from dsnd.bench.results import BASELINE, PP4_WORLD, WORLD
 from dsnd.config.load import default_config_path, load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step, load_corpus
@@ -37,11 +49,15 @@ from dsnd.distributed.init import init_world, shutdown, world_info
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
-from dsnd.pipeline.partition import layer_param_counts
 from dsnd.pipeline.runner import StageRunner
 from dsnd.pipeline.stage import build_stage
+from dsnd.plan.partition import layer_param_counts
+from dsnd.plan.schedule import MULTI_CHUNK, REDUCE, Instr
 
 PIPE_SETS = ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.partition=parameters")
+SCHEDULES = {BASELINE: (), "interleaved-1f1b": ("parallel.virtual_stages=2",), "zb-h1": ()}
+"""The schedules compared, each with its extra settings; 1F1B (the baseline) first."""
+PP4_MODEL = ("model.num_layers=8",)  # 11 pipeline layers: enough for pp=4 x v=2 virtual stages
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -49,18 +65,35 @@ def _ds_json(stage: int) -> str:
     return os.path.join(os.path.dirname(default_config_path()), f"zero{stage}.json")
 
 
-def configs(world: int, micro_batches: int) -> dict[str, Resolved]:
-    """The three resolved runs: the pipeline layout and the two ZeRO layouts (pp=1)."""
-    pipe = [
+def _pipe_sets(micro_batches: int) -> list[str]:
+    return [
         f"deepspeed={_ds_json(1)}",
         *PIPE_SETS,
         "ds.train_batch_size=null",  # micro (from the JSON) x gas x dp
         f"ds.gradient_accumulation_steps={micro_batches}",
     ]
+
+
+def configs(world: int, micro_batches: int) -> dict[str, Resolved]:
+    """The three resolved runs: the pipeline layout and the two ZeRO layouts (pp=1)."""
     return {
-        "pipe": resolve(load(None, pipe), world),
+        "pipe": resolve(load(None, _pipe_sets(micro_batches)), world),
         "zero1": resolve(load(None, [f"deepspeed={_ds_json(1)}"]), world),
         "zero3": resolve(load(None, [f"deepspeed={_ds_json(3)}"]), world),
+    }
+
+
+def schedule_configs(
+    world: int, pp: int, micro_batches: int, extra: tuple[str, ...] = ()
+) -> dict[str, Resolved]:
+    """One resolved run per schedule of `SCHEDULES`, identical (model, ZeRO-1 JSON, partition,
+    batch) but for the schedule's own keys. Interleaving is left out when the micro-batches are
+    not a multiple of `pp` (it needs whole rounds of pp micro-batches)."""
+    base = [*_pipe_sets(micro_batches), f"parallel.pp={pp}", *extra]
+    return {
+        name: resolve(load(None, [*base, f"parallel.schedule={name}", *sets]), world)
+        for name, sets in SCHEDULES.items()
+        if name not in MULTI_CHUNK or micro_batches % pp == 0
     }
 
 
@@ -89,18 +122,33 @@ class DsndPipeline:
         self.runner = StageRunner(self.res, self.groups)
         self.engine = self.runner.engine
         self.links = self.runner.links
+        self._reduce_at = 0.0
+        table = self.runner.executor.table
+        reduce = table[REDUCE]
 
-    def step(self, micro: Batches) -> dict[str, float]:
-        """One optimizer step: the stage's own time (`stage_s`), its receive waits, and the time
-        until every stage knows the loss (`step_s`, like DeepSpeed's train_batch)."""
+        def clocked_reduce(x: Instr, state: Any) -> None:
+            self._reduce_at = time.perf_counter()
+            reduce(x, state)
+
+        table[REDUCE] = clocked_reduce  # notes when the pipelined part of a step ends
+
+    def step(self, micro: Batches) -> dict[str, Any]:
+        """One optimizer step: the stage's own time (`stage_s`); its pipelined part (`pipe_s`:
+        to the start of the gradient reduction, after every compute instruction, message and
+        tied exchange); its receive waits (`wait_s`), optimizer step (`optimizer_s`), seconds
+        per phase (`times`) and per compute instruction kind (`ops`); and the time until every
+        stage knows the loss (`step_s`, like DeepSpeed's train_batch)."""
         dist.barrier()
         start = time.perf_counter()
         result = self.runner.run(micro)
         stage_s = time.perf_counter() - start
         loss, _ = self.runner.report(result)
         step_s = time.perf_counter() - start
+        times = result.times
         return {"stage_s": stage_s, "step_s": step_s, "loss": loss,
-                "wait_s": result.times["pipeline_wait"]}  # fmt: skip
+                "pipe_s": self._reduce_at - start, "wait_s": times["pipeline_wait"],
+                "optimizer_s": times["optimizer"], "times": dict(times),
+                "ops": dict(result.op_seconds)}  # fmt: skip
 
 
 def deepspeed_pipeline(res: Resolved):
@@ -162,6 +210,66 @@ def bench_pipeline(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any
     return records
 
 
+def bench_schedules(runs: dict[str, Resolved], steps: int, warmup: int) -> list[dict[str, Any]]:
+    """This rank's records of `steps` timed repetitions (after `warmup` untimed ones) of every
+    schedule in `runs`, one `StageRunner` each, all in these processes: repetition r runs step
+    r's batches on each, starting from schedule r mod k, each timed from a common barrier."""
+    first = next(iter(runs.values()))
+    groups = build_groups(first.topology)
+    samples = _samples(first)
+    pipelines: dict[str, DsndPipeline] = {}
+    records = []
+    try:
+        for name, res in runs.items():
+            pipelines[name] = DsndPipeline(res, groups)
+        names = list(pipelines)
+        for rep in range(warmup + steps):
+            micro = _batches(first, samples, groups, rep)
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            results = {name: pipelines[name].step(micro) for name in order}
+            records.append({"rep": rep, "timed": rep >= warmup, "order": order, "runs": results})
+    finally:
+        for pipeline in pipelines.values():
+            pipeline.engine.destroy()
+    return records
+
+
+def plan_record(res: Resolved) -> dict[str, Any]:
+    """What `dsnd.bench.results` needs to replay a run's schedule: its programs as
+    (op, micro, chunk) triples and its stages' roles."""
+    plan = res.plan
+    return {
+        "virtual_stages": plan.chunks,
+        "programs": [[[x.op, x.micro, x.chunk] for x in program] for program in plan.programs],
+        "roles": [asdict(plan.role(s)) for s in range(plan.pp)],
+    }
+
+
+def schedule_section(runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]],
+                     warmup: int) -> dict[str, Any]:  # fmt: skip
+    """The raw JSON of a schedule phase: layout, each schedule's plan, merged repetitions."""
+    base = runs[BASELINE]
+    reps = []
+    for records in zip(*per_rank, strict=True):
+        rep = {k: records[0][k] for k in ("rep", "timed", "order")}
+        rep["runs"] = {name: _per_rank([r["runs"][name] for r in records]) for name in runs}
+        reps.append(rep)
+    return {
+        "layout": {
+            "pp": base.topology.pp,
+            "micro_batches": base.batch.gas,
+            "tokens_per_step": base.tokens_per_step,
+            "warmup": warmup,
+            "ranks": len(per_rank),
+            "cores": os.cpu_count(),
+            "model": base.model.source,
+            "layers": base.model.num_layers,
+        },  # fmt: skip
+        "plans": {name: plan_record(res) for name, res in runs.items()},
+        "reps": reps,
+    }
+
+
 def zero_state(res: Resolved) -> dict[str, int]:
     """Model-state bytes on this rank of a pp=1 engine, with gradients accumulating and Adam's
     state created (one full step done, then one micro-batch of the next)."""
@@ -186,17 +294,91 @@ def zero_state(res: Resolved) -> dict[str, int]:
     return counted
 
 
+def _per_rank(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's records of every rank as per-rank lists, but one loss (every rank has the
+    last stage's)."""
+    out = {k: [r[k] for r in records] for k in records[0] if k != "loss"}
+    out["loss"] = records[-1]["loss"]
+    return out
+
+
 def _merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One record per repetition with per-rank lists: {"dsnd": {"step_s": [r0, r1], ...}}."""
     reps = []
     for records in zip(*per_rank, strict=True):
         rep = {k: records[0][k] for k in ("rep", "timed", "order")}
         for side in ("dsnd", "deepspeed"):
-            keys = records[0][side]
-            rep[side] = {k: [r[side][k] for r in records] for k in keys if k != "loss"}
-            rep[side]["loss"] = records[-1][side]["loss"]  # every rank has the last stage's
+            rep[side] = _per_rank([r[side] for r in records])
         reps.append(rep)
     return reps
+
+
+def pipeline_configs(world: int, micro_batches: int) -> dict[str, Any]:
+    return {**configs(world, micro_batches), "schedules": schedule_configs(world, 2, micro_batches)}
+
+
+def pipeline_phase(
+    res: dict[str, Any], rank: int, args: argparse.Namespace
+) -> dict[str, Any] | None:
+    """Phase ``pipeline``: steps 1-3 of the module docstring; the raw JSON on rank 0."""
+    runs, world = res["schedules"], res["pipe"].topology.world_size
+    try:
+        records = bench_pipeline(res["pipe"], args.steps, args.warmup)
+        schedules = bench_schedules(runs, args.steps, args.warmup)
+        zero = {"1": zero_state(res["zero1"]), "3": zero_state(res["zero3"])}
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, {"records": records, "schedules": schedules,
+                                          "zero": zero})  # fmt: skip
+    finally:
+        shutdown()
+    if rank != 0:
+        return None
+    pipe = res["pipe"]
+    return {
+        "layout": {
+            "pp": pipe.topology.pp,
+            "dp": pipe.topology.dp,
+            "micro": pipe.batch.micro,
+            "gas": pipe.batch.gas,
+            "seq_len": pipe.run.model.seq_len,
+            "preset": pipe.run.model.preset or pipe.model.source,
+            "partition": pipe.run.parallel.partition,
+            "tokens_per_step": pipe.tokens_per_step,
+            "warmup": args.warmup,
+        },
+        "reps": _merge([g["records"] for g in gathered]),
+        "schedules": schedule_section(runs, [g["schedules"] for g in gathered], args.warmup),
+        "zero": {
+            "psi": sum(layer_param_counts(layer_specs(res["zero1"].model))),
+            "nd": res["zero1"].topology.dp,
+            **{stage: [g["zero"][stage] for g in gathered] for stage in ("1", "3")},
+        },
+    }
+
+
+def pp4_configs(world: int, micro_batches: int) -> dict[str, Resolved]:
+    return schedule_configs(world, 4, micro_batches, PP4_MODEL)
+
+
+def pp4_phase(
+    runs: dict[str, Resolved], rank: int, args: argparse.Namespace
+) -> dict[str, Any] | None:
+    """Phase ``pp4``: the schedules at pp=4; the raw JSON of their section on rank 0."""
+    world = runs[BASELINE].topology.world_size
+    try:
+        records = bench_schedules(runs, args.steps, args.warmup)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, records)
+    finally:
+        shutdown()
+    return schedule_section(runs, gathered, args.warmup) if rank == 0 else None
+
+
+PHASES = {
+    "pipeline": (WORLD, pipeline_configs, pipeline_phase),
+    "pp4": (PP4_WORLD, pp4_configs, pp4_phase),
+}
+"""Each phase's ranks, its resolved runs, and what it runs on them."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,46 +387,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--phase", choices=tuple(PHASES), default="pipeline")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     info = world_info(dict(os.environ))
     logging.basicConfig(level=logging.WARNING, format=f"[r{info.rank}] %(levelname)s %(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    if info.world_size != WORLD:
-        raise SystemExit(f"dsnd bench pipeline runs on {WORLD} ranks, got {info.world_size}")
-    res = configs(info.world_size, args.micro_batches)
+    world, resolve_runs, phase = PHASES[args.phase]
+    if info.world_size != world:
+        raise SystemExit(f"dsnd bench pipeline's {args.phase} phase runs on {world} ranks, got "
+                         f"{info.world_size}")  # fmt: skip
+    runs = resolve_runs(world, args.micro_batches)  # before the world: DeepSpeed's checks see it
     init_world(info, timeout_s=300)
-    try:
-        records = bench_pipeline(res["pipe"], args.steps, args.warmup)
-        zero = {"1": zero_state(res["zero1"]), "3": zero_state(res["zero3"])}
-        gathered: list[Any] = [None] * info.world_size
-        dist.all_gather_object(gathered, {"records": records, "zero": zero})
-    finally:
-        shutdown()
-    if info.rank != 0:
-        return
-    pipe = res["pipe"]
-    raw = {
-        "layout": {
-            "pp": pipe.topology.pp,
-            "dp": pipe.topology.dp,
-            "micro": pipe.batch.micro,
-            "gas": pipe.batch.gas,
-            "seq_len": pipe.run.model.seq_len,
-            "preset": pipe.run.model.preset,
-            "partition": pipe.run.parallel.partition,
-            "tokens_per_step": pipe.tokens_per_step,
-            "warmup": args.warmup,
-        },
-        "reps": _merge([g["records"] for g in gathered]),
-        "zero": {
-            "psi": sum(layer_param_counts(layer_specs(res["zero1"].model))),
-            "nd": res["zero1"].topology.dp,
-            **{stage: [g["zero"][stage] for g in gathered] for stage in ("1", "3")},
-        },
-    }
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(raw, f)
+    raw = phase(runs, info.rank, args)
+    if info.rank == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(raw, f)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsnd.plan.schedule import COMPUTE, Instr, StageRole, bubble, timeline
+
 BENCH = "pipeline"
 WORLD = 2  # ranks: pp=2 x dp=1 for the pipeline, pp=1 x dp=2 for ZeRO
+PP4_WORLD = 4  # ranks of the pp=4 schedule phase (4 ranks share this machine's cores)
 
 
 def median(values: Iterable[float]) -> float:
@@ -340,6 +343,194 @@ def zero_rows(raw: Mapping[str, Any]) -> list[Row]:
     return rows
 
 
+# --- schedules against dsnd's 1F1B -----------------------------------------------------------
+
+BASELINE = "1f1b"
+# at m >= 2p the schedule's prediction at this machine's own F/B/I/W costs should hold to 15%:
+# what is left is messages and Python between instructions, which the prediction counts as free
+SCHEDULE_BUBBLE_TARGET = Target.at_most(1.15)
+SCHEDULE_THROUGHPUT_TARGET = Target.at_least(1.0)
+UNIT_DIVISOR = {"1f1b": "1", "gpipe": "1", "interleaved-1f1b": "v", "zb-h1": "3"}
+
+
+def unit_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The bubble at unit costs (F = I = W = 1, B = 2; free messages), as `bubble()` computes
+    it: (p-1)/m for 1F1B and GPipe, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1."""
+    divisor = {"1": 1, "v": v, "3": 3}[UNIT_DIVISOR[schedule]]
+    return (p - 1) / (divisor * m)
+
+
+def measured_bubble(
+    stage_s: Sequence[float], wait_s: Sequence[float], optimizer_s: Sequence[float]
+) -> float:
+    """The bubble of one measured step, defined as `bubble()` defines it on a timeline:
+    (makespan - busy) / busy of the busiest stage.
+
+    Stage s ran `stage_s[s]` seconds from a common barrier, `wait_s[s]` of them blocked in
+    receives (`pipeline_wait`) and `optimizer_s[s]` in the optimizer step. The step is left
+    out: the timeline ends at the last compute instruction, and a stage whose pipeline work
+    ends first waits for the others inside the step's collectives (the gradient norm), which
+    would count its drain as busy time. So stage s spans ``stage_s - optimizer_s`` and is busy
+    (computing, sending, reducing) for that span less its receive waits; makespan = the longest
+    span, busy = the largest busy time. With the stages' ends aligned this is the busiest
+    stage's ``pipeline_wait / (stage time - pipeline_wait)``.
+    """
+    if not len(stage_s) == len(wait_s) == len(optimizer_s) or not stage_s:
+        raise ValueError("need one stage time, wait and optimizer time per stage")
+    spans = [t - o for t, o in zip(stage_s, optimizer_s, strict=True)]
+    busy = max(span - w for span, w in zip(spans, wait_s, strict=True))
+    if busy <= 0:
+        raise ValueError(f"busy time must be > 0, got {busy}")
+    return (max(spans) - busy) / busy
+
+
+def plan_programs(plan: Mapping[str, Any]) -> tuple[list[list[Instr]], list[StageRole]]:
+    """The stages' programs and roles as the rank program recorded them (op, micro, chunk)."""
+    programs = [[Instr(*x) for x in program] for program in plan["programs"]]
+    return programs, [StageRole(**role) for role in plan["roles"]]
+
+
+def op_counts(program: Sequence[Instr]) -> dict[str, int]:
+    """How many instructions of each compute kind a program runs."""
+    counts: dict[str, int] = {}
+    for x in program:
+        if x.op in COMPUTE:
+            counts[x.op] = counts.get(x.op, 0) + 1
+    return counts
+
+
+def op_costs(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Measured seconds of one compute instruction (of one chunk) per kind F/B/I/W: per
+    repetition, each stage's `op_seconds[op]` / its count of `op` instructions, the mean over
+    the stages that run `op`; then the median over the repetitions `runs`."""
+    counts = [op_counts(program) for program in plan_programs(plan)[0]]
+    kinds = sorted({op for c in counts for op in c}, key=COMPUTE.index)
+    cost = {}
+    for op in kinds:
+        per_rep = []
+        for run in runs:
+            per_stage = [ops.get(op, 0.0) / c[op] for ops, c in zip(run["ops"], counts, strict=True)
+                         if op in c]  # fmt: skip
+            per_rep.append(sum(per_stage) / len(per_stage))
+        cost[op] = median(per_rep)
+    return cost
+
+
+def predicted_bubble(plan: Mapping[str, Any], cost: Mapping[str, float]) -> float:
+    """The schedule's own prediction: `bubble(timeline(programs, roles, cost))`, every stage
+    computing at `cost` seconds per instruction, messages free."""
+    programs, roles = plan_programs(plan)
+    return bubble(timeline(programs, roles, dict(cost)))
+
+
+def compute_seconds(run: Mapping[str, Any]) -> float:
+    """Seconds of F/B/I/W compute in one step, summed over its stages."""
+    return sum(sum(ops.values()) for ops in run["ops"])
+
+
+def _ms(cost: Mapping[str, float]) -> str:
+    return ", ".join(f"{op} {seconds * 1e3:.2f} ms" for op, seconds in cost.items())
+
+
+def _bubble_rows(
+    name: str, prefix: str, layout: Mapping[str, Any], plan: Mapping[str, Any],
+    runs: Sequence[Mapping[str, Any]], target: Target | None, why: str,
+) -> list[Row]:  # fmt: skip
+    p, m, v = layout["pp"], layout["micro_batches"], plan["virtual_stages"]
+    measured = median(measured_bubble(r["stage_s"], r["wait_s"], r["optimizer_s"]) for r in runs)
+    cost = op_costs(plan, runs)
+    theory = predicted_bubble(plan, cost)
+    divisor = UNIT_DIVISOR[name]
+    unit_text = f"(p-1)/({divisor}m)" if divisor != "1" else "(p-1)/m"
+    shape = f"p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+    return [
+        Row(
+            f"{prefix}{name}_bubble_ratio",
+            measured / theory,
+            target,
+            f"measured bubble of {name} at {shape} "
+            "((makespan - busy) / busy of the busiest stage, receive waits as idle, the "
+            f"optimizer step left out; median of {len(runs)} repetitions) / the schedule's "
+            "timeline at this machine's measured per-instruction costs "
+            f"({_ms(cost)}; median over repetitions of the mean over stages), messages "
+            f"free{why}",
+        ),
+        Row(f"{prefix}{name}_bubble_measured", measured),
+        Row(f"{prefix}{name}_bubble_theory", theory),
+        Row(
+            f"{prefix}{name}_bubble_theory_unit",
+            unit_bubble(name, p, m, v),
+            note=f"{unit_text} at {shape}: the timeline at F = I = W = 1, B = 2",
+        ),  # fmt: skip
+    ]
+
+
+def _versus_baseline_rows(
+    name: str, layout: Mapping[str, Any], reps: Sequence[Mapping[str, Any]],
+    first: Mapping[str, Any],
+) -> list[Row]:  # fmt: skip
+    """Throughput, compute and first-step loss of schedule `name` against 1F1B's."""
+    ours = [max(rep["runs"][name]["step_s"]) for rep in reps]
+    base = [max(rep["runs"][BASELINE]["step_s"]) for rep in reps]
+    compute = median(compute_seconds(rep["runs"][name]) / compute_seconds(rep["runs"][BASELINE])
+                     for rep in reps)  # fmt: skip
+    tokens = layout["tokens_per_step"]
+    loss, base_loss = first["runs"][name]["loss"], first["runs"][BASELINE]["loss"]
+    return [
+        Row(
+            f"{name}_throughput_vs_1f1b",
+            median(b / o for b, o in zip(base, ours, strict=True)),
+            SCHEDULE_THROUGHPUT_TARGET,
+            f"tokens/s of {name} ({tokens / median(ours):.0f}) / dsnd 1F1B's "
+            f"({tokens / median(base):.0f}), same model, weights, samples and ZeRO-1 JSON, "
+            f"pp={layout['pp']}, m={layout['micro_batches']} on {layout['ranks']} ranks; median "
+            f"of {len(reps)} paired repetitions in rotating order after {layout['warmup']} "
+            "warm-up",
+        ),
+        Row(
+            f"{name}_compute_vs_1f1b",
+            compute,
+            note="F/B/I/W seconds per step summed over stages / 1F1B's (median of paired "
+            "repetitions): above 1, the schedule's instructions cost more than 1F1B's for the "
+            "same work (smaller or split ops), which its smaller bubble has to pay for",
+        ),
+        Row(
+            f"{name}_first_step_loss_rel_diff",
+            abs(loss - base_loss) / abs(base_loss),
+            Target.at_most(LOSS_TOLERANCE),
+            f"same weights and samples: first-step loss {loss:.6f} vs 1F1B's {base_loss:.6f}",
+        ),
+    ]
+
+
+def schedule_rows(section: Mapping[str, Any], prefix: str = "", compare: bool = True) -> list[Row]:
+    """Rows of one schedule phase (`raw["schedules"]`, or `raw["pp4"]` with prefix "pp4_").
+
+    With `compare`, every schedule's throughput, compute and first-step loss against 1F1B and a
+    bubble target; without (ranks sharing cores, where a rank's compute slows whenever more
+    ranks run than there are cores), the bubbles only, for context.
+    """
+    reps, layout = timed(section), section["layout"]
+    p, m = layout["pp"], layout["micro_batches"]
+    target = SCHEDULE_BUBBLE_TARGET if compare and m >= 2 * p else None
+    why = "" if compare else (
+        f"; {layout['ranks']} ranks share {layout.get('cores', '?')} cores here, so no target"
+    )  # fmt: skip
+    rows = []
+    for name, plan in section["plans"].items():
+        if compare and name != BASELINE:
+            rows += _versus_baseline_rows(name, layout, reps, section["reps"][0])
+        runs = [rep["runs"][name] for rep in reps]
+        rows += _bubble_rows(name, prefix, layout, plan, runs, target, why)
+    return rows
+
+
 def pipeline_rows(raw: Mapping[str, Any]) -> list[Row]:
-    """Every row of ``dsnd bench pipeline`` from the rank program's raw JSON."""
-    return [*throughput_rows(raw), *bubble_rows(raw), *zero_rows(raw)]
+    """Every row of ``dsnd bench pipeline`` from the rank programs' raw JSON (the schedule
+    phases' rows where their sections are present)."""
+    rows = [*throughput_rows(raw), *bubble_rows(raw)]
+    if "schedules" in raw:
+        rows += schedule_rows(raw["schedules"])
+    if "pp4" in raw:
+        rows += schedule_rows(raw["pp4"], prefix="pp4_", compare=False)
+    return rows + zero_rows(raw)

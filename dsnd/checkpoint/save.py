@@ -31,7 +31,6 @@ from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.state import full_state, optim_keys, optimizer_step
 from dsnd.errors import Diverged
 from dsnd.model.specs import layer_of
-from dsnd.pipeline.stage import stage_parts
 from dsnd.secrets import mask_config
 
 # the dtype names safetensors writes in its header (the manifest records what it wrote)
@@ -74,7 +73,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
             "world_size": res.topology.world_size,
         },  # fmt: skip
         "zero_stage": engine.zero_optimization_stage(),
-        "parts": stage_parts(res),
+        "parts": list(res.plan.parts),
         "model": res.model.manifest(),
         "versions": {
             "dsnd": __version__,

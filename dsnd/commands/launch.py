@@ -45,7 +45,7 @@ from dsnd.launch.local_ranks import free_port
 from dsnd.launch.protocol import AgentSpec
 from dsnd.launch.rank_table import format_rank_table, rank_rows
 from dsnd.launch.supervisor import AgentLaunch, supervise
-from dsnd.pipeline.stage import check_stages
+from dsnd.plan.plan import Plan, plan_json
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_PORT = 29500
@@ -265,18 +265,23 @@ def with_restarts(attempt: Callable[[list[str]], tuple[str | None, bool]], sets:
 
 
 def _print_plan(command: list[str], rows: list[dict], as_json: bool,
-                agents: list[dict] | None = None) -> int:  # fmt: skip
-    """--dry-run: the command every rank (or the launcher) runs, each dsnd agent's command, and
-    the rank table; as one JSON object with --json."""
+                agents: list[dict] | None = None, plan: Plan | None = None) -> int:  # fmt: skip
+    """--dry-run: the command every rank (or the launcher) runs, each dsnd agent's command, the
+    rank table and the run's plan (stages, schedule, a timeline per stage); as one JSON object
+    with --json."""
     if as_json:
-        plan = {"command": command, **({"agents": agents} if agents is not None else {}),
-                "world_size": len(rows), "ranks": rows}  # fmt: skip
-        print(json.dumps(plan, indent=2))
+        out = {"command": command, **({"agents": agents} if agents is not None else {}),
+               "world_size": len(rows), "ranks": rows}  # fmt: skip
+        if plan is not None:
+            out["plan"] = plan_json(plan)
+        print(json.dumps(out, indent=2))
         return 0
     print(shlex.join(command))
     for a in agents or []:
         print(f"agent on {a['host']}: {shlex.join(a['command'])}")
     print(format_rank_table(rows))
+    for line in plan.describe() if plan is not None else []:
+        print(line)
     return 0
 
 
@@ -291,7 +296,6 @@ def run_launch(args: argparse.Namespace) -> int:
     world = sum(len(s) for s in slots.values())
     res = resolve(load(args.config, args.sets), world)
     args.path_sets = absolute_path_sets(res.run, args.sets, args.cwd)
-    check_stages(res)
     rows = rank_rows(res.topology, commands.placement(slots))
     if args.launcher != "dsnd":
         return _launch_external(args, slots, env_file, rows, res)
@@ -300,7 +304,7 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         check_inputs(res)
         agents = [{"host": a.host, "ranks": a.spec.ranks, "command": a.argv} for a in launches]
-        return _print_plan(launches[0].spec.argv, rows, args.json, agents)
+        return _print_plan(launches[0].spec.argv, rows, args.json, agents, res.plan)
     problems = run_preflight(args, launches, slots, res)
     if problems:
         for line in problems:
@@ -324,7 +328,7 @@ def _launch_external(args, slots, env_file, rows, res) -> int:
     argv = external_argv(args, slots, env_file, args.sets)
     if args.dry_run:
         check_inputs(res)
-        return _print_plan(argv, rows, args.json)
+        return _print_plan(argv, rows, args.json, plan=res.plan)
     check_before_start(res, args.job_id)
     forwarded: list[str] = []
 

@@ -37,7 +37,6 @@ from dsnd.errors import (
     Diverged,
     UserError,
 )
-from dsnd.pipeline.stage import check_stages
 from dsnd.progress import rank_log_path, rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
 
@@ -74,7 +73,6 @@ def _run_train(config: str | None, sets: list[str], setup_logging: Callable[[int
     use_console_prefix(rank_prefix(info.rank, coord),
                        logging.INFO if info.rank == 0 else logging.WARNING)  # fmt: skip
     job_id = job_id or job_id_from_env(env)
-    check_stages(res)
     resume = check_before_start(res, job_id)  # a checksum failure of a given path ends here
     if resume is not None:
         step = read_manifest(resume)["step"]

@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 
 from dsnd.config import json_lines
 from dsnd.config.json_lines import MAX_DEPTH
-from dsnd.config.strict import did_you_mean
 from dsnd.engine import deepspeed_api
-from dsnd.errors import UserError
+from dsnd.errors import UserError, did_you_mean
 
 T = TypeVar("T")
 DsSet = tuple[str, Any, str]

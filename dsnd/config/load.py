@@ -19,7 +19,7 @@ from typing import Any
 from dsnd.config import deepspeed_json, json_lines, strict
 from dsnd.config.schema import RunConfig
 from dsnd.config.yaml_lines import load_yaml
-from dsnd.errors import UserError
+from dsnd.errors import UserError, did_you_mean
 
 
 @dataclass
@@ -109,7 +109,7 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
         # a mapping field (model.overrides) takes its keys one by one too: KEY.SUBKEY=VALUE
         mapping = next((k for k in known if known[k] is dict and key.startswith(k + ".")), None)
         if key not in known and mapping is None:
-            raise UserError(f"{label}: unknown key '{key}'" + strict.did_you_mean(key, known))
+            raise UserError(f"{label}: unknown key '{key}'" + did_you_mean(key, known))
         if mapping is None and _is_str_field(known[key]) and isinstance(value, (int, float, bool)):
             value = item.partition("=")[2].strip()  # log.dir=1e3 is "1e3", not "1000.0"
         _assign(data, key, value, label)

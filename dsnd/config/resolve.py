@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,8 @@ from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, RunConfig
 from dsnd.errors import UserError
 from dsnd.model.spec import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
+from dsnd.plan.plan import Plan, make_plan
+from dsnd.plan.profile import profile_partition
 from dsnd.topology import Topology
 
 
@@ -27,6 +30,7 @@ class Resolved:
     model: ModelSpec
     topology: Topology
     batch: Batch
+    plan: Plan  # layout and schedule, resolved once (dsnd.plan)
     yaml_path: str
     ds_path: str
     # the user's DeepSpeed dict (the JSON with --set ds.* applied, nothing derived or scaled):
@@ -121,6 +125,9 @@ def check_ranges(run: RunConfig) -> None:
     timeout = run.dist.timeout_s
     if not (math.isfinite(timeout) and 0 < timeout <= YEAR_S):
         raise UserError(f"dist.timeout_s must be > 0 and at most {YEAR_S} (a year), got {timeout}")
+    cap = run.parallel.profile_memory_cap_gb
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise UserError(f"parallel.profile_memory_cap_gb must be > 0 GiB (or null), got {cap}")
     peak = run.log.peak_flops
     if peak is not None and not (math.isfinite(peak) and peak > 0):
         raise UserError(f"log.peak_flops must be a FLOP/s rate > 0, got {peak}")
@@ -147,6 +154,39 @@ def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int) -> tuple[
         scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
     check_with_deepspeed(ds, where)
     return ds, batch
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str, Any],
+             batch: Batch) -> Plan:  # fmt: skip
+    """The run's `Plan`: stages, schedule and every stage's instructions."""
+    par = run.parallel
+    balance_profile = None
+    if isinstance(par.partition, str) and par.partition.lower() == "profile":
+        cap = par.profile_memory_cap_gb
+        cap_bytes = None if cap is None else int(cap * 2**30)
+
+        def balance_profile(stages: int) -> list[int]:
+            # measured on this process, cached under log.dir by config (one measurement per
+            # host; dsnd launch measures before any rank starts), checked equal on all ranks
+            cache = os.path.join(run.log.dir, "profile-cache")
+            return profile_partition(model, run.model.seq_len, batch.micro, stages, cache,
+                                     cap_bytes)[0]  # fmt: skip
+
+    return make_plan(
+        model,
+        topology,
+        schedule=par.schedule,
+        virtual_stages=par.virtual_stages,
+        partition_method=par.partition,
+        micro_batches=batch.gas,
+        zero_stage=zero_stage(ds),
+        sequence_parallel=par.sequence_parallel,
+        balance_profile=balance_profile,
+    )
 
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -182,6 +222,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         model=model,
         topology=topology,
         batch=batch,
+        plan=run_plan(run, model, topology, ds, batch),
         yaml_path=loaded.yaml_path,
         ds_path=loaded.ds_path,
         ds_user=copy.deepcopy(loaded.ds),

@@ -83,7 +83,23 @@ class ParallelConfig:
         "each all-reduce; model.seq_len must divide by tp). Ignored when tp = 1, as in Megatron.",
         False,
     )
-    schedule: str = doc("Micro-batch schedule: 1f1b or gpipe.", "1f1b")
+    schedule: str = doc(
+        "Micro-batch schedule: 1f1b, gpipe, interleaved-1f1b (parallel.virtual_stages chunks "
+        "per stage; bubble (pp-1)/(v*m)) or zb-h1 (zero-bubble: backward split into input and "
+        "weight gradients; bubble about (pp-1)/(3m) at 1f1b's memory; ZeRO 0 and 1).",
+        "1f1b",
+    )
+    virtual_stages: int = doc(
+        "Model chunks per pipeline stage for interleaved-1f1b (Megatron's virtual pipeline "
+        "size); 1 for the other schedules.",
+        1,
+    )
+    profile_memory_cap_gb: float | None = doc(
+        "With partition: profile, the most memory (GiB: parameters with gradients and Adam "
+        "state, plus one micro-batch's saved activations, as measured) a stage may hold; "
+        "null = no cap.",
+        None,
+    )
     activation_checkpoint_interval: int = doc(
         "Activation checkpointing: 0 = off; k = each stage runs its layers in consecutive runs "
         "of k and recomputes each run in backward instead of keeping its activations, as "
@@ -207,7 +223,7 @@ class RunConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.format": ("auto", "text", "jsonl", "tokens"),
-    "parallel.schedule": ("1f1b", "gpipe"),
+    "parallel.schedule": ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1"),
     "train.lr_scaling": ("none", "linear", "sqrt"),
     "dist.backend": ("auto", "gloo", "nccl"),
 }

@@ -7,20 +7,13 @@ predictable coercion. Errors name where the value came from: ``file.yaml:12`` or
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
 from typing import Any
 
 from dsnd.config.schema import CHOICES
-from dsnd.errors import UserError
-
-
-def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest option, or an empty string."""
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+from dsnd.errors import UserError, did_you_mean
 
 
 def field_types(cls: type) -> dict[str, Any]:

@@ -111,6 +111,8 @@ class LayerStack(nn.Module):
     `activation_checkpoint_interval` k > 0 recomputes each run of k consecutive layers of this
     stack in backward while training (`dsnd.model.checkpointing`); 0 keeps every activation.
     `partition` is called on each layer once it is initialised (ZeRO-3 shards it there).
+    `chunk_sizes` splits the stack into consecutive model chunks (interleaved pipelines hold
+    several per rank); `forward(x, chunk)` runs one of them. Default: one chunk of everything.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class LayerStack(nn.Module):
         init_std: float | None = None,
         activation_checkpoint_interval: int = 0,
         partition: Callable[[nn.Module], None] | None = None,
+        chunk_sizes: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if activation_checkpoint_interval < 0:
@@ -132,6 +135,11 @@ class LayerStack(nn.Module):
         if any(i < 0 or i >= len(specs) for i in indices) or indices != sorted(set(indices)):
             raise ValueError(f"layer_indices must be ascending, unique, < {len(specs)}: {indices}")
         self.global_indices: tuple[int, ...] = tuple(indices)
+        sizes = [len(indices)] if chunk_sizes is None else list(chunk_sizes)
+        if sum(sizes) != len(indices) or min(sizes) < 1:
+            raise ValueError(f"chunk_sizes {sizes} must be >= 1 each and sum to {len(indices)}")
+        ends = [sum(sizes[: c + 1]) for c in range(len(sizes))]
+        self._chunk_bounds = list(zip([0] + ends[:-1], ends, strict=True))
         # tied_modules first so a tied embedding leads the parameter order, as it runs first.
         self.tied_modules = nn.ModuleDict()
         self.layers = nn.ModuleDict()
@@ -158,9 +166,11 @@ class LayerStack(nn.Module):
                 self.layers[str(index)] = module
                 self._forward_funcs.append(module)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         recompute = self.training and torch.is_grad_enabled()
-        return run_layers(self._forward_funcs, x, self.activation_checkpoint_interval, recompute)
+        lo, hi = self._chunk_bounds[chunk]
+        funcs = self._forward_funcs[lo:hi]
+        return run_layers(funcs, x, self.activation_checkpoint_interval, recompute)
 
 
 def layer_of(name: str, stack: LayerStack) -> int:

@@ -1,5 +1,6 @@
-"""Pipeline parallelism: stage partitioning, schedules (pure data), p2p and the executor.
+"""Pipeline parallelism at run time: this rank's stage (its layers, engine and tied weights),
+the links to the other stages, and the executor that runs the plan's program for it.
 
-Submodules are imported by name (``dsnd.pipeline.schedule``); this package imports nothing so
-that the pure parts stay free of torch.distributed.
+What to run — partition and schedules, pure data — lives in `dsnd.plan`. Submodules are
+imported by name (``dsnd.pipeline.executor``); this package imports nothing itself.
 """

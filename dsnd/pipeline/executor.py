@@ -1,26 +1,23 @@
-"""Run one stage's share of one optimizer step: dispatch the schedule's actions, nothing more.
+"""Run one stage's share of one optimizer step: its program (`dsnd.plan.schedule`), one
+instruction at a time, through a dispatch table. Nothing a stage does in a step is decided
+here; the schedule put it in the program.
 
-Per action, on a stage holding layers [a, b) of the model in one DeepSpeed engine:
-  F(m): input = the micro-batch's tokens (first stage) or the activation received from the
-        previous stage; output = engine(input); the last stage computes the loss, the others
-        send the output on.
-  B(m): the last stage backpropagates its loss (DeepSpeed scales it by 1/gas); the others
-        receive d(loss)/d(output) and backpropagate the surrogate (output * grad).sum() without
-        scaling again; every stage but the first sends d(loss)/d(input) back.
-
-ZeRO 1-3: all of a step's actions run inside `engine.coalesce_grad_reduction()`, so gradients are
-reduced once per step over the stage's data-parallel group; without it ZeRO-3 gives silently
-wrong gradients once several forwards precede their backwards (1F1B's warm-up; measured:
-2 ranks, 4 micro-batches, loss after one SGD step 1.2753 instead of the reference 1.2345).
-DeepSpeed forbids `engine.step()` inside that block, so the gas `step()` calls (the optimizer
-moves at the last) follow it. ZeRO-0 cannot coalesce; its engine all-reduces at the
-accumulation boundary, so each backward is followed by its `step()`.
+Per instruction, on a stage holding model chunk(s) of layers in one `StageEngine`:
+  recv_act / send_act    the activation from the previous / to the next virtual stage;
+  F                      input = tokens (first virtual stage) or the received activation;
+                         the last virtual stage computes the loss;
+  recv_grad / send_grad  d(loss)/d(output) from the next / d(loss)/d(input) to the previous;
+  B                      backward of the loss (scaled 1/gas by DeepSpeed) or of the surrogate
+                         (output * grad).sum() (not scaled again);
+  I / W                  the same backward split into input and weight gradients (zero bubble);
+  tied_*                 the tied-weight exchange (pipeline/tied.py);
+  sp_sum                 the tensor group's sum of partial gradients of replicated parameters
+                         (sequence parallelism, per-head norms), before the reduction over data
+                         parallel (both are sums, so the order is free);
+  reduce, step           the step's one data-parallel reduction and the optimizer step.
 
 With tensor parallelism the last stage's logits are this rank's vocabulary slice and the loss is
-vocab-parallel (`StageMath.loss_fn`); under sequence parallelism the replicated parameters'
-partial gradients are summed over the tensor group once, after the step's last backward
-(`StageMath.sync_grads`): inside the coalesced block before ZeRO reduces over data parallel, or
-after ZeRO-0's data-parallel all-reduce (both are sums, so the order does not matter).
+vocab-parallel (`StageMath.loss_fn`).
 """
 
 from __future__ import annotations
@@ -31,13 +28,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from dsnd.engine.build import replica_grad_norm
+from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import lm_loss
 from dsnd.pipeline.p2p import StageLinks
-from dsnd.pipeline.schedule import Action
 from dsnd.pipeline.tied import TiedWeights
+from dsnd.plan import schedule as S
+from dsnd.plan.schedule import Instr, StageRole
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -56,12 +55,10 @@ class StageShape:
 
 @dataclass(frozen=True)
 class StageMath:
-    """The step's computation besides the layers: loss, gradient fix-ups, ZeRO-0's norm."""
+    """The step's computation besides the layers: the loss and the tensor group's sum."""
 
-    norm_group: dist.ProcessGroup  # one model replica: the ZeRO-0 norm sums over it
-    tp_rank: int = 0
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
-    sync_grads: Callable[[], None] | None = None  # once, after the step's last backward
+    sync_grads: Callable[[], None] | None = None  # the sp_sum instruction
 
 
 PHASES = ("forward", "backward", "comm", "optimizer", "pipeline_wait")
@@ -70,43 +67,176 @@ PHASES = ("forward", "backward", "comm", "optimizer", "pipeline_wait")
 @dataclass
 class StepResult:
     loss: torch.Tensor | None  # mean over this rank's micro-batches (last stage only)
-    grad_norm: float | None  # ZeRO-0 only: DeepSpeed keeps no norm there (see zero.py)
-    # seconds per phase, disjoint: forward / backward compute (ZeRO-0's data-parallel all-reduce
-    # runs inside its last backward), comm (tied weights, sequence-parallel sums, ZeRO's coalesced
-    # reduction, waiting for sends), optimizer (the engine's step), pipeline_wait (blocked in
-    # receives: the pipeline bubble as this stage sees it)
+    grad_norm: float | None  # ZeRO-0 only: DeepSpeed keeps no norm there
+    # seconds per phase, disjoint: forward / backward compute, comm (tied weights, the tensor
+    # group's sums, the data-parallel reduction, waiting for sends), optimizer (the engine's
+    # step), pipeline_wait (blocked in receives: the pipeline bubble as this stage sees it)
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # seconds per compute instruction kind (F, B, I, W), summed over the step: with the
+    # program, what `dsnd.plan.schedule.timeline` needs to predict this stage's bubble
+    op_seconds: dict[str, float] = field(default_factory=dict)
 
 
-@torch.no_grad()
-def run_stage_eval(
-    engine,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    links: StageLinks,
-    shape: StageShape,
-    math: StageMath,
-    tied: TiedWeights | None = None,
-) -> torch.Tensor | None:
-    """Forward only, no gradients: the mean loss over `micro_batches` on the last stage (None on
-    the others). Activations flow through the stages in micro-batch order."""
-    first, last = links.prev is None, links.next is None
-    engine.eval()
-    if tied:
-        tied.begin_step(engine.device)  # the borrower needs the current weight; none comes back
-    links.begin_step(shape.activation, shape.dtype,
-                     activations=0 if first else len(micro_batches), gradients=0)  # fmt: skip
-    losses = []
-    for x, y in micro_batches:
-        x = x.to(engine.device) if first else links.recv_activation()
-        out = engine(x)
-        if last:
-            losses.append(math.loss_fn(out, y.to(engine.device)).double())
+@dataclass
+class _Step:
+    """What one step's instructions hand each other, keyed by (micro, chunk)."""
+
+    batches: Batches
+    inputs: dict = field(default_factory=dict)  # received activations (their .grad goes back)
+    outputs: dict = field(default_factory=dict)  # stage outputs, or the loss on the last stage
+    grads: dict = field(default_factory=dict)  # received output gradients
+    pending_w: dict = field(default_factory=dict)  # state of an I awaiting its W
+    losses: list = field(default_factory=list)
+    result: StepResult = field(default_factory=lambda: StepResult(None, None))
+
+
+PHASE = {S.FORWARD: "forward", S.BACKWARD: "backward", S.BACKWARD_INPUT: "backward",
+         S.BACKWARD_WEIGHT: "backward", S.STEP: "optimizer"}  # fmt: skip
+"""The phase each instruction's time counts to; receives count as pipeline_wait (measured in
+the links), everything else as comm."""
+
+
+class Executor:
+    """Runs programs of one stage: `step(program, batches)` and `evaluate(batches)`."""
+
+    def __init__(self, engine: StageEngine, links: StageLinks, shape: StageShape,
+                 math: StageMath, role: StageRole, tied: TiedWeights | None) -> None:  # fmt: skip
+        self.engine, self.links, self.shape = engine, links, shape
+        self.math, self.role, self.tied = math, role, tied
+        self.split = False  # set per program: zero-bubble programs run forwards outside hooks
+        self.table: dict[str, Callable[[Instr, _Step], None]] = {
+            S.RECV_ACT: self._recv_act, S.SEND_ACT: self._send_act, S.FORWARD: self._forward,
+            S.RECV_GRAD: self._recv_grad, S.SEND_GRAD: self._send_grad,
+            S.BACKWARD: self._backward, S.BACKWARD_INPUT: self._backward_input,
+            S.BACKWARD_WEIGHT: self._backward_weight,
+            S.TIED_LEND: self._tied, S.TIED_BORROW: self._tied, S.TIED_RETURN: self._tied,
+            S.TIED_ADD: self._tied, S.SP_SUM: self._sp_sum, S.REDUCE: self._reduce,
+            S.STEP: self._step,
+        }  # fmt: skip
+
+    def _virtual(self, x: Instr) -> int:
+        return x.chunk * self.role.stages + self.role.stage
+
+    def _is_last(self, x: Instr) -> bool:
+        return self._virtual(x) == self.role.stages * self.role.chunks - 1
+
+    def step(self, program: list[Instr], batches: Batches) -> StepResult:
+        """Execute `program` (one optimizer step of this stage) on this rank's micro-batches."""
+        state = _Step(batches)
+        times = state.result.times
+        self.split = any(x.op == S.BACKWARD_INPUT for x in program)
+        self.links.reset_recv_wait()
+        self.links.begin_step(self.role, program, self.shape)
+        self.engine.begin()
+        ops = state.result.op_seconds
+        for x in program:
+            start = time.perf_counter()
+            self.table[x.op](x, state)
+            spent = time.perf_counter() - start
+            times[PHASE.get(x.op, "comm")] += spent
+            if x.op in S.COMPUTE:
+                ops[x.op] = ops.get(x.op, 0.0) + spent
+        with _timed(times, "comm"):
+            self.links.wait()
+        times["pipeline_wait"] = self.links.reset_recv_wait()
+        times["comm"] -= times["pipeline_wait"]  # receives were timed as comm above
+        if state.losses:
+            state.result.loss = torch.stack(state.losses).double().mean()
+        return state.result
+
+    # ---- point to point --------------------------------------------------------------------
+
+    def _recv_act(self, x: Instr, state: _Step) -> None:
+        state.inputs[x.micro, x.chunk] = self.links.recv(x).requires_grad_()
+
+    def _send_act(self, x: Instr, state: _Step) -> None:
+        self.links.send(x, state.outputs[x.micro, x.chunk])
+
+    def _recv_grad(self, x: Instr, state: _Step) -> None:
+        state.grads[x.micro, x.chunk] = self.links.recv(x)
+
+    def _send_grad(self, x: Instr, state: _Step) -> None:
+        self.links.send(x, state.inputs.pop((x.micro, x.chunk)).grad)
+
+    # ---- compute ---------------------------------------------------------------------------
+
+    def _forward(self, x: Instr, state: _Step) -> None:
+        key = (x.micro, x.chunk)
+        if self._virtual(x) == 0:
+            inp = state.batches[x.micro][0].to(self.engine.device)
         else:
-            links.send_activation(out)
-    links.wait()
-    links.reset_recv_wait()
-    engine.train()
-    return torch.stack(losses).mean() if last else None
+            inp = state.inputs[key]
+        run = self.engine.forward_plain if self.split else self.engine.forward
+        out = run(inp, x.chunk)
+        if self._is_last(x):
+            out = self.math.loss_fn(out, state.batches[x.micro][1].to(self.engine.device))
+            state.losses.append(out.detach())
+        state.outputs[key] = out
+
+    def _backward(self, x: Instr, state: _Step) -> None:
+        out = state.outputs.pop((x.micro, x.chunk))
+        if self._is_last(x):
+            self.engine.backward(out, scale_wrt_gas=True)
+        else:
+            grad = state.grads.pop((x.micro, x.chunk))
+            self.engine.backward((out * grad).sum(), scale_wrt_gas=False)
+
+    def _backward_input(self, x: Instr, state: _Step) -> None:
+        key = (x.micro, x.chunk)
+        out = state.outputs.pop(key)
+        grad = None if self._is_last(x) else state.grads.pop(key)
+        inputs = [state.inputs[key]] if key in state.inputs else []
+        leaves = self.tied.borrowed_leaves() if self.tied else []
+        state.pending_w[key] = self.engine.backward_input(out, grad, inputs, leaves)
+
+    def _backward_weight(self, x: Instr, state: _Step) -> None:
+        self.engine.backward_weight(state.pending_w.pop((x.micro, x.chunk)))
+
+    # ---- the step's end -------------------------------------------------------------------
+
+    def _tied(self, x: Instr, state: _Step) -> None:
+        {S.TIED_LEND: lambda: self.tied.lend(),
+         S.TIED_BORROW: lambda: self.tied.borrow(self.engine.device),
+         S.TIED_RETURN: lambda: self.tied.give_back(),
+         S.TIED_ADD: lambda: self.tied.add_returned()}[x.op]()  # fmt: skip
+
+    def _sp_sum(self, x: Instr, state: _Step) -> None:
+        if self.math.sync_grads:
+            self.math.sync_grads()
+
+    def _reduce(self, x: Instr, state: _Step) -> None:
+        self.engine.reduce()
+
+    def _step(self, x: Instr, state: _Step) -> None:
+        state.result.grad_norm = self.engine.step()
+
+    # ---- forward only --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batches) -> torch.Tensor | None:
+        """Forward only: the mean loss over `batches` on the last stage (None elsewhere), with
+        the schedule's forwards in GPipe order (micro-batch by micro-batch through every
+        chunk)."""
+        program = []
+        if self.tied:
+            program.append(Instr(S.TIED_LEND if self.role.tie == "owner" else S.TIED_BORROW))
+        for c in range(self.role.chunks):
+            for m in range(len(batches)):
+                program += [x for x in S.program([Instr(S.FORWARD, m, c)], self.role)
+                            if x.op in (S.RECV_ACT, S.FORWARD, S.SEND_ACT)]  # fmt: skip
+        state = _Step(batches)
+        self.engine.engine.eval()
+        self.split = False
+        self.links.begin_step(self.role, program, self.shape)
+        for x in program:
+            self.table[x.op](x, state)
+            if x.op == S.SEND_ACT or (x.op == S.FORWARD and self._is_last(x)):
+                state.outputs.pop((x.micro, x.chunk))
+            state.inputs.pop((x.micro, x.chunk), None) if x.op == S.FORWARD else None
+        self.links.wait()
+        self.links.reset_recv_wait()
+        self.engine.engine.train()
+        return torch.stack(state.losses).double().mean() if state.losses else None
 
 
 @contextlib.contextmanager
@@ -116,90 +246,3 @@ def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
         yield
     finally:
         times[phase] += time.perf_counter() - start
-
-
-def run_stage_step(
-    engine,
-    actions: list[Action],
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    links: StageLinks,
-    shape: StageShape,
-    math: StageMath,
-    tied: TiedWeights | None = None,
-) -> StepResult:
-    """Execute `actions` (one optimizer step of this stage); `tied` exchanges the weights this
-    stage shares with another (see pipeline/tied.py)."""
-    first, last = links.prev is None, links.next is None
-    backwards_left = sum(a.kind == "B" for a in actions)
-    grad_norm = None
-    coalesce = engine.zero_optimization_stage() > 0
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    losses: list[torch.Tensor] = []
-    result = StepResult(loss=None, grad_norm=None)
-    times = result.times
-    links.reset_recv_wait()
-    ctx = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
-    if tied:
-        with _timed(times, "comm"):
-            tied.begin_step(engine.device)  # before posting receives: the weight comes first
-    links.begin_step(
-        shape.activation,
-        shape.dtype,
-        activations=0 if first else sum(a.kind == "F" for a in actions),
-        gradients=0 if last else backwards_left,
-    )
-    with ctx:
-        for action in actions:
-            m = action.micro
-            if action.kind == "F":
-                if first:
-                    x = micro_batches[m][0].to(engine.device)
-                else:
-                    x = links.recv_activation().requires_grad_()
-                    inputs[m] = x
-                with _timed(times, "forward"):
-                    out = engine(x)
-                    if last:
-                        outputs[m] = math.loss_fn(out, micro_batches[m][1].to(engine.device))
-                        losses.append(outputs[m].detach())
-                if not last:
-                    links.send_activation(out)
-                    outputs[m] = out
-            else:
-                out = outputs.pop(m)
-                backwards_left -= 1
-                grad = None if last else links.recv_gradient()
-                if tied and backwards_left == 0:
-                    with _timed(times, "comm"):
-                        tied.before_last_backward(zero0=not coalesce)
-                with _timed(times, "backward"):
-                    if last:
-                        engine.backward(out)
-                    else:
-                        engine.backward((out * grad).sum(), scale_wrt_gas=False)
-                if not first:
-                    links.send_gradient(inputs.pop(m).grad)
-                if backwards_left == 0:
-                    with _timed(times, "comm"):
-                        if tied:
-                            tied.after_last_backward(zero0=not coalesce)
-                        if math.sync_grads:
-                            math.sync_grads()
-                if not coalesce:
-                    if backwards_left == 0:  # gradients are final (and all-reduced): measure
-                        grad_norm = replica_grad_norm(engine.module, math.norm_group, math.tp_rank)
-                    with _timed(times, "optimizer"):
-                        engine.step()
-        block_end = time.perf_counter()
-    times["comm"] += time.perf_counter() - block_end  # ZeRO 1-3: the step's one reduction
-    if coalesce:
-        with _timed(times, "optimizer"):
-            for _ in micro_batches:
-                engine.step()
-    with _timed(times, "comm"):
-        links.wait()
-    times["pipeline_wait"] = links.reset_recv_wait()
-    result.loss = torch.stack(losses).double().mean() if last else None
-    result.grad_norm = grad_norm
-    return result

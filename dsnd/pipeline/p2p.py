@@ -1,11 +1,15 @@
-"""Point-to-point links between neighbouring pipeline stages.
+"""Point-to-point links between pipeline stages, driven by the stage's program.
 
 Sends are asynchronous (`isend`): a stage hands its activation or gradient off and computes on,
 so communication overlaps compute; the handles are waited on at the end of the step. Receives
-are posted ahead (`irecv`), one per direction, as soon as the previous one is consumed, so a
-message can land while the stage computes; the stage blocks only when it needs the tensor, which
-is where the schedule's dependencies are enforced. Activations and gradients travel under their
-own tags, in send order.
+are posted ahead (`irecv`): at the start of a step the links read the program's receives, and
+keep one posted per channel — (kind, receiving chunk), each under its own tag — so a message
+can land while the stage computes; the stage blocks only when it needs the tensor. Messages on
+one channel arrive in send order, which `dsnd.plan.schedule.simulate` checks matches the
+receiver's order for every schedule.
+
+With several chunks per stage (interleaved schedules) the stages form a ring: the last stage's
+chunk c feeds the first stage's chunk c + 1.
 
 Time blocked in receives is summed in `recv_wait_s`: on a stage, that is the pipeline bubble
 (plus transfer time) the schedule leaves it, which `dsnd bench pipeline` measures.
@@ -19,25 +23,27 @@ import torch
 import torch.distributed as dist
 
 from dsnd.distributed.groups import ProcessGroups
+from dsnd.plan.schedule import RECVS, Instr, StageRole, channel
 
-ACTIVATION, GRADIENT = 1, 2  # message tags; tied weights (pipeline/tied.py) use the default 0
+TIED_TAG = 0  # pipeline/tied.py's blocking exchange; activations and gradients use 1, 2, ...
+
+
+def _tag(kind: str, chunk: int) -> int:
+    return 1 + 2 * chunk + (kind == "grad")
 
 
 class StageLinks:
-    """This rank's links to the previous and next stage of its pipeline."""
+    """This rank's links to the other stages of its pipeline."""
 
     def __init__(self, groups: ProcessGroups, device: torch.device) -> None:
         self.device = device
-        ranks = dist.get_process_group_ranks(groups.pipe)
-        stage = groups.coord.pp
         self.group = groups.pipe
-        self.prev = ranks[stage - 1] if stage > 0 else None
-        self.next = ranks[stage + 1] if stage + 1 < len(ranks) else None
+        self.ranks = dist.get_process_group_ranks(groups.pipe)
         self._pending: list[dist.Work] = []
-        # per tag: the posted receive (work, buffer) and how many more this step expects
-        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
-        self._left: dict[int, int] = {}
-        self._spec: tuple[tuple[int, ...], torch.dtype] | None = None
+        self._posted: dict[tuple, tuple[dist.Work, torch.Tensor]] = {}  # channel -> receive
+        self._left: dict[tuple, int] = {}  # channel -> receives still to post this step
+        self._shape: tuple[tuple[int, ...], torch.dtype] | None = None
+        self._role: StageRole | None = None
         self.recv_wait_s = 0.0  # seconds blocked in receives since construction or the last reset
 
     def reset_recv_wait(self) -> float:
@@ -45,52 +51,43 @@ class StageLinks:
         waited, self.recv_wait_s = self.recv_wait_s, 0.0
         return waited
 
-    def begin_step(
-        self, shape: tuple[int, ...], dtype: torch.dtype, activations: int, gradients: int
-    ) -> None:
-        """Expect `activations` and `gradients` messages of `shape` this step; post the first."""
-        self._spec = (shape, dtype)
-        self._left = {ACTIVATION: activations, GRADIENT: gradients}
-        for tag in (ACTIVATION, GRADIENT):
-            self._post(tag)
+    def begin_step(self, role: StageRole, program: list[Instr], shape) -> None:
+        """Expect the receives of `program` (activations and gradients of `shape.activation`
+        in `shape.dtype`); post the first of each channel."""
+        self._role, self._shape = role, (shape.activation, shape.dtype)
+        self._left = {}
+        for x in program:
+            if x.op in RECVS:
+                key = channel(role, x)
+                self._left[key] = self._left.get(key, 0) + 1
+        for key in list(self._left):
+            self._post(key)
 
-    def _peer(self, tag: int) -> int | None:
-        return self.prev if tag == ACTIVATION else self.next
-
-    def _post(self, tag: int) -> None:
-        if self._left.get(tag, 0) > 0 and self._peer(tag) is not None:
-            self._left[tag] -= 1
-            shape, dtype = self._spec
+    def _post(self, key: tuple) -> None:
+        if self._left.get(key, 0) > 0:
+            self._left[key] -= 1
+            src, _, kind, chunk = key
+            shape, dtype = self._shape
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            self._posted[tag] = (dist.irecv(buf, self._peer(tag), group=self.group, tag=tag), buf)
+            work = dist.irecv(buf, self.ranks[src], group=self.group, tag=_tag(kind, chunk))
+            self._posted[key] = (work, buf)
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        work = dist.isend(tensor.detach().contiguous(), dst, group=self.group, tag=tag)
-        self._pending.append(work)
-
-    def _recv(self, tag: int) -> torch.Tensor:
-        work, buf = self._posted.pop(tag)
+    def recv(self, x: Instr) -> torch.Tensor:
+        """The tensor receive instruction `x` names (blocks until it has arrived)."""
+        key = channel(self._role, x)
+        work, buf = self._posted.pop(key)
         start = time.perf_counter()
         work.wait()
         self.recv_wait_s += time.perf_counter() - start
-        self._post(tag)
+        self._post(key)
         return buf
 
-    def send_activation(self, tensor: torch.Tensor) -> None:
-        assert self.next is not None, "the last stage sends no activations"
-        self._send(tensor, self.next, ACTIVATION)
-
-    def recv_activation(self) -> torch.Tensor:
-        assert self.prev is not None, "the first stage receives no activations"
-        return self._recv(ACTIVATION)
-
-    def send_gradient(self, tensor: torch.Tensor) -> None:
-        assert self.prev is not None, "the first stage sends no gradients"
-        self._send(tensor, self.prev, GRADIENT)
-
-    def recv_gradient(self) -> torch.Tensor:
-        assert self.next is not None, "the last stage receives no gradients"
-        return self._recv(GRADIENT)
+    def send(self, x: Instr, tensor: torch.Tensor) -> None:
+        """Send `tensor` as send instruction `x` says (asynchronously)."""
+        _, dst, kind, chunk = channel(self._role, x)
+        work = dist.isend(tensor.detach().contiguous(), self.ranks[dst], group=self.group,
+                          tag=_tag(kind, chunk))  # fmt: skip
+        self._pending.append(work)
 
     def wait(self) -> None:
         """Complete every outstanding send (their buffers may then be freed)."""

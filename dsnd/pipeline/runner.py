@@ -15,63 +15,55 @@ from dsnd.distributed.groups import ProcessGroups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.engine.compat import scope_zero3_trace_checks
-from dsnd.model import layer_specs, param_groups
+from dsnd.engine.stage_engine import StageEngine
+from dsnd.model import param_groups
 from dsnd.model.hf_io import load_hf_stage
-from dsnd.pipeline.executor import (
-    StageMath,
-    StageShape,
-    StepResult,
-    run_stage_eval,
-    run_stage_step,
-)
+from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, StepResult
 from dsnd.pipeline.p2p import StageLinks
-from dsnd.pipeline.schedule import schedule
-from dsnd.pipeline.stage import build_stage, stage_parts, tensor_parallel
+from dsnd.pipeline.stage import build_stage, tensor_parallel
 from dsnd.pipeline.tied import TiedWeights
 from dsnd.tp import allreduce_partial_grads, vocab_parallel_cross_entropy
 
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
-
 
 class StageRunner:
-    """One DeepSpeed engine over this rank's stage, sharded over the stage's data group."""
+    """One DeepSpeed engine over this rank's stage (all its chunks), sharded over the stage's
+    data group, and the executor that runs the plan's program for it."""
 
     def __init__(self, res: Resolved, groups: ProcessGroups, load_hf: bool = True) -> None:
         self.groups = groups
-        if res.topology.pp > 1:
+        plan, stage = res.plan, groups.coord.pp
+        if plan.pp > 1:
             scope_zero3_trace_checks(groups.data)
         stack = build_stage(res, groups)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
-        self.tied = TiedWeights(stack, layer_specs(res.model), stage_parts(res), groups)
+        self.tied = TiedWeights(stack, plan.ties, groups)
         if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
             load_hf_stage(stack, res.run.model.init_from, res.model)
         self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(groups))
-        pp, stage, gas = res.topology.pp, groups.coord.pp, res.batch.gas
-        self.actions = schedule(res.run.parallel.schedule, pp, stage, gas)
+        self.program = list(plan.programs[stage])
         self.links = StageLinks(groups, self.engine.device)
         dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
         tp = tensor_parallel(res, groups)
         seq = res.run.model.seq_len // (tp.size if tp.sequence_parallel else 1)
         self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype)
-        self.math = StageMath(norm_group=groups.model, tp_rank=groups.coord.tp)
+        math = StageMath()
         if tp.size > 1:
             loss = partial(vocab_parallel_cross_entropy, group=tp.group,
                            vocab_size=res.model.vocab_size)  # fmt: skip
             params = list(self.engine.module.parameters())
-            sync = partial(allreduce_partial_grads, params, tp.group)
-            self.math = StageMath(groups.model, groups.coord.tp, loss, sync)
+            math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
+        stage_engine = StageEngine(self.engine, groups.model, groups.coord.tp)
+        self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
+                                 self.tied)  # fmt: skip
 
     def run(self, micro_batches: Batches) -> StepResult:
         """This stage's share of one optimizer step (no collective beyond the step's own)."""
-        return run_stage_step(self.engine, self.actions, micro_batches, self.links, self.shape,
-                              self.math, self.tied)  # fmt: skip
+        return self.executor.step(self.program, micro_batches)
 
     def evaluate(self, micro_batches: Batches) -> float:
         """Mean loss of the model as it is over the global batch `micro_batches` (forward only),
         on every rank."""
-        loss = run_stage_eval(self.engine, micro_batches, self.links, self.shape, self.math,
-                              self.tied)  # fmt: skip
-        return self._global_loss(loss)
+        return self._global_loss(self.executor.evaluate(micro_batches))
 
     def report(self, result: StepResult) -> tuple[float, float | None]:
         """(loss over the global batch, gradient norm over all stages), on every rank."""

@@ -9,10 +9,12 @@ gradient norm (which ignores `ds_pipe_replicated`) counts it twice. dsnd keeps O
 - a borrower stage (the last, for a head) holds the module without parameters; at the start of
   every step the owner sends the full weight (gathered under ZeRO-3), the borrower uses it as a
   leaf tensor, and after its last backward sends that tensor's gradient back;
-- the owner adds the borrowed gradient to its own local gradient before the step's data-parallel
-  reduction: before its last backward under ZeRO-0 (whose engine all-reduces inside that
-  backward), after it under ZeRO 1-3 (inside `coalesce_grad_reduction`, where every backward
-  leaves local gradients on the parameters until the block's one reduction).
+- the owner adds the borrowed gradient to its own local gradient after its last backward and
+  before the step's data-parallel reduction (every backward leaves local gradients on the
+  parameters until that reduction: `dsnd.engine.stage_engine`).
+
+The schedule places the four moves (`tied_lend`, `tied_borrow`, `tied_return`, `tied_add`) in
+each stage's program; the plan says which stages own and borrow (`dsnd.plan.plan.Tie`).
 
 Both stages therefore compute with the same values by construction, the gradient is the sum over
 both uses, and norm and clipping see the weight once. Ties within one stage need none of this:
@@ -26,12 +28,12 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.model import LayerStack
+from dsnd.plan.plan import Tie
 
 
 def _resolve(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -64,51 +66,51 @@ class _Tie:
 class TiedWeights:
     """This rank's side of every weight tied across stages (empty when none is)."""
 
-    def __init__(
-        self, stack: LayerStack, specs: list, parts: list[int], groups: ProcessGroups
-    ) -> None:
+    def __init__(self, stack: LayerStack, ties: tuple[Tie, ...], groups: ProcessGroups) -> None:
         self.group = groups.pipe
         pipe_ranks = dist.get_process_group_ranks(groups.pipe)
-        stage_of = {i: s for s in range(len(parts) - 1) for i in range(parts[s], parts[s + 1])}
+        me = groups.coord.pp
         self.ties: list[_Tie] = []
-        for key, attrs in stack.tied_weight_attrs.items():
-            stages = sorted({stage_of[i] for i, spec in enumerate(specs)
-                             if isinstance(spec, TiedLayerSpec) and spec.key == key})  # fmt: skip
-            if len(stages) == 1:
+        for tie in ties:
+            if me not in (tie.owner, tie.borrower):
                 continue
-            if len(stages) != 2:
-                raise NotImplementedError(f"tie '{key}' spans stages {stages}; dsnd ties two")
-            owner, borrower = stages
-            me = groups.coord.pp
-            module = stack.tied_modules[key]
-            for attr in attrs:
+            module = stack.tied_modules[tie.key]
+            for attr in stack.tied_weight_attrs[tie.key]:
                 holder, name = _resolve(module, attr)
                 weight = getattr(holder, name)
-                tie = _Tie(owner=me == owner, peer=pipe_ranks[borrower if me == owner else owner],
-                           holder=holder, name=name, dtype=weight.dtype,
-                           shape=unpartitioned_shape(weight))  # fmt: skip
-                self.ties.append(tie)
-            if me == borrower:
+                peer = pipe_ranks[tie.borrower if me == tie.owner else tie.owner]
+                shape = unpartitioned_shape(weight)
+                self.ties.append(_Tie(owner=me == tie.owner, peer=peer, holder=holder, name=name,
+                                      dtype=weight.dtype, shape=shape))  # fmt: skip
+            if me == tie.borrower:
                 _strip_parameters(module)
 
-    def begin_step(self, device: torch.device) -> None:
-        """Owner: send the current full weight; borrower: receive it as this step's leaf."""
+    def __bool__(self) -> bool:
+        return bool(self.ties)
+
+    def lend(self) -> None:
+        """Owner: send the current full weight (the borrower computes with it this step)."""
         for tie in self.ties:
             if tie.owner:
                 param = getattr(tie.holder, tie.name)
                 with deepspeed.zero.GatheredParameters([param]):  # no-op below ZeRO-3
                     dist.send(param.detach().clone(), tie.peer, group=self.group)
-            else:
+
+    def borrow(self, device: torch.device) -> None:
+        """Borrower: receive the weight as this step's leaf tensor."""
+        for tie in self.ties:
+            if not tie.owner:
                 buf = torch.empty(tie.shape, dtype=tie.dtype, device=device)
                 dist.recv(buf, tie.peer, group=self.group)
                 tie.borrowed = buf.requires_grad_()
                 setattr(tie.holder, tie.name, tie.borrowed)
 
-    def before_last_backward(self, zero0: bool) -> None:
-        if zero0:
-            self._owner_add_borrowed_grads()
+    def borrowed_leaves(self) -> list[torch.Tensor]:
+        """The borrowed weights, whose gradients a split backward must compute too."""
+        return [t.borrowed for t in self.ties if not t.owner and t.borrowed is not None]
 
-    def after_last_backward(self, zero0: bool) -> None:
+    def give_back(self) -> None:
+        """Borrower, after its last backward: send the borrowed weight's gradient home."""
         for tie in self.ties:
             if not tie.owner:
                 grad = tie.borrowed.grad
@@ -116,10 +118,10 @@ class TiedWeights:
                     grad = torch.zeros_like(tie.borrowed)
                 dist.send(grad.contiguous(), tie.peer, group=self.group)
                 tie.borrowed = None
-        if not zero0:
-            self._owner_add_borrowed_grads()
 
-    def _owner_add_borrowed_grads(self) -> None:
+    def add_returned(self) -> None:
+        """Owner, after its own last backward and before the reduction: add the gradient the
+        borrower sends to the weight's local gradient."""
         for tie in self.ties:
             if tie.owner:
                 param = getattr(tie.holder, tie.name)

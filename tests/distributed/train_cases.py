@@ -20,7 +20,6 @@ from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.distributed.groups import build_groups  # noqa: E402
 from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
-from dsnd.pipeline.stage import check_stages  # noqa: E402
 from dsnd.trainer import train  # noqa: E402
 
 
@@ -30,8 +29,6 @@ def main(out_path: str, cases_path: str) -> None:
         cases = json.load(f)
     info = world_info(dict(os.environ))
     resolved = [resolve(load(c.get("config"), c["sets"]), info.world_size) for c in cases]
-    for res in resolved:  # as `dsnd train` does before its process group
-        check_stages(res)
     init_world(info, timeout_s=120)
     results = {}
     try:

@@ -12,7 +12,16 @@ import pytest
 from dsnd import cli
 from dsnd.bench import results as r
 from dsnd.engine.memory import claim_bytes
-from dsnd.pipeline.schedule import BACKWARD, FORWARD, Action, one_f_one_b
+from dsnd.plan.schedule import (
+    BACKWARD,
+    FORWARD,
+    Instr,
+    StageRole,
+    bubble,
+    one_f_one_b,
+    program,
+    timeline,
+)
 
 
 def test_median_of_odd_and_even_counts_and_of_nothing():
@@ -49,7 +58,7 @@ def _timeline(p: int, m: int, fwd: float, bwd: float) -> tuple[list[float], list
     """(receive waits, busy end) per stage of 1F1B on an ideal pipeline: each stage takes `fwd`
     and `bwd` per micro-batch, messages are free, a stage blocks only in a receive."""
     lists = [one_f_one_b(p, s, m) for s in range(p)]
-    done: dict[tuple[int, Action], float] = {}
+    done: dict[tuple[int, Instr], float] = {}
     clock, wait, pos = [0.0] * p, [0.0] * p, [0] * p
     while any(pos[s] < len(lists[s]) for s in range(p)):
         progressed = False
@@ -58,15 +67,15 @@ def _timeline(p: int, m: int, fwd: float, bwd: float) -> tuple[list[float], list
                 continue
             a = lists[s][pos[s]]
             dep = None
-            if a.kind == FORWARD and s > 0:
+            if a.op == FORWARD and s > 0:
                 dep = (s - 1, a)
-            elif a.kind == BACKWARD and s < p - 1:
+            elif a.op == BACKWARD and s < p - 1:
                 dep = (s + 1, a)
             if dep is not None and dep not in done:
                 continue
             start = max(clock[s], done[dep]) if dep is not None else clock[s]
             wait[s] += start - clock[s]
-            clock[s] = start + (fwd if a.kind == FORWARD else bwd)
+            clock[s] = start + (fwd if a.op == FORWARD else bwd)
             done[(s, a)] = clock[s]
             pos[s] += 1
             progressed = True
@@ -81,6 +90,16 @@ def test_measured_bubble_equals_theory_on_an_ideal_pipeline(p, m):
     the theory's assumptions hold, whatever the forward/backward split."""
     wait, busy = _timeline(p, m, fwd=1.0, bwd=2.0)
     assert r.bubble_fraction(wait, busy) == pytest.approx(r.bubble_theory(p, m))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_bubble_theory_is_the_schedules_idle_share(p, m):
+    """The schedule's bubble is idle over busy time; the bench's is idle over the whole step."""
+    roles = [StageRole(s, p) for s in range(p)]
+    rows = timeline([program(one_f_one_b(p, s, m), roles[s]) for s in range(p)], roles)
+    idle_over_busy = bubble(rows)
+    assert r.bubble_theory(p, m) == pytest.approx(idle_over_busy / (1 + idle_over_busy))
 
 
 def test_zero_formulas_in_fp32():

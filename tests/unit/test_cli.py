@@ -65,10 +65,12 @@ def without_launch_tail(argv: list[str]) -> list[str]:
 
 def table(text: str) -> tuple[str, list[dict]]:
     """(command line, rows) from a dry run's stdout; every row cell but host as int.
-    The dsnd launcher prints an `agent on HOST: ...` line per host between the two."""
+    The dsnd launcher prints an `agent on HOST: ...` line per host between the two; the plan
+    (from its `plan:` line on) follows the table."""
     lines = text.rstrip("\n").split("\n")
     at = next(i for i, line in enumerate(lines) if line.split() == HEADER)
-    command, body = lines[0], lines[at + 1 :]
+    end = next(i for i, line in enumerate(lines) if line.startswith("plan: "))
+    command, body = lines[0], lines[at + 1 : end]
     assert all(line.startswith("agent on ") for line in lines[1:at])
     rows = []
     for line in body:

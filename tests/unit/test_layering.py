@@ -9,8 +9,8 @@ import pathlib
 import dsnd
 
 LAYERS = [
-    "errors", "engine", "extensions", "secrets", "topology", "tp", "model", "config", "data",
-    "distributed", "flops", "pipeline", "progress", "stop_request", "metrics", "telemetry",
+    "errors", "engine", "extensions", "secrets", "topology", "tp", "model", "plan", "config",
+    "data", "distributed", "flops", "pipeline", "progress", "stop_request", "metrics", "telemetry",
     "report", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent

@@ -1,4 +1,4 @@
-"""dsnd.pipeline.partition: the same stages as DeepSpeed's PipelineModule, and clear refusals.
+"""dsnd.plan.partition: the same stages as DeepSpeed's PipelineModule, and clear refusals.
 
 The reference is DeepSpeed's own `PipelineModule._partition_layers` (with its `_count_layer_params`
 and `_find_layer_type`), run on the very same specs. A real `PipelineModule` cannot be built for
@@ -21,7 +21,7 @@ from torch import nn
 
 from dsnd.errors import UserError
 from dsnd.model.specs import layer_specs
-from dsnd.pipeline.partition import (
+from dsnd.plan.partition import (
     layer_param_counts,
     layer_type_names,
     partition,
@@ -196,7 +196,7 @@ def test_explicit_lists_accepted(method, pp, parts):
         ([[0, 1, 2, 4], [3, 5, 6]], 2, ["stage 0", "contiguous run 0..3"]),
         ([[3, 4, 5, 6], [0, 1, 2]], 2, ["stage 0", "contiguous run 0..3"]),
         ([[0, 1, 2], []], 2, ["stage 1 must be a non-empty list"]),
-        ([0, [1], 7], 2, ["must be uniform, parameters, type:<regex>"]),
+        ([0, [1], 7], 2, ["must be uniform, parameters, profile, type:<regex>"]),
         ([0, 3.5, 7], 2, ["must be uniform"]),
         ([], 1, ["must be uniform"]),
         (3, 1, ["parallel.partition=3 must be"]),
@@ -220,7 +220,7 @@ def test_explicit_lists_rejected(method, pp, expected):
         ("unifrom", 2, ["parallel.partition='unifrom'", "did you mean 'uniform'"]),
         ("parameter", 2, ["did you mean 'parameters'"]),
         ("typ:Block", 2, ["did you mean 'type:Block'"]),
-        ("profile", 2, ["'profile' is not a method", "type:<regex>"]),
+        ("profil", 2, ["'profil' is not a method", "did you mean 'profile'"]),
         ("type:(block", 2, ["parallel.partition='type:(block'", "bad regex '(block'"]),
         ("type:conv", 2, ["matches none", "TokenEmbedding, LlamaBlock, LlamaRMSNormFinal, LMHead"]),
         ("type:block:x", 2, ["may not contain ':'", "match 'block'"]),

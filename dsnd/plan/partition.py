@@ -21,7 +21,7 @@ no memory, no initialisation) — DeepSpeed builds them for real, one at a time.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -29,9 +29,8 @@ import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from dsnd.config.strict import did_you_mean
 from dsnd.engine.deepspeed_api import partition_balanced, partition_uniform
-from dsnd.errors import UserError
+from dsnd.errors import UserError, did_you_mean
 
 KEY = "parallel.partition"
 PP_KEY = "parallel.pp"
@@ -83,10 +82,17 @@ def layer_type_names(specs: Sequence[Layer]) -> list[str | None]:
     return names
 
 
-def partition(method: PartitionMethod, specs: Sequence[Layer], num_stages: int) -> list[int]:
+def partition(
+    method: PartitionMethod,
+    specs: Sequence[Layer],
+    num_stages: int,
+    balance_profile: Callable[[int], list[int]] | None = None,
+) -> list[int]:
     """Stage boundaries `parts` (len num_stages + 1, 0 first, len(specs) last, strictly rising).
 
-    Named methods are matched ignoring case, as DeepSpeed lowercases them. Raises `UserError`
+    Named methods are matched ignoring case, as DeepSpeed lowercases them; ``profile`` (dsnd's
+    own: DeepSpeed raises NotImplementedError for it) calls `balance_profile(num_stages)`, which
+    balances measured layer costs (`dsnd.plan.profile`). Raises `UserError`
     for anything that would leave a stage without layers or differ from DeepSpeed's split.
     """
     n = len(specs)
@@ -98,7 +104,7 @@ def partition(method: PartitionMethod, specs: Sequence[Layer], num_stages: int) 
             f"({KEY}={_show(method)}); every stage needs at least one layer"
         )
     if isinstance(method, str):
-        parts = _named(method, specs, num_stages)
+        parts = _named(method, specs, num_stages, balance_profile)
     elif isinstance(method, Sequence):
         parts = _explicit(method, n, num_stages)
     else:
@@ -119,16 +125,23 @@ def stage_layers(parts: Sequence[int], stage: int) -> list[int]:
     return list(range(parts[stage], parts[stage + 1]))
 
 
-_CHOICES = "uniform, parameters, type:<regex>, or a list of stage boundaries or of stage layers"
+_CHOICES = (
+    "uniform, parameters, profile, type:<regex>, or a list of stage boundaries or of stage layers"
+)
 
 
 def _show(method: object) -> str:
     return f"'{method}'" if isinstance(method, str) else str(method)
 
 
-def _named(method: str, specs: Sequence[Layer], num_stages: int) -> list[int]:
+def _named(method: str, specs: Sequence[Layer], num_stages: int,
+           balance_profile: Callable[[int], list[int]] | None) -> list[int]:  # fmt: skip
     lowered = method.lower()  # PipelineModule._partition_layers does the same
-    if lowered == "uniform":
+    if lowered == "profile":
+        if balance_profile is None:
+            raise ValueError("partition 'profile' needs the measured layer costs")
+        parts = balance_profile(num_stages)
+    elif lowered == "uniform":
         parts = partition_uniform(num_items=len(specs), num_parts=num_stages)
     elif lowered == "parameters":
         parts = partition_balanced(weights=layer_param_counts(specs), num_parts=num_stages)
@@ -143,7 +156,7 @@ def _suggest(method: str) -> str:
     head, colon, rest = method.partition(":")
     if colon:  # "typ:Block" -> "type:Block": compare only what precedes the regex
         return f" (did you mean 'type:{rest}'?)" if did_you_mean(head.lower(), ["type"]) else ""
-    return did_you_mean(method.lower(), ["uniform", "parameters"])
+    return did_you_mean(method.lower(), ["uniform", "parameters", "profile"])
 
 
 def _type_weights(method: str, specs: Sequence[Layer]) -> list[int]:
