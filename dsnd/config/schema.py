@@ -86,7 +86,7 @@ class ParallelConfig:
     schedule: str = doc(
         "Micro-batch schedule: 1f1b, gpipe, interleaved-1f1b (parallel.virtual_stages chunks "
         "per stage; bubble (pp-1)/(v*m)) or zb-h1 (zero-bubble: backward split into input and "
-        "weight gradients; bubble about (pp-1)/(3m) at 1f1b's memory; ZeRO 0 and 1).",
+        "weight gradients; bubble about (pp-1)/(3m) at 1f1b's memory; ZeRO 0-2).",
         "1f1b",
     )
     virtual_stages: int = doc(

@@ -23,8 +23,8 @@ weight gradient (`backward_weight`) with torch's own `torch.distributed.pipelini
 is computed twice). That pass runs on the module itself, outside DeepSpeed's forward and
 backward: DeepSpeed's output hooks would scale the gradient by 1/gas a second time (ZeRO 1-3)
 or refuse a direct backward (ZeRO-0). Gradients land in `.grad`, which ZeRO-0's all-reduce and
-ZeRO-1's coalesced flush read; ZeRO-2 and ZeRO-3 move gradients in backward hooks, so the plan
-refuses the split there. The loss is divided by the accumulation steps here, as
+ZeRO 1-2's coalesced flush read. ZeRO-3 releases a layer's gathered parameters after the input
+pass, so the plan refuses the split there. The loss is divided by the accumulation steps here, as
 `engine.backward` would.
 """
 

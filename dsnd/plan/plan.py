@@ -35,10 +35,13 @@ from dsnd.plan.schedule import (
 from dsnd.topology import Topology
 
 ZERO_STAGES = {"1f1b": (0, 1, 2, 3), "gpipe": (0, 1, 2, 3), "interleaved-1f1b": (0, 1, 2, 3),
-               "zb-h1": (0, 1)}  # fmt: skip
+               "zb-h1": (0, 1, 2)}  # fmt: skip
 """ZeRO stages each schedule runs. ZB-H1's weight-gradient pass writes `.grad` itself, after the
-input-gradient pass: ZeRO 0 and 1 reduce what `.grad` holds at the end of the step, while ZeRO-2
-and ZeRO-3 reduce and partition gradients in hooks on the ordinary backward (see the README)."""
+input-gradient pass. ZeRO 0-2 reduce what `.grad` holds at the step's end (ZeRO 1-2 inside
+`coalesce_grad_reduction`, whose flush reads `.grad`): parity measured at dp=2. ZeRO-3 gathers a
+layer's parameters for its backward and releases them after it, so the later weight pass finds
+them empty (measured: "attempting to assign a gradient of size [64, 64] to a tensor of size
+[0]"); running it would need ZeRO-3's gather/release hooks around the weight pass."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def _check_schedule(schedule: str, p: int, v: int, m: int, zero: int) -> None:
         raise UserError(f"{key}={v} needs parallel.schedule=interleaved-1f1b (got {schedule})")
     if zero not in ZERO_STAGES[schedule]:
         runs = ", ".join(str(z) for z in ZERO_STAGES[schedule])
-        why = " (its weight-gradient pass bypasses ZeRO-2/3's gradient hooks)" * (
+        why = " (ZeRO-3 releases a layer's gathered parameters before the weight pass)" * (
             schedule in SPLIT_BACKWARD
         )
         raise UserError(f"parallel.schedule={schedule} runs with ZeRO stages {runs}, not "

@@ -71,7 +71,7 @@ def test_interleaved_plan_holds_two_chunks_per_stage_and_ties_across_the_ring():
           "ds.gradient_accumulation_steps=3", "ds.train_batch_size=null"),
          "gradient_accumulation_steps=3.*multiple of parallel.pp=2"),
         (("parallel.pp=2", "parallel.schedule=zb-h1", "deepspeed=ds_configs/zero3.json"),
-         "zb-h1 runs with ZeRO stages 0, 1, not zero_optimization.stage=3"),
+         "zb-h1 runs with ZeRO stages 0, 1, 2, not zero_optimization.stage=3"),
         (("parallel.pp=2", "parallel.virtual_stages=0"), "virtual_stages=0 must be >= 1"),
     ],
 )  # fmt: skip
