@@ -22,7 +22,23 @@ from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, Ste
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.stage import build_stage, tensor_parallel
 from dsnd.pipeline.tied import TiedWeights
+from dsnd.plan.plan import Plan
 from dsnd.tp import allreduce_partial_grads, vocab_parallel_cross_entropy
+
+
+def _check_same_plan(plan: Plan) -> None:
+    """Every rank resolved its plan alone; stop here if two differ (a measured partition read
+    from different caches on two hosts would otherwise hang at the first message)."""
+    mine = (plan.parts, plan.schedule, plan.chunks, plan.micro_batches)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(other != mine for other in every):
+        parts = sorted({str(list(o[0])) for o in every})
+        raise RuntimeError(
+            f"ranks resolved different plans (stage boundaries {', '.join(parts)}): with "
+            "parallel.partition: profile every host must read the same measurements (a log.dir "
+            "shared by all hosts, or dsnd launch, which measures once before the ranks start)"
+        )
 
 
 class StageRunner:
@@ -32,6 +48,7 @@ class StageRunner:
     def __init__(self, res: Resolved, groups: ProcessGroups, load_hf: bool = True) -> None:
         self.groups = groups
         plan, stage = res.plan, groups.coord.pp
+        _check_same_plan(plan)
         if plan.pp > 1:
             scope_zero3_trace_checks(groups.data)
         stack = build_stage(res, groups)

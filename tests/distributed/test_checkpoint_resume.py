@@ -3,7 +3,8 @@
 Same layout: 10 steps straight equal 5 steps, a save, a new `train` that resumes (auto) and 5
 more — float equality of every loss, gradient norm and learning rate, pp=2 x dp=2 at ZeRO-1
 and ZeRO-3. Reshape: a checkpoint saved at pp=2 x dp=2 ZeRO-3 step 5 resumed at pp=1 x dp=4
-(ZeRO-1), pp=4 x dp=1 (ZeRO-0) and tp=2 x pp=2 (ZeRO-3) continues the uninterrupted run within
+(ZeRO-1), pp=4 x dp=1 (ZeRO-0), tp=2 x pp=2 (ZeRO-3), interleaved 1F1B (two chunks per
+stage, ZeRO-1) and ZB-H1 (ZeRO-2) continues the uninterrupted run within
 1e-4 (the optimizer state moves too: without it the losses would differ from step 6 on).
 bf16 (ZeRO-0 and ZeRO-2) resumes exactly too.
 """
@@ -52,6 +53,23 @@ def test_resume_is_exact_and_reshapes(tmp_path):
             3,
             sets=(*PP2, "parallel.tp=2", "train.steps=10", f"checkpoint.resume={saved}"),
         ),  # fmt: skip
+        # onto the other schedules: two chunks per stage (layers regrouped), a split backward
+        case(
+            "to-interleaved-z1",
+            1,
+            sets=(
+                *PP2,
+                "parallel.schedule=interleaved-1f1b",
+                "parallel.virtual_stages=2",
+                "train.steps=10",
+                f"checkpoint.resume={saved}",
+            ),
+        ),
+        case(
+            "to-zb-h1-z2",
+            2,
+            sets=(*PP2, "parallel.schedule=zb-h1", "train.steps=10", f"checkpoint.resume={saved}"),
+        ),
     ]
     bf16 = (*PP2, "ds.bf16.enabled=true")
     got = run_cases(tmp_path, 4, [

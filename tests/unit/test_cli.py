@@ -159,6 +159,28 @@ def test_dry_run_json(capsys):
         "--module", "dsnd", "train", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
     ]  # fmt: skip
     assert plan["ranks"] == expected_rows([("localhost", 4)], pp=2, dp=1, tp=2)
+    assert plan["plan"]["parts"] == [0, 3, 7] and plan["plan"]["schedule"] == "1f1b"
+    # stage 0 of 1F1B at 8 micro-batches: one warm-up forward, then F/B pairs, then the step
+    assert plan["plan"]["programs"][0][:6] == ["F0", "send_act0", "F1", "send_act1",
+                                               "recv_grad0", "B0"]  # fmt: skip
+    assert plan["plan"]["programs"][0][-2:] == ["reduce", "step"]
+    assert plan["plan"]["bubble_unit_costs"] == pytest.approx(1 / 8)
+
+
+def test_dry_run_prints_the_plan_with_a_timeline_row_per_stage(capsys):
+    rc, out, err = run(
+        capsys, "launch", "--nprocs", "2", "--dry-run", "--set", "parallel.pp=2",
+        "--set", "parallel.schedule=interleaved-1f1b", "--set", "parallel.virtual_stages=2",
+    )  # fmt: skip
+    assert (rc, err) == (0, "")
+    plan = out[out.index("plan: ") :].splitlines()
+    assert plan[0] == ("plan: pp=2 dp=1 tp=1, ZeRO-0, schedule interleaved-1f1b x 2 chunks, "
+                       "8 micro-batches per step")  # fmt: skip
+    assert plan[1].startswith("  stage 0: layers 0..1, 3..3;")  # two chunks
+    rows = [line for line in plan if line.startswith("  stage ") and "layers" not in line]
+    assert [r.split(":")[0] for r in rows] == ["  stage 0", "  stage 1"]
+    assert rows[0].split(": ")[1].startswith("FFffF")  # micros 0-1 through chunk 0, then 1
+    assert rows[1].split(": ")[1].startswith(".")  # stage 1 waits for the first activation
 
 
 def test_dry_run_passes_an_absolute_config_path(capsys, tmp_path):
