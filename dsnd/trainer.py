@@ -32,7 +32,6 @@ from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.data.corpus import Corpus
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
-from dsnd.engine.build import zero_stage
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.model.count import layer_table
@@ -147,7 +146,7 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
              "ZeRO-%d over dp=%d, tp=%d", groups.coord.pp, res.topology.pp,
              list(engine.module.global_indices),
              f"{sum(counts[i] for i in engine.module.global_indices):,}",
-             f"{sum(counts.values()):,}", zero_stage(engine), res.topology.dp,
+             f"{sum(counts.values()):,}", res.plan.zero_stage, res.topology.dp,
              res.topology.tp)  # fmt: skip
     start = 0 if resume is None else _resume(engine, res, resume, corpus)
     return _Stage(runner, corpus, samples, held_out, root, start)
@@ -167,9 +166,10 @@ def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> int:
 
 
 def _log_start(res: Resolved, st: _Stage) -> None:
-    log.info("training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, batch %s",
-             res.model.describe(), st.corpus.name, len(st.samples), res.topology.pp,
-             res.topology.dp, res.topology.tp, zero_stage(st.runner.engine), res.batch)  # fmt: skip
+    log.info("training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, schedule %s, "
+             "batch %s", res.model.describe(), st.corpus.name, len(st.samples), res.topology.pp,
+             res.topology.dp, res.topology.tp, res.plan.zero_stage, res.plan.schedule,
+             res.batch)  # fmt: skip
     for note in deepspeed_notes(res.ds):
         log.warning(note)
 

@@ -123,14 +123,19 @@ class DsndPipeline:
         self.engine = self.runner.engine
         self.links = self.runner.links
         self._reduce_at = 0.0
+        self._clock_reduce()
+
+    def _clock_reduce(self) -> None:
+        """Note when the executor starts the gradient reduction: where the pipelined part of
+        the step (compute, messages, tied exchange) ends, which `StepResult` does not say."""
         table = self.runner.executor.table
         reduce = table[REDUCE]
 
-        def clocked_reduce(x: Instr, state: Any) -> None:
+        def clocked(x: Instr, state: Any) -> None:
             self._reduce_at = time.perf_counter()
             reduce(x, state)
 
-        table[REDUCE] = clocked_reduce  # notes when the pipelined part of a step ends
+        table[REDUCE] = clocked
 
     def step(self, micro: Batches) -> dict[str, Any]:
         """One optimizer step: the stage's own time (`stage_s`); its pipelined part (`pipe_s`:

@@ -12,7 +12,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsnd.plan.schedule import COMPUTE, Instr, StageRole, bubble, timeline
+from dsnd.plan.schedule import (
+    COMPUTE,
+    FORWARD,
+    RECVS,
+    SENDS,
+    Instr,
+    StageRole,
+    bubble,
+    timeline,
+)
 
 BENCH = "pipeline"
 WORLD = 2  # ranks: pp=2 x dp=1 for the pipeline, pp=1 x dp=2 for ZeRO
@@ -347,7 +356,7 @@ def zero_rows(raw: Mapping[str, Any]) -> list[Row]:
 
 BASELINE = "1f1b"
 # at m >= 2p the schedule's prediction at this machine's own F/B/I/W costs should hold to 15%:
-# what is left is messages and Python between instructions, which the prediction counts as free
+# what is left is message latency, which the prediction counts as free
 SCHEDULE_BUBBLE_TARGET = Target.at_most(1.15)
 SCHEDULE_THROUGHPUT_TARGET = Target.at_least(1.0)
 UNIT_DIVISOR = {"1f1b": "1", "gpipe": "1", "interleaved-1f1b": "v", "zb-h1": "3"}
@@ -360,28 +369,25 @@ def unit_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (divisor * m)
 
 
-def measured_bubble(
-    stage_s: Sequence[float], wait_s: Sequence[float], optimizer_s: Sequence[float]
-) -> float:
-    """The bubble of one measured step, defined as `bubble()` defines it on a timeline:
-    (makespan - busy) / busy of the busiest stage.
+def measured_bubble(span_s: Sequence[float], wait_s: Sequence[float]) -> float:
+    """The bubble of one measured step, as `bubble()` defines it on a timeline: (makespan -
+    busy) / busy of the busiest stage.
 
-    Stage s ran `stage_s[s]` seconds from a common barrier, `wait_s[s]` of them blocked in
-    receives (`pipeline_wait`) and `optimizer_s[s]` in the optimizer step. The step is left
-    out: the timeline ends at the last compute instruction, and a stage whose pipeline work
-    ends first waits for the others inside the step's collectives (the gradient norm), which
-    would count its drain as busy time. So stage s spans ``stage_s - optimizer_s`` and is busy
-    (computing, sending, reducing) for that span less its receive waits; makespan = the longest
-    span, busy = the largest busy time. With the stages' ends aligned this is the busiest
-    stage's ``pipeline_wait / (stage time - pipeline_wait)``.
+    `span_s[s]` is stage s's pipelined part (`pipe_s`: from the step's common barrier to the
+    start of its gradient reduction, after its last compute instruction, message and tied
+    exchange; the reduction and the optimizer step are outside the timeline, and a stage that
+    ends first waits for the others inside the step's collectives), `wait_s[s]` the seconds of
+    it blocked in receives (`pipeline_wait`). Stage s is busy for ``span - wait`` (computing,
+    and sending: a send is the sender's work); makespan = the longest span, busy = the
+    largest busy time. With the spans' ends aligned this is the busiest stage's
+    ``pipeline_wait / (span - pipeline_wait)``.
     """
-    if not len(stage_s) == len(wait_s) == len(optimizer_s) or not stage_s:
-        raise ValueError("need one stage time, wait and optimizer time per stage")
-    spans = [t - o for t, o in zip(stage_s, optimizer_s, strict=True)]
-    busy = max(span - w for span, w in zip(spans, wait_s, strict=True))
+    if len(span_s) != len(wait_s) or not span_s:
+        raise ValueError("need one span and one wait time per stage")
+    busy = max(span - wait for span, wait in zip(span_s, wait_s, strict=True))
     if busy <= 0:
         raise ValueError(f"busy time must be > 0, got {busy}")
-    return (max(spans) - busy) / busy
+    return (max(span_s) - busy) / busy
 
 
 def plan_programs(plan: Mapping[str, Any]) -> tuple[list[list[Instr]], list[StageRole]]:
@@ -399,21 +405,28 @@ def op_counts(program: Sequence[Instr]) -> dict[str, int]:
     return counts
 
 
-def op_costs(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Measured seconds of one compute instruction (of one chunk) per kind F/B/I/W: per
-    repetition, each stage's `op_seconds[op]` / its count of `op` instructions, the mean over
-    the stages that run `op`; then the median over the repetitions `runs`."""
+def stage_op_costs(
+    plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]
+) -> list[dict[str, float]]:
+    """Per stage, measured seconds of one compute instruction (of one chunk) of each kind it
+    runs: its `op_seconds[op]` / its count of `op` instructions, median over `runs`."""
     counts = [op_counts(program) for program in plan_programs(plan)[0]]
-    kinds = sorted({op for c in counts for op in c}, key=COMPUTE.index)
-    cost = {}
-    for op in kinds:
-        per_rep = []
-        for run in runs:
-            per_stage = [ops.get(op, 0.0) / c[op] for ops, c in zip(run["ops"], counts, strict=True)
-                         if op in c]  # fmt: skip
-            per_rep.append(sum(per_stage) / len(per_stage))
-        cost[op] = median(per_rep)
-    return cost
+    return [
+        {op: median(run["ops"][s].get(op, 0.0) / n for run in runs) for op, n in c.items()}
+        for s, c in enumerate(counts)
+    ]
+
+
+def op_costs(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Seconds of one compute instruction per kind, for the timeline: `stage_op_costs` averaged
+    over the stages that run the kind."""
+    per_stage = stage_op_costs(plan, runs)
+    kinds = sorted({op for costs in per_stage for op in costs}, key=COMPUTE.index)
+    return {
+        op: sum(costs[op] for costs in per_stage if op in costs)
+        / sum(op in costs for costs in per_stage)
+        for op in kinds
+    }
 
 
 def predicted_bubble(plan: Mapping[str, Any], cost: Mapping[str, float]) -> float:
@@ -428,8 +441,45 @@ def compute_seconds(run: Mapping[str, Any]) -> float:
     return sum(sum(ops.values()) for ops in run["ops"])
 
 
-def _ms(cost: Mapping[str, float]) -> str:
-    return ", ".join(f"{op} {seconds * 1e3:.2f} ms" for op, seconds in cost.items())
+def per_micro_batch(runs: Sequence[Mapping[str, Any]], m: int) -> list[tuple[float, float]]:
+    """Per stage, (forward, backward) seconds per micro-batch over all its chunks (backward: B,
+    or I + W), medians over `runs`."""
+    stages = range(len(runs[0]["ops"]))
+    return [
+        (
+            median(run["ops"][s].get(FORWARD, 0.0) / m for run in runs),
+            median(sum(t for op, t in run["ops"][s].items() if op != FORWARD) / m for run in runs),
+        )
+        for s in stages
+    ]
+
+
+def messages(plan: Mapping[str, Any]) -> list[int]:
+    """Per stage, the sends and receives of its program."""
+    return [sum(x.op in SENDS + RECVS for x in program) for program in plan_programs(plan)[0]]
+
+
+STEP_PARTS = ("compute", "receive waits", "messages and dispatch", "reduce, optimizer, loss")
+
+
+def step_parts(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Where the busiest stage's step goes (`STEP_PARTS`, seconds, medians over `runs`): its
+    compute instructions, receive waits, the rest of its pipelined part (posting messages,
+    the executor between instructions), and what follows (the gradient reduction, the
+    optimizer step and sharing the loss)."""
+    parts: dict[str, list[float]] = {part: [] for part in STEP_PARTS}
+    for run in runs:
+        busy = [span - wait for span, wait in zip(run["pipe_s"], run["wait_s"], strict=True)]
+        s = busy.index(max(busy))
+        compute = sum(run["ops"][s].values())
+        values = (compute, run["wait_s"][s], busy[s] - compute, run["step_s"][s] - run["pipe_s"][s])
+        for part, value in zip(STEP_PARTS, values, strict=True):
+            parts[part].append(value)
+    return {part: median(values) for part, values in parts.items()}
+
+
+def _ms(costs: Mapping[str, float]) -> str:
+    return ", ".join(f"{op} {seconds * 1e3:.2f}" for op, seconds in costs.items()) + " ms"
 
 
 def _bubble_rows(
@@ -437,9 +487,10 @@ def _bubble_rows(
     runs: Sequence[Mapping[str, Any]], target: Target | None, why: str,
 ) -> list[Row]:  # fmt: skip
     p, m, v = layout["pp"], layout["micro_batches"], plan["virtual_stages"]
-    measured = median(measured_bubble(r["stage_s"], r["wait_s"], r["optimizer_s"]) for r in runs)
+    measured = median(measured_bubble(run["pipe_s"], run["wait_s"]) for run in runs)
     cost = op_costs(plan, runs)
     theory = predicted_bubble(plan, cost)
+    per_stage = "; ".join(f"stage {s}: {_ms(c)}" for s, c in enumerate(stage_op_costs(plan, runs)))
     divisor = UNIT_DIVISOR[name]
     unit_text = f"(p-1)/({divisor}m)" if divisor != "1" else "(p-1)/m"
     shape = f"p={p}, m={m}" + (f", v={v}" if v > 1 else "")
@@ -448,12 +499,12 @@ def _bubble_rows(
             f"{prefix}{name}_bubble_ratio",
             measured / theory,
             target,
-            f"measured bubble of {name} at {shape} "
-            "((makespan - busy) / busy of the busiest stage, receive waits as idle, the "
-            f"optimizer step left out; median of {len(runs)} repetitions) / the schedule's "
-            "timeline at this machine's measured per-instruction costs "
-            f"({_ms(cost)}; median over repetitions of the mean over stages), messages "
-            f"free{why}",
+            f"measured bubble of {name} at {shape}, {layout['model']} with {layout['layers']} "
+            "blocks ((makespan - busy) / busy of the busiest stage over the pipelined part of "
+            f"the step, receive waits as idle; median of {len(runs)} repetitions) / the "
+            "schedule's timeline at this machine's measured costs per instruction "
+            f"({_ms(cost)}: the mean over stages of {per_stage}; medians over repetitions), "
+            f"messages free{why}",
         ),
         Row(f"{prefix}{name}_bubble_measured", measured),
         Row(f"{prefix}{name}_bubble_theory", theory),
@@ -461,19 +512,31 @@ def _bubble_rows(
             f"{prefix}{name}_bubble_theory_unit",
             unit_bubble(name, p, m, v),
             note=f"{unit_text} at {shape}: the timeline at F = I = W = 1, B = 2",
-        ),  # fmt: skip
+        ),
     ]
+
+
+def _parts_text(parts: Mapping[str, float]) -> str:
+    return " + ".join(f"{part} {seconds * 1e3:.1f}" for part, seconds in parts.items()) + " ms"
 
 
 def _versus_baseline_rows(
     name: str, layout: Mapping[str, Any], reps: Sequence[Mapping[str, Any]],
-    first: Mapping[str, Any],
+    first: Mapping[str, Any], plans: Mapping[str, Any],
 ) -> list[Row]:  # fmt: skip
     """Throughput, compute and first-step loss of schedule `name` against 1F1B's."""
     ours = [max(rep["runs"][name]["step_s"]) for rep in reps]
     base = [max(rep["runs"][BASELINE]["step_s"]) for rep in reps]
     compute = median(compute_seconds(rep["runs"][name]) / compute_seconds(rep["runs"][BASELINE])
                      for rep in reps)  # fmt: skip
+    runs = {s: [rep["runs"][s] for rep in reps] for s in (name, BASELINE)}
+    parts = {s: step_parts(runs[s]) for s in runs}
+    micro = {s: per_micro_batch(runs[s], layout["micro_batches"]) for s in runs}
+    per_stage = "; ".join(
+        f"stage {s}: {f * 1e3:.2f} / {b * 1e3:.2f} vs {bf * 1e3:.2f} / {bb * 1e3:.2f}"
+        for s, ((f, b), (bf, bb)) in enumerate(zip(micro[name], micro[BASELINE], strict=True))
+    )
+    sent = {s: messages(plans[s]) for s in runs}
     tokens = layout["tokens_per_step"]
     loss, base_loss = first["runs"][name]["loss"], first["runs"][BASELINE]["loss"]
     return [
@@ -485,14 +548,17 @@ def _versus_baseline_rows(
             f"({tokens / median(base):.0f}), same model, weights, samples and ZeRO-1 JSON, "
             f"pp={layout['pp']}, m={layout['micro_batches']} on {layout['ranks']} ranks; median "
             f"of {len(reps)} paired repetitions in rotating order after {layout['warmup']} "
-            "warm-up",
+            f"warm-up. Busiest stage's step: {name} {_parts_text(parts[name])}; 1F1B "
+            f"{_parts_text(parts[BASELINE])}. Sends and receives per stage: {sent[name]} vs "
+            f"1F1B's {sent[BASELINE]}",
         ),
         Row(
             f"{name}_compute_vs_1f1b",
             compute,
             note="F/B/I/W seconds per step summed over stages / 1F1B's (median of paired "
             "repetitions): above 1, the schedule's instructions cost more than 1F1B's for the "
-            "same work (smaller or split ops), which its smaller bubble has to pay for",
+            "same work (smaller or split ops), which its smaller bubble has to pay for. Forward / "
+            f"backward ms per micro-batch, {name} vs 1F1B: {per_stage}",
         ),
         Row(
             f"{name}_first_step_loss_rel_diff",
@@ -506,20 +572,19 @@ def _versus_baseline_rows(
 def schedule_rows(section: Mapping[str, Any], prefix: str = "", compare: bool = True) -> list[Row]:
     """Rows of one schedule phase (`raw["schedules"]`, or `raw["pp4"]` with prefix "pp4_").
 
-    With `compare`, every schedule's throughput, compute and first-step loss against 1F1B and a
-    bubble target; without (ranks sharing cores, where a rank's compute slows whenever more
-    ranks run than there are cores), the bubbles only, for context.
+    With `compare`, every schedule's throughput, compute and first-step loss against 1F1B, and
+    a bubble target at m >= 2p; without (ranks sharing cores, where a rank's compute slows
+    whenever more ranks run than there are cores), the bubbles only, for context.
     """
     reps, layout = timed(section), section["layout"]
     p, m = layout["pp"], layout["micro_batches"]
     target = SCHEDULE_BUBBLE_TARGET if compare and m >= 2 * p else None
-    why = "" if compare else (
-        f"; {layout['ranks']} ranks share {layout.get('cores', '?')} cores here, so no target"
-    )  # fmt: skip
+    why = "" if compare else f"; {layout['ranks']} ranks share {layout['cores']} cores, no target"
     rows = []
     for name, plan in section["plans"].items():
         if compare and name != BASELINE:
-            rows += _versus_baseline_rows(name, layout, reps, section["reps"][0])
+            rows += _versus_baseline_rows(name, layout, reps, section["reps"][0],
+                                          section["plans"])  # fmt: skip
         runs = [rep["runs"][name] for rep in reps]
         rows += _bubble_rows(name, prefix, layout, plan, runs, target, why)
     return rows

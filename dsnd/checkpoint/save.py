@@ -72,7 +72,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
             "dp": res.topology.dp,
             "world_size": res.topology.world_size,
         },  # fmt: skip
-        "zero_stage": engine.zero_optimization_stage(),
+        "zero_stage": res.plan.zero_stage,
         "parts": list(res.plan.parts),
         "model": res.model.manifest(),
         "versions": {

@@ -23,7 +23,7 @@ class ProcessGroups:
     pipe: dist.ProcessGroup  # the stages of one pipeline (same dp, tp)
     data: dist.ProcessGroup  # replicas of this rank's shard (same pp, tp): ZeRO shards here
     tensor: dist.ProcessGroup  # the tensor-parallel peers of this rank (same pp, dp)
-    model: dist.ProcessGroup  # one full model replica: every pp x tp rank of this dp index
+    replica: dist.ProcessGroup  # one full model replica: every pp x tp rank of this dp index
 
     @property
     def is_last_stage(self) -> bool:
@@ -52,5 +52,5 @@ def build_groups(topology: Topology) -> ProcessGroups:
         pipe=_own_group(topology.groups("pipe"), rank),
         data=_own_group(topology.groups("data"), rank),
         tensor=_own_group(topology.groups("model"), rank),
-        model=_own_group(topology.model_parallel_groups(), rank),
+        replica=_own_group(topology.model_parallel_groups(), rank),
     )

@@ -36,7 +36,7 @@ class Mpu:
 
     # model parallel: one replica (pipe x tensor) for norms; rank = tensor rank (see above)
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups.model
+        return self.groups.replica
 
     def get_model_parallel_rank(self) -> int:
         return self.groups.coord.tp

@@ -3,10 +3,16 @@
 It imports torch and DeepSpeed only, and any other part of dsnd may import it. A DeepSpeed
 upgrade is a read of this package. Elsewhere dsnd uses DeepSpeed's public API only:
 `deepspeed.initialize` (here), `deepspeed.zero.Init` / `GatheredParameters`,
-`deepspeed.pipe.LayerSpec` / `TiedLayerSpec`, and the engine's methods `backward`, `step`,
-`coalesce_grad_reduction`, `zero_optimization_stage`, `bfloat16_enabled`, `module`, `device`.
+`deepspeed.pipe.LayerSpec` / `TiedLayerSpec`, and the engine's `bfloat16_enabled`, `module`,
+`device`, `optimizer.param_groups`, `lr_scheduler`, `get_global_grad_norm`, `destroy`.
+The step itself (forward, backward, reduction, optimizer step) goes through `stage_engine`.
 
 Modules and the private (or `deepspeed.runtime`) names each touches, with why:
+- `stage_engine`: the engine's `coalesce_grad_reduction`, `set_gradient_accumulation_boundary`,
+  `allreduce_gradients`, `gradient_accumulation_steps`, `zero_optimization_stage`, `backward`,
+  `step` (public methods, in the order a pipeline step needs them), and torch's private
+  `torch.distributed.pipelining._backward.stage_backward_input` / `stage_backward_weight` for
+  the split backward of zero-bubble schedules (torch's own implementation, not a copy).
 - `build`: `deepspeed.runtime.utils.is_model_parallel_parameter`, the rule DeepSpeed's own
   gradient norm uses to count a tensor-parallel-replicated parameter once.
 - `compat`: `assert_ints_same_as_other_ranks` as imported into `deepspeed.runtime.zero.utils`,

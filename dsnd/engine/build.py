@@ -28,10 +28,6 @@ def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list
     return engine
 
 
-def zero_stage(engine) -> int:
-    return engine.zero_optimization_stage()
-
-
 def replica_grad_norm(module: nn.Module, group: dist.ProcessGroup, tp_rank: int) -> float:
     """L2 norm of the full gradients of one model replica, summed over `group` (its stages and
     tensor-parallel ranks).

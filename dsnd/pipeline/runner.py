@@ -69,7 +69,7 @@ class StageRunner:
                            vocab_size=res.model.vocab_size)  # fmt: skip
             params = list(self.engine.module.parameters())
             math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
-        stage_engine = StageEngine(self.engine, groups.model, groups.coord.tp)
+        stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp)
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
                                  self.tied)  # fmt: skip
 

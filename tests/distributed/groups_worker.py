@@ -50,7 +50,7 @@ def check_layout(pp: int, tp: int) -> dict:
             "data": ranks_of(groups.data),
             "tensor": ranks_of(groups.tensor),
             "pipe": ranks_of(groups.pipe),
-            "model": ranks_of(groups.model),
+            "model": ranks_of(groups.replica),
             "mpu_data": ranks_of(mpu.get_data_parallel_group()),
             "mpu_model": ranks_of(mpu.get_model_parallel_group()),
             "mpu_pipe": ranks_of(mpu.get_pipe_parallel_group()),

@@ -5,19 +5,23 @@ No processes: the rank program's raw JSON is built by hand here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from dsnd import cli
 from dsnd.bench import results as r
+from dsnd.commands.bench import pp4_reps
 from dsnd.engine.memory import claim_bytes
 from dsnd.plan.schedule import (
     BACKWARD,
     FORWARD,
+    UNIT_COST,
     Instr,
     StageRole,
     bubble,
+    compute_order,
     one_f_one_b,
     program,
     timeline,
@@ -276,3 +280,193 @@ def test_bench_cli_refuses_bad_numbers_before_starting_ranks(capsys, argv, messa
 def test_bench_cli_knows_only_the_pipeline_bench(capsys):
     assert cli.main(["bench", "nothing"]) == 2
     assert "invalid choice: 'nothing'" in capsys.readouterr().err
+
+
+# --- schedules against 1F1B (raw["schedules"], raw["pp4"]) ----------------------------------
+
+
+def _plan(name: str, p: int, m: int, v: int = 1) -> dict:
+    """A schedule's plan as the rank program records it (`pipeline_rank.plan_record`)."""
+    roles = [StageRole(s, p, v) for s in range(p)]
+    programs = [program(compute_order(name, p, s, m, v), roles[s]) for s in range(p)]
+    return {
+        "virtual_stages": v,
+        "programs": [[[x.op, x.micro, x.chunk] for x in prog] for prog in programs],
+        "roles": [dataclasses.asdict(role) for role in roles],
+    }
+
+
+def _run(step: float, pipe: list[float], wait: list[float], ops: list[dict],
+         loss: float = 5.0) -> dict:  # fmt: skip
+    """One schedule's step as the rank program merges it: per-rank lists, one loss."""
+    return {"stage_s": [step] * 2, "step_s": [step] * 2, "pipe_s": pipe, "wait_s": wait,
+            "optimizer_s": [0.0] * 2, "times": [{}] * 2, "ops": ops, "loss": loss}  # fmt: skip
+
+
+ONE_F_ONE_B_OPS = [{"F": 0.5, "B": 1.0}] * 2  # 4 micro-batches: F 0.125 s, B 0.25 s
+ZB_OPS = [{"F": 0.5, "I": 0.25, "W": 0.25}] * 2  # F 0.125 s, I = W = 0.0625 s
+
+
+def _section(pp4: bool = False) -> dict:
+    """p=2, m=4: a warm-up repetition (left out) and two timed ones of 1F1B and ZB-H1."""
+    base = {"1f1b": (9.0, [9.0, 9.0], [0.0, 0.0], ONE_F_ONE_B_OPS),
+            "zb-h1": (0.1, [9.0, 9.0], [0.0, 0.0], ZB_OPS)}  # fmt: skip
+    warm = {"1f1b": _run(*base["1f1b"], loss=5.0), "zb-h1": _run(*base["zb-h1"], loss=5.00025)}
+    timed = [
+        {"1f1b": _run(1.25, [1.0, 0.875], [0.25, 0.125], ONE_F_ONE_B_OPS),
+         "zb-h1": _run(1.0, [1.125, 1.0], [0.25, 0.0], ZB_OPS)},
+        {"1f1b": _run(1.5, [1.0, 0.875], [0.25, 0.125], ONE_F_ONE_B_OPS),
+         "zb-h1": _run(1.25, [1.125, 1.0], [0.25, 0.0], ZB_OPS)},
+    ]  # fmt: skip
+    reps = [{"rep": i, "timed": i > 0, "order": list(runs), "runs": runs}
+            for i, runs in enumerate([warm, *timed])]  # fmt: skip
+    return {
+        "layout": {
+            "pp": 2,
+            "micro_batches": 4,
+            "tokens_per_step": 1024,
+            "warmup": 1,
+            "ranks": 4 if pp4 else 2,
+            "cores": 2,
+            "model": "preset llama-tiny",
+            "layers": 4,
+        },  # fmt: skip
+        "plans": {"1f1b": _plan("1f1b", 2, 4), "zb-h1": _plan("zb-h1", 2, 4)},
+        "reps": reps,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v", "want"),
+    [("1f1b", 2, 8, 1, 1 / 8), ("gpipe", 4, 8, 1, 3 / 8), ("interleaved-1f1b", 2, 8, 2, 1 / 16),
+     ("interleaved-1f1b", 4, 8, 2, 3 / 16), ("zb-h1", 2, 8, 1, 1 / 24), ("zb-h1", 4, 8, 1, 1 / 8)],
+)  # fmt: skip
+def test_unit_bubble_is_the_timeline_at_unit_costs(name, p, m, v, want):
+    assert r.unit_bubble(name, p, m, v) == pytest.approx(want)
+    cost = {op: c / v for op, c in UNIT_COST.items()}
+    assert r.predicted_bubble(_plan(name, p, m, v), cost) == pytest.approx(want)
+
+
+def test_measured_bubble_is_idle_over_busy_of_the_busiest_stage():
+    # stage 0 spans 1.0 s, 0.25 of it waiting: busy 0.75; stage 1 busy 0.875 - 0.125 = 0.75
+    assert r.measured_bubble([1.0, 0.875], [0.25, 0.125]) == pytest.approx(1 / 3)
+    # the busiest stage (1.0 s busy) sets the denominator, the longest span the makespan
+    assert r.measured_bubble([1.125, 1.0], [0.25, 0.0]) == pytest.approx(0.125)
+    assert r.measured_bubble([2.0], [0.0]) == 0.0
+    with pytest.raises(ValueError):
+        r.measured_bubble([1.0, 1.0], [0.0])
+    with pytest.raises(ValueError):
+        r.measured_bubble([0.5], [0.5])
+
+
+def test_per_instruction_costs_from_op_seconds():
+    plan = _plan("zb-h1", 2, 4)
+    assert [r.op_counts(p) for p in r.plan_programs(plan)[0]] == [{"F": 4, "I": 4, "W": 4}] * 2
+    runs = [_run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 0.5, "I": 0.0, "W": 1.0},
+                                                {"F": 1.0, "I": 0.5, "W": 0.5}]),
+            _run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 1.5, "I": 0.0, "W": 1.0},
+                                                {"F": 1.0, "I": 0.5, "W": 0.5}]),
+            _run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 2.5, "W": 1.0},
+                                                {"F": 1.0, "I": 0.5, "W": 0.5}])]  # fmt: skip
+    # medians over runs per stage (stage 0's F: 0.5, 1.5, 2.5 -> 1.5 over 4 forwards)
+    assert r.stage_op_costs(plan, runs) == [{"F": 0.375, "I": 0.0, "W": 0.25},
+                                            {"F": 0.25, "I": 0.125, "W": 0.125}]  # fmt: skip
+    assert r.op_costs(plan, runs) == {"F": 0.3125, "I": 0.0625, "W": 0.1875}
+    assert r.compute_seconds(runs[0]) == 3.5
+    assert r.per_micro_batch(runs, 4) == [(0.375, 0.25), (0.25, 0.25)]
+    assert r.messages(plan) == [8, 8]
+    assert r.messages(_plan("interleaved-1f1b", 2, 4, 2)) == [24, 24]
+
+
+def test_predicted_bubble_at_measured_costs():
+    # ZB-H1, p=2, m=2, I twice F and W: stage 0  F F . . I I W I I W, stage 1  . F I I F I I W W
+    assert r.predicted_bubble(_plan("zb-h1", 2, 2), {"F": 1.0, "I": 2.0, "W": 1.0}) == 0.25
+    # 1F1B's bubble is (p-1)/m whatever F and B cost
+    assert r.predicted_bubble(_plan("1f1b", 2, 4), {"F": 1.0, "B": 3.0}) == 0.25
+
+
+def test_step_parts_of_the_busiest_stage():
+    runs = [_run(1.0, [1.125, 1.0], [0.25, 0.0], ZB_OPS),
+            _run(1.25, [1.125, 1.0], [0.25, 0.0], [ZB_OPS[0], {"F": 0.5, "I": 0.25}])]  # fmt: skip
+    # stage 1 is the busiest (1.0 s); it computes 1.0 s, then 0.75 s, the rest is messages
+    assert r.step_parts(runs) == {"compute": 0.875, "receive waits": 0.0,
+                                  "messages and dispatch": 0.125,
+                                  "reduce, optimizer, loss": 0.125}  # fmt: skip
+
+
+def test_schedule_rows_against_1f1b():
+    rows = {row.metric: row for row in r.schedule_rows(_section())}
+    assert list(rows) == [
+        "1f1b_bubble_ratio", "1f1b_bubble_measured", "1f1b_bubble_theory",
+        "1f1b_bubble_theory_unit", "zb-h1_throughput_vs_1f1b", "zb-h1_compute_vs_1f1b",
+        "zb-h1_first_step_loss_rel_diff", "zb-h1_bubble_ratio", "zb-h1_bubble_measured",
+        "zb-h1_bubble_theory", "zb-h1_bubble_theory_unit",
+    ]  # fmt: skip
+    # 1F1B: busy 0.75 of a 1.0 s makespan -> 1/3, against (p-1)/m = 1/4 -> 4/3, over 1.15
+    assert rows["1f1b_bubble_measured"].value == pytest.approx(1 / 3)
+    assert rows["1f1b_bubble_theory"].value == pytest.approx(0.25)
+    assert rows["1f1b_bubble_ratio"].value == pytest.approx(4 / 3)
+    assert rows["1f1b_bubble_ratio"].met is False
+    assert rows["1f1b_bubble_ratio"].target.text == "<= 1.15"
+    # ZB-H1: 0.125 measured; at F 0.125, I = W = 0.0625 s the timeline predicts 0.125
+    assert rows["zb-h1_bubble_measured"].value == pytest.approx(0.125)
+    assert rows["zb-h1_bubble_theory"].value == pytest.approx(0.125)
+    assert rows["zb-h1_bubble_ratio"].value == pytest.approx(1.0)
+    assert rows["zb-h1_bubble_ratio"].met is True
+    assert rows["zb-h1_bubble_theory_unit"].value == pytest.approx(1 / 12)
+    assert rows["zb-h1_bubble_theory_unit"].target is None
+    # paired step times 1.25 / 1.0 and 1.5 / 1.25 -> median of 1.25 and 1.2 (warm-up left out)
+    assert rows["zb-h1_throughput_vs_1f1b"].value == pytest.approx(1.225)
+    assert rows["zb-h1_throughput_vs_1f1b"].met is True
+    assert rows["zb-h1_compute_vs_1f1b"].value == pytest.approx(2 / 3)  # 2.0 s of 3.0 s
+    assert rows["zb-h1_first_step_loss_rel_diff"].value == pytest.approx(5e-5)
+    assert rows["zb-h1_first_step_loss_rel_diff"].met is True
+    note = rows["zb-h1_throughput_vs_1f1b"].note
+    assert "tokens/s of zb-h1 (910) / dsnd 1F1B's (745)" in note
+    assert "Sends and receives per stage: [8, 8] vs 1F1B's [8, 8]" in note
+    assert "zb-h1 compute 1000.0 + receive waits 0.0 + messages and dispatch 0.0" in note
+    assert "F 125.00, I 62.50, W 62.50 ms: the mean over stages" in rows["zb-h1_bubble_ratio"].note
+    assert "stage 1: 125.00 / 125.00 vs 125.00 / 250.00" in rows["zb-h1_compute_vs_1f1b"].note
+
+
+def test_schedule_rows_without_a_bubble_target_below_two_micro_batches_per_stage():
+    section = _section()
+    section["layout"]["micro_batches"] = 3  # m < 2p (the numbers themselves do not change)
+    rows = {row.metric: row for row in r.schedule_rows(section)}
+    assert rows["zb-h1_bubble_ratio"].target is None
+    assert rows["zb-h1_throughput_vs_1f1b"].target is not None
+
+
+def test_pp4_rows_are_bubbles_only_without_targets():
+    rows = r.schedule_rows(_section(pp4=True), prefix="pp4_", compare=False)
+    assert [row.metric for row in rows] == [
+        f"pp4_{name}_bubble_{what}" for name in ("1f1b", "zb-h1")
+        for what in ("ratio", "measured", "theory", "theory_unit")
+    ]  # fmt: skip
+    assert all(row.target is None for row in rows)
+    assert rows[0].value == pytest.approx(4 / 3)
+    assert rows[0].note.endswith("; 4 ranks share 2 cores, no target")
+
+
+def test_pipeline_rows_put_the_schedule_phases_between_bubble_and_zero_rows():
+    raw = _raw(ours=[9.0, 1.0, 1.0, 2.0], theirs=[9.0, 1.5, 2.0, 2.0])
+    plain = [row.metric for row in r.pipeline_rows(raw)]
+    raw["schedules"], raw["pp4"] = _section(), _section(pp4=True)
+    metrics = [row.metric for row in r.pipeline_rows(raw)]
+    cut = plain.index("bubble_fraction_theory") + 1
+    schedules = [row.metric for row in r.schedule_rows(raw["schedules"])]
+    pp4 = [row.metric for row in r.schedule_rows(raw["pp4"], prefix="pp4_", compare=False)]
+    assert metrics == plain[:cut] + schedules + pp4 + plain[cut:]
+
+
+def test_schedule_rows_in_the_table():
+    rows = r.schedule_rows(_section())[4:5] + r.schedule_rows(_section(pp4=True), "pp4_", False)[:1]
+    lines = r.format_table(rows).split("\n")
+    assert lines[1].split() == ["pipeline", "zb-h1_throughput_vs_1f1b", "1.225", ">=", "1", "yes"]
+    assert lines[2].split() == ["pipeline", "pp4_1f1b_bubble_ratio", "1.333", "-", "-"]
+    assert lines[4].startswith("notes:") and lines[5].startswith("  zb-h1_throughput_vs_1f1b: ")
+
+
+def test_pp4_phase_runs_a_quarter_of_the_repetitions():
+    assert pp4_reps(40, 10) == (10, 3)
+    assert pp4_reps(2, 0) == (1, 0)
