@@ -100,11 +100,25 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--json", action="store_true", help="with --dry-run: machine-readable")
 
     bench = sub.add_parser("bench", help="measure dsnd against DeepSpeed (a benchmark, not a test)")
-    bench.add_argument("name", choices=("pipeline",), help="which benchmark")
+    bench.add_argument(
+        "name",
+        choices=("pipeline", "partition"),
+        help="pipeline: dsnd's pipeline, schedules and ZeRO against DeepSpeed's; partition: "
+        "parallel.partition profile against parameters on a large-vocabulary model at pp=4",
+    )
     bench.add_argument("--steps", type=int, default=40, help="timed repetitions per side")
     bench.add_argument("--warmup", type=int, default=10, help="untimed repetitions first")
     bench.add_argument("--micro-batches", type=int, default=8, help="gradient accumulation steps")
     bench.add_argument("--json", action="store_true", help="one JSON object per metric line")
+    bench.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="partition only: override a run key of both runs, e.g. model.num_layers=8 "
+        "(repeatable)",
+    )
 
     data = sub.add_parser("data", help="prepare a pre-tokenized corpus")
     data_what = data.add_subparsers(dest="data_command", required=True)

@@ -254,11 +254,6 @@ def schedule_section(runs: dict[str, Resolved], per_rank: list[list[dict[str, An
                      warmup: int) -> dict[str, Any]:  # fmt: skip
     """The raw JSON of a schedule phase: layout, each schedule's plan, merged repetitions."""
     base = runs[BASELINE]
-    reps = []
-    for records in zip(*per_rank, strict=True):
-        rep = {k: records[0][k] for k in ("rep", "timed", "order")}
-        rep["runs"] = {name: _per_rank([r["runs"][name] for r in records]) for name in runs}
-        reps.append(rep)
     return {
         "layout": {
             "pp": base.topology.pp,
@@ -271,8 +266,18 @@ def schedule_section(runs: dict[str, Resolved], per_rank: list[list[dict[str, An
             "layers": base.model.num_layers,
         },  # fmt: skip
         "plans": {name: plan_record(res) for name, res in runs.items()},
-        "reps": reps,
+        "reps": merge_runs(list(runs), per_rank),
     }
+
+
+def merge_runs(names: list[str], per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per repetition of runs taking turns, each run's numbers as per-rank lists."""
+    reps = []
+    for records in zip(*per_rank, strict=True):
+        rep = {k: records[0][k] for k in ("rep", "timed", "order")}
+        rep["runs"] = {name: _per_rank([r["runs"][name] for r in records]) for name in names}
+        reps.append(rep)
+    return reps
 
 
 def zero_state(res: Resolved) -> dict[str, int]:

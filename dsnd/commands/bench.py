@@ -1,4 +1,5 @@
-"""``dsnd bench pipeline``: measure dsnd's pipeline, its schedules and ZeRO on this machine.
+"""``dsnd bench pipeline | partition``: measure dsnd's pipeline, its schedules, ZeRO and its
+measured partition on this machine.
 
 A benchmark, not a test: it prints each metric with its target and whether the target was met,
 and exits 0 whenever the measurement itself ran. It starts its own gloo ranks (one thread each,
@@ -7,6 +8,11 @@ loopback), which run `dsnd.bench.pipeline_rank`: first 2 ranks (dsnd against Dee
 schedules' bubbles at pp=4, with fewer repetitions: 4 ranks share this machine's cores). Rank 0
 of each writes its raw numbers to a temporary JSON that this process turns into rows
 (`dsnd.bench.results`).
+
+``dsnd bench partition`` compares ``parallel.partition: profile`` with ``parameters`` on a model
+with a large vocabulary head at pp=4: it measures the profile here (`measure_profile`), then
+runs `dsnd.bench.partition_rank` on 4 ranks, which step both layouts in turn and report each
+stage's forward and backward compute.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 
 from dsnd.errors import UserError
 
 RANK_MODULE = "dsnd.bench.pipeline_rank"
+PARTITION_MODULE = "dsnd.bench.partition_rank"
 TIMEOUT_S = 1200  # per phase
 PP4_SHARE = 4  # the pp=4 phase runs 1/4 of the repetitions
+PARTITION_SHARE = 2  # the partition bench runs 1/2 of them, each a step of both layouts
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -31,41 +40,90 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")
     if args.micro_batches < 1:
         raise UserError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if getattr(args, "sets", None) and args.name != "partition":
+        raise UserError(f"--set applies to dsnd bench partition, not {args.name}")
 
 
-def _phase(name: str, world: int, out: str, args: argparse.Namespace, steps: int,
-           warmup: int) -> dict:  # fmt: skip
-    """Run one phase of the rank program on `world` ranks; its raw JSON."""
+def _ranks(module: str, world: int, out: str, steps: int, warmup: int, micro_batches: int,
+           extra: Sequence[str] = ()) -> dict:  # fmt: skip
+    """Run rank program `module` on `world` ranks; the raw JSON its rank 0 wrote to `out`."""
     from dsnd.launch.local_ranks import run_ranks
 
-    argv = ["-m", RANK_MODULE, out, "--phase", name, "--steps", str(steps), "--warmup",
-            str(warmup), "--micro-batches", str(args.micro_batches)]  # fmt: skip
+    argv = ["-m", module, out, "--steps", str(steps), "--warmup", str(warmup),
+            "--micro-batches", str(micro_batches), *extra]  # fmt: skip
     run_ranks(world, argv, TIMEOUT_S)
     with open(out, encoding="utf-8") as f:
         return json.load(f)
 
 
+def _phase(name: str, world: int, out: str, args: argparse.Namespace, steps: int,
+           warmup: int) -> dict:  # fmt: skip
+    """Run one phase of the pipeline rank program on `world` ranks; its raw JSON."""
+    return _ranks(RANK_MODULE, world, out, steps, warmup, args.micro_batches, ["--phase", name])
+
+
+def share_reps(steps: int, warmup: int, share: int) -> tuple[int, int]:
+    """(timed, warm-up) repetitions for a phase that runs 1/`share` of them (at least one
+    timed; warm-up rounded up)."""
+    return max(1, steps // share), -(-warmup // share)
+
+
 def pp4_reps(steps: int, warmup: int) -> tuple[int, int]:
     """(timed, warm-up) repetitions of the pp=4 phase: a quarter of the pp=2 phase's (4 ranks on
     2 cores make each step several times slower; its bubbles are context, not a target)."""
-    return max(1, steps // PP4_SHARE), -(-warmup // PP4_SHARE)
+    return share_reps(steps, warmup, PP4_SHARE)
+
+
+def _pipeline(args: argparse.Namespace, tmp: str) -> list:
+    from dsnd.bench.results import PP4_WORLD, WORLD, pipeline_rows
+
+    raw = _phase("pipeline", WORLD, os.path.join(tmp, "raw.json"), args, args.steps, args.warmup)
+    steps, warmup = pp4_reps(args.steps, args.warmup)
+    raw["pp4"] = _phase("pp4", PP4_WORLD, os.path.join(tmp, "pp4.json"), args, steps, warmup)
+    return pipeline_rows(raw)
+
+
+def measure_profile(micro_batches: int, log_dir: str, sets: Sequence[str]) -> None:
+    """Resolve both runs of ``dsnd bench partition`` once in this process, one thread like each
+    rank: the profile run measures its layers into ``log_dir/profile-cache``, which every rank
+    then reads, so all of them resolve the same stage boundaries (`StageRunner` checks)."""
+    import torch
+
+    from dsnd.bench.partition_rank import partition_configs
+    from dsnd.bench.results import PARTITION_WORLD
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        partition_configs(PARTITION_WORLD, micro_batches, log_dir, sets)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _partition(args: argparse.Namespace, tmp: str) -> list:
+    """``dsnd bench partition``: the profile measured here, then both layouts on 4 ranks, for
+    half the repetitions (each repetition steps both)."""
+    from dsnd.bench.results import PARTITION_WORLD, partition_rows
+
+    measure_profile(args.micro_batches, tmp, args.sets)
+    steps, warmup = share_reps(args.steps, args.warmup, PARTITION_SHARE)
+    extra = ["--log-dir", tmp, *(f"--set={item}" for item in args.sets)]
+    raw = _ranks(PARTITION_MODULE, PARTITION_WORLD, os.path.join(tmp, "raw.json"), steps, warmup,
+                 args.micro_batches, extra)  # fmt: skip
+    return partition_rows(raw)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
-    from dsnd.bench.results import PP4_WORLD, WORLD, format_table, json_lines, pipeline_rows
+    from dsnd.bench.results import format_table, json_lines
     from dsnd.launch.local_ranks import RanksFailed
 
+    measure = _partition if args.name == "partition" else _pipeline
     with tempfile.TemporaryDirectory(prefix="dsnd-bench-") as tmp:
         try:
-            raw = _phase("pipeline", WORLD, os.path.join(tmp, "raw.json"), args, args.steps,
-                         args.warmup)  # fmt: skip
-            steps, warmup = pp4_reps(args.steps, args.warmup)
-            raw["pp4"] = _phase("pp4", PP4_WORLD, os.path.join(tmp, "pp4.json"), args, steps,
-                                warmup)  # fmt: skip
+            rows = measure(args, tmp)
         except RanksFailed as e:
             print(f"dsnd: bench {args.name} failed: {e}", file=sys.stderr)
             return 1
-    rows = pipeline_rows(raw)
     print(json_lines(rows) if args.json else format_table(rows))
     return 0

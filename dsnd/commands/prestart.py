@@ -29,8 +29,8 @@ def check_inputs(res: Resolved) -> None:
 
 def check_before_start(res: Resolved, job_id: str | None) -> str | None:
     """Check the data, the directories a run writes to and the checkpoint it would resume (the
-    layout is `check_stages`, which the caller runs first: `dsnd launch` before its dry run);
-    returns that checkpoint's step directory (None: start fresh). Raises UserError."""
+    layout was checked when the config resolved to its plan); returns that checkpoint's step
+    directory (None: start fresh). Raises UserError."""
     run = res.run
     check_data(run.data, res.model.vocab_size)
     root = checkpoint_root(run)

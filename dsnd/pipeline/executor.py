@@ -109,9 +109,11 @@ class Executor:
             S.RECV_GRAD: self._recv_grad, S.SEND_GRAD: self._send_grad,
             S.BACKWARD: self._backward, S.BACKWARD_INPUT: self._backward_input,
             S.BACKWARD_WEIGHT: self._backward_weight,
-            S.TIED_LEND: self._tied, S.TIED_BORROW: self._tied, S.TIED_RETURN: self._tied,
-            S.TIED_ADD: self._tied, S.SP_SUM: self._sp_sum, S.REDUCE: self._reduce,
-            S.STEP: self._step,
+            S.TIED_LEND: lambda x, state: self.tied.lend(),
+            S.TIED_BORROW: lambda x, state: self.tied.borrow(self.engine.device),
+            S.TIED_RETURN: lambda x, state: self.tied.give_back(),
+            S.TIED_ADD: lambda x, state: self.tied.add_returned(),
+            S.SP_SUM: self._sp_sum, S.REDUCE: self._reduce, S.STEP: self._step,
         }  # fmt: skip
 
     def _virtual(self, x: Instr) -> int:
@@ -194,12 +196,6 @@ class Executor:
 
     # ---- the step's end -------------------------------------------------------------------
 
-    def _tied(self, x: Instr, state: _Step) -> None:
-        {S.TIED_LEND: lambda: self.tied.lend(),
-         S.TIED_BORROW: lambda: self.tied.borrow(self.engine.device),
-         S.TIED_RETURN: lambda: self.tied.give_back(),
-         S.TIED_ADD: lambda: self.tied.add_returned()}[x.op]()  # fmt: skip
-
     def _sp_sum(self, x: Instr, state: _Step) -> None:
         if self.math.sync_grads:
             self.math.sync_grads()
@@ -230,9 +226,13 @@ class Executor:
         self.links.begin_step(self.role, program, self.shape)
         for x in program:
             self.table[x.op](x, state)
-            if x.op == S.SEND_ACT or (x.op == S.FORWARD and self._is_last(x)):
-                state.outputs.pop((x.micro, x.chunk))
-            state.inputs.pop((x.micro, x.chunk), None) if x.op == S.FORWARD else None
+            key = (x.micro, x.chunk)
+            if x.op == S.FORWARD:  # nothing goes backward: drop what a backward would need
+                state.inputs.pop(key, None)
+                if self._is_last(x):
+                    state.outputs.pop(key)
+            elif x.op == S.SEND_ACT:
+                state.outputs.pop(key)
         self.links.wait()
         self.links.reset_recv_wait()
         self.engine.engine.train()

@@ -220,5 +220,6 @@ def _check_param_groups(plan: Plan, specs: list, method: PartitionMethod) -> Non
             f"optimizer parameter groups differ ({counts} per stage: decayed matrices and/or "
             f"undecayed norms, biases, embeddings); with ZeRO-{plan.zero_stage} DeepSpeed reduces "
             "the gradient norm per group across stages, which would hang: choose a partition "
-            "where every stage holds a transformer block (e.g. 'parameters')"
+            "where every stage holds a transformer block"
+            + (" (e.g. 'parameters')" if method != "parameters" else " (explicit boundaries)")
         )

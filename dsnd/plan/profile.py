@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +49,7 @@ log = logging.getLogger(__name__)
 
 CAP_KEY = "parallel.profile_memory_cap_gb"
 PP_KEY = "parallel.pp"
-FORMAT_VERSION = 1  # of the cache files and the key; bump when what is measured changes
+FORMAT_VERSION = 2  # of the cache files and the key; bump when what is measured changes
 BYTES_PER_PARAM = 16  # fp32 weight, gradient, Adam exp_avg and exp_avg_sq
 GIB = 2**30
 SEED = 1234
@@ -88,7 +87,7 @@ def measure_layers(
     model: ModelSpec,
     seq_len: int,
     micro: int,
-    repeats: int = 3,
+    repeats: int = 5,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -97,7 +96,7 @@ def measure_layers(
 
     A layer gets random token ids (the first) or a random activation that needs a gradient
     (the others); the last one's logits go through the loss. One pass counts the activation
-    memory (and warms up), then the median of `repeats` timed passes is the layer's time. A
+    memory (and warms up), then the fastest of `repeats` timed passes is the layer's time. A
     tied module is built once; its later positions (the tied head) are timed but own no
     parameters.
     """
@@ -120,7 +119,8 @@ def measure_layers(
         step = _step(layer, index, last, model, seq_len, micro, dtype, device)
         params = list(module.parameters())
         activations = _saved_bytes(step, params)
-        seconds = statistics.median([_timed(step, params, device) for _ in range(repeats)])
+        # the fastest pass: interference (another process, a page fault) only ever adds time
+        seconds = min(_timed(step, params, device) for _ in range(repeats))
         weights = BYTES_PER_PARAM * _trainable(module) if owns else 0
         costs.append(LayerCost(seconds, weights + activations))
         del module, layer, step
@@ -393,7 +393,7 @@ def profile_partition(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> tuple[list[int], list[LayerCost]]:
     """`parts` balanced on the measured (or cached) layer costs of `model`, and those costs.
     `memory_cap` is in bytes (None: no cap)."""

@@ -60,7 +60,10 @@ def test_acceptance_dry_run_prints_four_ranks():
         timeout=60,
     )
     assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
-    command, agent, *table = proc.stdout.splitlines()
+    command, agent, *rest = proc.stdout.splitlines()
+    end = next(i for i, line in enumerate(rest) if line.startswith("plan: "))
+    table, plan = rest[:end], rest[end:]
+    assert plan[0].startswith("plan: pp=2 dp=1 tp=2, ZeRO-0, schedule 1f1b")
     argv = command.split()  # then the default log.dir made absolute, and the job id
     assert argv[1:-4] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2",
                           "--set", "parallel.tp=2"]  # fmt: skip

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
 from dsnd import cli
 from dsnd.bench import results as r
-from dsnd.commands.bench import pp4_reps
+from dsnd.commands.bench import PARTITION_SHARE, pp4_reps, share_reps
 from dsnd.engine.memory import claim_bytes
 from dsnd.plan.schedule import (
     BACKWARD,
@@ -470,3 +471,184 @@ def test_schedule_rows_in_the_table():
 def test_pp4_phase_runs_a_quarter_of_the_repetitions():
     assert pp4_reps(40, 10) == (10, 3)
     assert pp4_reps(2, 0) == (1, 0)
+
+
+# --- dsnd bench partition: profile against parameters ---------------------------------------
+
+
+def test_target_below_is_strict():
+    below = r.Target.below(1.0)
+    assert below.text == "< 1"
+    assert (below.met(0.999), below.met(1.0), below.met(1.2)) == (True, False, False)
+    assert r.Target.at_most(1.0).met(1.0)  # the other bounds stay inclusive
+
+
+def _times(forward: float, backward: float) -> dict:
+    return {"forward": forward, "backward": backward, "comm": 0.5, "optimizer": 0.25,
+            "pipeline_wait": 0.125}  # fmt: skip
+
+
+def _partition_raw(profile_parts: list[int] | None = None) -> dict:
+    """Three layers (embedding 1 ms, block 2 ms, head 4 ms per micro-batch) on two stages, two
+    micro-batches per step: parameters puts the embedding alone, profile the head alone."""
+    layers = [
+        {"name": "Embedding", "params": 100, "seconds": 0.001, "memory_bytes": 0},
+        {"name": "Block", "params": 10, "seconds": 0.002, "memory_bytes": 0},
+        {"name": "Head", "params": 100, "seconds": 0.004, "memory_bytes": 0},
+    ]
+
+    def run(stage_times: list[tuple[float, float]], step_s: list[float]) -> dict:
+        return {"times": [_times(f, b) for f, b in stage_times], "step_s": step_s, "loss": 3.0}
+
+    reps = [  # (parameters, profile) per repetition; the first is warm-up
+        (run([(9.0, 9.0), (9.0, 9.0)], [50.0, 50.0]), run([(1.0, 1.0), (1.0, 1.0)], [5.0, 5.0])),
+        (run([(0.001, 0.002), (0.004, 0.008)], [0.020, 0.021]),
+         run([(0.002, 0.004), (0.003, 0.005)], [0.015, 0.014])),
+        (run([(0.001, 0.001), (0.006, 0.010)], [0.024, 0.024]),
+         run([(0.002, 0.002), (0.004, 0.006)], [0.018, 0.018])),
+    ]  # fmt: skip
+    return {
+        "layout": {"pp": 2, "dp": 1, "micro": 1, "micro_batches": 2, "seq_len": 8,
+                   "model": "preset tiny", "vocab_size": 1000, "hidden_size": 4, "blocks": 1,
+                   "zero_stage": 0, "schedule": "1f1b", "memory_cap_gb": None,
+                   "tokens_per_step": 16, "warmup": 1, "ranks": 2, "cores": 2, "threads": 1},
+        "layers": layers,
+        "parts": {"parameters": [0, 1, 3], "profile": profile_parts or [0, 2, 3]},
+        "reps": [{"rep": i, "timed": i > 0, "order": ["parameters", "profile"],
+                  "runs": {"parameters": p, "profile": q}} for i, (p, q) in enumerate(reps)],
+    }  # fmt: skip
+
+
+def test_stage_compute_sums_forward_and_backward_per_stage():
+    run = {"times": [_times(0.25, 0.5), _times(1.0, 2.0)], "step_s": [4.0, 5.0]}
+    assert r.stage_compute(run) == [0.75, 3.0]
+    assert r.slowest_stage(run) == 3.0
+    assert r.slowest_stage(run, "step_s") == 5.0
+    assert r.stage_sums([0, 1, 3], [1.0, 2.0, 4.0]) == [1.0, 6.0]
+    assert r.stage_sums([0, 2, 3], [1.0, 2.0, 4.0]) == [3.0, 4.0]
+
+
+def test_layer_kinds_counts_each_kind_in_order():
+    layers = [{"name": n} for n in ("Embedding", "Block", "Block", "Norm", "Head")]
+    assert r.layer_kinds(layers, 0, 1) == "layers 0..0 (Embedding)"
+    assert r.layer_kinds(layers, 1, 4) == "layers 1..3 (Block x2, Norm)"
+
+
+def test_partition_rows_from_hand_made_records():
+    rows = r.partition_rows(_partition_raw())
+    by = {row.metric: row for row in rows}
+    assert all(row.bench == "partition" for row in rows)
+    assert [row.metric for row in rows[:6]] == [
+        "partition_slowest_stage_ratio", "partition_predicted_slowest_stage_ratio",
+        "partition_parameters_slowest_stage_ms", "partition_profile_slowest_stage_ms",
+        "partition_step_time_ratio", "partition_first_step_loss_rel_diff",
+    ]  # fmt: skip
+    ratio = by["partition_slowest_stage_ratio"]
+    # slowest stage per timed repetition: parameters 12 and 16 ms, profile 8 and 10 ms
+    assert ratio.value == pytest.approx((8 / 12 + 10 / 16) / 2, rel=1e-12)
+    assert (ratio.target.text, ratio.met) == ("< 1", True)
+    assert ratio.note.startswith("profile moved the boundaries (parameters [0, 1, 3], profile "
+                                 "[0, 2, 3]). ")  # fmt: skip
+    assert "median of 2 paired repetitions in alternating order after 1 warm-up" in ratio.note
+    assert ("layers 2..2 (Head): 4.00 ms per micro-batch = 67% of parameters' predicted slowest "
+            "stage, 57% of all layers' time") in ratio.note  # fmt: skip
+    assert "0 Embedding 1.00, 1 Block 2.00, 2 Head 4.00" in ratio.note
+    promised = by["partition_predicted_slowest_stage_ratio"]
+    assert (promised.value, promised.target.text, promised.met) == (pytest.approx(4 / 6), "< 1",
+                                                                    True)  # fmt: skip
+    assert "(8.0 vs 12.0 ms per step)" in by["partition_predicted_slowest_stage_ratio"].note
+    assert by["partition_parameters_slowest_stage_ms"].value == pytest.approx(14.0)
+    assert by["partition_profile_slowest_stage_ms"].value == pytest.approx(9.0)
+    assert by["partition_step_time_ratio"].value == pytest.approx((15 / 21 + 18 / 24) / 2)
+    assert by["partition_step_time_ratio"].target is None
+    loss = by["partition_first_step_loss_rel_diff"]
+    assert (loss.value, loss.met) == (0.0, True)
+    # (measured, predicted) ms per step: medians of the timed repetitions; 2 x the layer costs
+    stages = [
+        (by[f"partition_{name}_stage{s}_compute_ms"].value,
+         by[f"partition_{name}_stage{s}_predicted_ms"].value)
+        for name in ("parameters", "profile") for s in (0, 1)
+    ]  # fmt: skip
+    assert [m for m in by if "_stage" in m and "slowest" not in m] == [
+        f"partition_{name}_stage{s}_{what}_ms" for name in ("parameters", "profile")
+        for s in (0, 1) for what in ("compute", "predicted")
+    ]  # fmt: skip
+    want = [(2.5, 2.0), (14.0, 12.0), (5.0, 6.0), (9.0, 8.0)]  # parameters 0, 1; profile 0, 1
+    assert [pytest.approx(pair) for pair in want] == stages
+    assert by["partition_parameters_stage1_compute_ms"].note == (
+        "layers 1..2 (Block, Head), 110 parameters; forward + backward ms per step, median; "
+        "measured / predicted 1.17"
+    )
+
+
+def test_partition_rows_without_a_target_when_profile_keeps_the_boundaries():
+    rows = {row.metric: row for row in r.partition_rows(_partition_raw([0, 1, 3]))}
+    ratio = rows["partition_slowest_stage_ratio"]
+    assert (ratio.target, ratio.met) == (None, None)
+    assert ratio.note.startswith("NOT EVALUATED: profile chose the same boundaries as "
+                                 "parameters ([0, 1, 3])")  # fmt: skip
+    promised = rows["partition_predicted_slowest_stage_ratio"]
+    assert (promised.value, promised.met) == (1.0, False)
+
+
+def test_partition_rows_without_a_target_when_profile_keeps_the_slowest_stage():
+    raw = _partition_raw()
+    raw["layers"][1]["seconds"] = 0.0  # the head alone is the slowest stage of both splits
+    rows = {row.metric: row for row in r.partition_rows(raw)}
+    ratio = rows["partition_slowest_stage_ratio"]
+    assert (ratio.target, ratio.met) == (None, None)
+    assert ratio.note.startswith(
+        "NOT EVALUATED: profile moved the boundaries (parameters [0, 1, 3], profile [0, 2, 3]) "
+        "but not its slowest stage's predicted time, so the ratio is noise around 1. "
+    )
+    assert "(layers 2..2 (Head): 4.00 ms per micro-batch = 100% of parameters' " in ratio.note
+    promised = rows["partition_predicted_slowest_stage_ratio"]
+    assert (promised.value, promised.met) == (1.0, False)
+
+
+def test_layer_costs_gives_a_run_of_one_kind_as_a_range():
+    ms = [("Embedding", 3.0), ("Block", 1.5), ("Block", 2.25), ("Block", 1.75), ("Head", 40.0)]
+    layers = [{"name": name, "seconds": t / 1e3} for name, t in ms]
+    assert r.layer_costs(layers) == ("0 Embedding 3.00, 1..3 Block 1.50-2.25 each, 4 Head 40.00")
+
+
+def test_partition_rows_need_a_timed_repetition():
+    raw = _partition_raw()
+    raw["reps"] = raw["reps"][:1]
+    with pytest.raises(ValueError, match="no timed repetitions"):
+        r.partition_rows(raw)
+
+
+def test_bench_cli_partition_takes_run_keys():
+    args = cli.build_parser().parse_args(
+        ["bench", "partition", "--set", "model.num_layers=8", "--set", "model.seq_len=32"]
+    )
+    assert (args.name, args.sets, args.steps, args.warmup) == (
+        "partition", ["model.num_layers=8", "model.seq_len=32"], 40, 10)  # fmt: skip
+
+
+def test_bench_cli_refuses_run_keys_for_the_pipeline_bench(capsys):
+    assert cli.main(["bench", "pipeline", "--set", "model.num_layers=8"]) == 2
+    assert capsys.readouterr().err == (
+        "dsnd: error: --set applies to dsnd bench partition, not pipeline\n"
+    )
+
+
+def test_partition_bench_runs_half_of_the_repetitions():
+    assert share_reps(40, 10, PARTITION_SHARE) == (20, 5)
+    assert share_reps(1, 1, PARTITION_SHARE) == (1, 1)
+
+
+def test_partition_runs_differ_only_in_the_partition(tmp_path):
+    from dsnd.bench.partition_rank import partition_configs
+
+    runs = partition_configs(4, 8, str(tmp_path), ["model.seq_len=16"])
+    parameters, profile = runs["parameters"], runs["profile"]
+    assert parameters.plan.parts == (0, 1, 3, 6, 7)  # embedding and head alone: 2.05M each
+    assert (profile.model.vocab_size, profile.model.hidden_size, profile.model.num_layers) == (
+        32000, 64, 4)  # fmt: skip
+    assert (profile.topology.pp, profile.topology.dp, profile.batch.gas) == (4, 1, 8)
+    assert profile.run.model.seq_len == 16 and profile.plan.zero_stage == 0
+    assert len(os.listdir(tmp_path / "profile-cache")) == 2  # the profile's JSON and its lock
+    assert parameters.run.parallel.partition == "parameters"
+    assert profile.run.parallel.partition == "profile"

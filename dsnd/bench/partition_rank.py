@@ -1,0 +1,144 @@
+"""Rank program of ``dsnd bench partition``; run by every rank of a 4-rank gloo world::
+
+    python -m dsnd.bench.partition_rank OUT.json --log-dir DIR [--steps N] [--warmup W]
+                                         [--micro-batches M] [--set KEY=VALUE ...]
+
+Two runs identical but for ``parallel.partition`` (``parameters``: DeepSpeed's balance of
+parameter counts; ``profile``: dsnd's balance of measured layer times) on a model with a large
+vocabulary head (`SHAPE`) at pp=4 x dp=1, 1F1B, each a `StageRunner` in these processes
+(`bench_schedules` of ``dsnd bench pipeline``): repetition r runs step r's batches on both, in
+alternating order, each step timed from a common barrier, with its seconds per phase
+(`StepResult.times`: the stage's forward and backward compute, receive waits, ...).
+
+Every rank resolves both runs itself, and `StageRunner` checks that all ranks got the same
+stage boundaries: the profile's layer costs are cached under ``DIR/profile-cache``, which the
+launching process (`dsnd.commands.bench`) fills by resolving the runs once before the ranks
+start (`partition_configs`), so every rank reads the same measurement.
+
+Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.results` turns them into rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsnd.bench.pipeline_rank import _ds_json, _pipe_sets, bench_schedules, merge_runs
+from dsnd.bench.results import PARTITION_WORLD, PARTITIONS
+from dsnd.config.load import load
+from dsnd.config.resolve import Resolved, resolve, zero_stage
+from dsnd.distributed.init import init_world, shutdown, world_info
+from dsnd.model import layer_specs
+from dsnd.plan.partition import layer_param_counts
+from dsnd.plan.profile import GIB, profile_partition
+
+SHAPE = ("model.vocab_size=32000", "model.hidden_size=64", "model.num_layers=4")
+"""A large vocabulary head on a small model: the head (and its loss) costs far more time per
+parameter than the embedding, which has as many parameters."""
+ZERO_STAGE = 0
+"""ZeRO-1 refuses both layouts of `SHAPE` at pp=4: DeepSpeed's split puts the embedding and the
+head on stages of their own, whose one optimizer parameter group differs from the block stages'
+two (`dsnd.plan.plan._check_param_groups`). At dp=1 ZeRO-1 shards nothing, and no ZeRO stage
+touches the forward and backward compute this bench compares."""
+LAYOUT = ("parallel.pp=4", "parallel.schedule=1f1b", *SHAPE)
+
+
+def partition_sets(micro_batches: int, log_dir: str, extra: Sequence[str] = ()) -> list[str]:
+    """The run keys both runs share: ``dsnd bench pipeline``'s, at pp=4 on `SHAPE`, logging
+    (and the profile's cache) under `log_dir`, then the caller's `extra`."""
+    return [*_pipe_sets(micro_batches), f"deepspeed={_ds_json(ZERO_STAGE)}", *LAYOUT,
+            f"log.dir={log_dir}", *extra]  # fmt: skip
+
+
+def partition_configs(world: int, micro_batches: int, log_dir: str,
+                      extra: Sequence[str] = ()) -> dict[str, Resolved]:  # fmt: skip
+    """One resolved run per partition method of `PARTITIONS`; resolving the ``profile`` run
+    measures the layers (or reads ``log_dir/profile-cache``)."""
+    base = partition_sets(micro_batches, log_dir, extra)
+    return {name: resolve(load(None, [*base, f"parallel.partition={name}"]), world)
+            for name in PARTITIONS}  # fmt: skip
+
+
+def layer_table(res: Resolved) -> list[dict[str, Any]]:
+    """Per pipeline layer: its kind, parameters, and the profile's measured seconds (forward +
+    backward of one micro-batch) and memory, as `run_plan` balanced them (read from the cache
+    that resolving `res` filled)."""
+    run = res.run
+    cap = run.parallel.profile_memory_cap_gb
+    cache = os.path.join(run.log.dir, "profile-cache")
+    _, costs = profile_partition(res.model, run.model.seq_len, res.batch.micro,
+                                 len(res.plan.parts) - 1, cache,
+                                 None if cap is None else int(cap * GIB))  # fmt: skip
+    specs = layer_specs(res.model)
+    return [
+        {
+            "name": spec.typename.__name__,
+            "params": params,
+            "seconds": cost.seconds,
+            "memory_bytes": cost.memory_bytes,
+        }
+        for spec, params, cost in zip(specs, layer_param_counts(specs), costs, strict=True)
+    ]
+
+
+def partition_raw(runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]],
+                  warmup: int) -> dict[str, Any]:  # fmt: skip
+    """The raw JSON: layout, the profiled layers, each run's stage boundaries, and the
+    repetitions with per-rank lists."""
+    res = runs["profile"]
+    model, batch = res.model, res.batch
+    layout = dict(
+        pp=res.topology.pp, dp=res.topology.dp, micro=batch.micro, micro_batches=batch.gas,
+        seq_len=res.run.model.seq_len, model=model.source, vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size, blocks=model.num_layers, zero_stage=zero_stage(res.ds),
+        schedule=res.plan.schedule, memory_cap_gb=res.run.parallel.profile_memory_cap_gb,
+        tokens_per_step=res.tokens_per_step, warmup=warmup, ranks=len(per_rank),
+        cores=os.cpu_count(), threads=torch.get_num_threads(),
+    )  # fmt: skip
+    return {
+        "layout": layout,
+        "layers": layer_table(res),
+        "parts": {name: list(run.plan.parts) for name, run in runs.items()},
+        "reps": merge_runs(list(runs), per_rank),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dsnd.bench.partition_rank")
+    parser.add_argument("out")
+    parser.add_argument("--log-dir", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    info = world_info(dict(os.environ))
+    logging.basicConfig(level=logging.WARNING, format=f"[r{info.rank}] %(levelname)s %(message)s")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if info.world_size != PARTITION_WORLD:
+        raise SystemExit(f"dsnd bench partition runs on {PARTITION_WORLD} ranks, got "
+                         f"{info.world_size}")  # fmt: skip
+    # before the world: DeepSpeed's checks see it; the profile comes from the launcher's cache
+    runs = partition_configs(info.world_size, args.micro_batches, args.log_dir, args.sets)
+    init_world(info, timeout_s=300)
+    try:
+        records = bench_schedules(runs, args.steps, args.warmup)
+        gathered: list[Any] = [None] * info.world_size
+        dist.all_gather_object(gathered, records)
+    finally:
+        shutdown()
+    if info.rank == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(partition_raw(runs, gathered, args.warmup), f)
+
+
+if __name__ == "__main__":
+    main()
