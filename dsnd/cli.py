@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="partition only: override a run key of both runs, e.g. model.num_layers=8 "
+        help="override a run key of every run the bench resolves, e.g. model.hidden_size=512 "
         "(repeatable)",
     )
 

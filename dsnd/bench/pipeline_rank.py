@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -74,17 +75,18 @@ def _pipe_sets(micro_batches: int) -> list[str]:
     ]
 
 
-def configs(world: int, micro_batches: int) -> dict[str, Resolved]:
-    """The three resolved runs: the pipeline layout and the two ZeRO layouts (pp=1)."""
+def configs(world: int, micro_batches: int, extra: Sequence[str] = ()) -> dict[str, Resolved]:
+    """The three resolved runs: the pipeline layout and the two ZeRO layouts (pp=1); `extra`
+    (--set items, e.g. a wider model) applies to all."""
     return {
-        "pipe": resolve(load(None, _pipe_sets(micro_batches)), world),
-        "zero1": resolve(load(None, [f"deepspeed={_ds_json(1)}"]), world),
-        "zero3": resolve(load(None, [f"deepspeed={_ds_json(3)}"]), world),
+        "pipe": resolve(load(None, [*_pipe_sets(micro_batches), *extra]), world),
+        "zero1": resolve(load(None, [f"deepspeed={_ds_json(1)}", *extra]), world),
+        "zero3": resolve(load(None, [f"deepspeed={_ds_json(3)}", *extra]), world),
     }
 
 
 def schedule_configs(
-    world: int, pp: int, micro_batches: int, extra: tuple[str, ...] = ()
+    world: int, pp: int, micro_batches: int, extra: Sequence[str] = ()
 ) -> dict[str, Resolved]:
     """One resolved run per schedule of `SCHEDULES`, identical (model, ZeRO-1 JSON, partition,
     batch) but for the schedule's own keys. Interleaving is left out when the micro-batches are
@@ -323,8 +325,9 @@ def _merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return reps
 
 
-def pipeline_configs(world: int, micro_batches: int) -> dict[str, Any]:
-    return {**configs(world, micro_batches), "schedules": schedule_configs(world, 2, micro_batches)}
+def pipeline_configs(world: int, micro_batches: int, extra: Sequence[str] = ()) -> dict[str, Any]:
+    schedules = schedule_configs(world, 2, micro_batches, extra)
+    return {**configs(world, micro_batches, extra), "schedules": schedules}
 
 
 def pipeline_phase(
@@ -366,8 +369,8 @@ def pipeline_phase(
     }
 
 
-def pp4_configs(world: int, micro_batches: int) -> dict[str, Resolved]:
-    return schedule_configs(world, 4, micro_batches, PP4_MODEL)
+def pp4_configs(world: int, micro_batches: int, extra: Sequence[str] = ()) -> dict[str, Resolved]:
+    return schedule_configs(world, 4, micro_batches, [*PP4_MODEL, *extra])
 
 
 def pp4_phase(
@@ -398,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--phase", choices=tuple(PHASES), default="pipeline")
+    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     info = world_info(dict(os.environ))
@@ -407,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     if info.world_size != world:
         raise SystemExit(f"dsnd bench pipeline's {args.phase} phase runs on {world} ranks, got "
                          f"{info.world_size}")  # fmt: skip
-    runs = resolve_runs(world, args.micro_batches)  # before the world: DeepSpeed's checks see it
+    # resolved before the world starts, so that DeepSpeed's checks see it
+    runs = resolve_runs(world, args.micro_batches, args.sets)
     init_world(info, timeout_s=300)
     raw = phase(runs, info.rank, args)
     if info.rank == 0:

@@ -40,8 +40,6 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--warmup must be >= 0, got {args.warmup}")
     if args.micro_batches < 1:
         raise UserError(f"--micro-batches must be >= 1, got {args.micro_batches}")
-    if getattr(args, "sets", None) and args.name != "partition":
-        raise UserError(f"--set applies to dsnd bench partition, not {args.name}")
 
 
 def _ranks(module: str, world: int, out: str, steps: int, warmup: int, micro_batches: int,
@@ -59,7 +57,8 @@ def _ranks(module: str, world: int, out: str, steps: int, warmup: int, micro_bat
 def _phase(name: str, world: int, out: str, args: argparse.Namespace, steps: int,
            warmup: int) -> dict:  # fmt: skip
     """Run one phase of the pipeline rank program on `world` ranks; its raw JSON."""
-    return _ranks(RANK_MODULE, world, out, steps, warmup, args.micro_batches, ["--phase", name])
+    extra = ["--phase", name, *(f"--set={item}" for item in args.sets)]
+    return _ranks(RANK_MODULE, world, out, steps, warmup, args.micro_batches, extra)
 
 
 def share_reps(steps: int, warmup: int, share: int) -> tuple[int, int]:

@@ -627,11 +627,14 @@ def test_bench_cli_partition_takes_run_keys():
         "partition", ["model.num_layers=8", "model.seq_len=32"], 40, 10)  # fmt: skip
 
 
-def test_bench_cli_refuses_run_keys_for_the_pipeline_bench(capsys):
-    assert cli.main(["bench", "pipeline", "--set", "model.num_layers=8"]) == 2
-    assert capsys.readouterr().err == (
-        "dsnd: error: --set applies to dsnd bench partition, not pipeline\n"
-    )
+def test_pipeline_bench_resolves_its_runs_with_the_run_keys():
+    from dsnd.bench.pipeline_rank import pipeline_configs, pp4_configs
+
+    runs = pipeline_configs(2, 8, ["model.hidden_size=128"])
+    every = [runs["pipe"], runs["zero1"], runs["zero3"], *runs["schedules"].values()]
+    assert {res.model.hidden_size for res in every} == {128}
+    pp4 = pp4_configs(4, 8, ["model.hidden_size=128"])
+    assert {(res.model.hidden_size, res.model.num_layers) for res in pp4.values()} == {(128, 8)}
 
 
 def test_partition_bench_runs_half_of_the_repetitions():
