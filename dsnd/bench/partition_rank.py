@@ -20,9 +20,7 @@ Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.results` turns them into 
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -30,11 +28,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsnd.bench.pipeline_rank import _ds_json, _pipe_sets, bench_schedules, merge_runs
+from dsnd.bench.pipeline_rank import (
+    _ds_json,
+    _pipe_sets,
+    bench_schedules,
+    merge_runs,
+    rank_parser,
+    start_rank,
+)
 from dsnd.bench.results import PARTITION_WORLD, PARTITIONS
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve, zero_stage
-from dsnd.distributed.init import init_world, shutdown, world_info
+from dsnd.distributed.init import init_world, shutdown
 from dsnd.model import layer_specs
 from dsnd.plan.partition import layer_param_counts
 from dsnd.plan.profile import GIB, profile_partition
@@ -111,18 +116,10 @@ def partition_raw(runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dsnd.bench.partition_rank")
-    parser.add_argument("out")
+    parser = rank_parser("dsnd.bench.partition_rank", steps=10, warmup=3)
     parser.add_argument("--log-dir", required=True)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    info = world_info(dict(os.environ))
-    logging.basicConfig(level=logging.WARNING, format=f"[r{info.rank}] %(levelname)s %(message)s")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    info = start_rank()
     if info.world_size != PARTITION_WORLD:
         raise SystemExit(f"dsnd bench partition runs on {PARTITION_WORLD} ranks, got "
                          f"{info.world_size}")  # fmt: skip

@@ -46,7 +46,7 @@ from dsnd.config.load import default_config_path, load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.distributed.groups import ProcessGroups, build_groups
-from dsnd.distributed.init import init_world, shutdown, world_info
+from dsnd.distributed.init import WorldInfo, init_world, shutdown, world_info
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
@@ -394,19 +394,31 @@ PHASES = {
 """Each phase's ranks, its resolved runs, and what it runs on them."""
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dsnd.bench.pipeline_rank")
+def rank_parser(module: str, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The arguments every bench rank program takes (the launcher passes them)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}")
     parser.add_argument("out")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--phase", choices=tuple(PHASES), default="pipeline")
     parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def start_rank() -> WorldInfo:
+    """One thread, warnings only, each line marked with the rank; this rank's world."""
     torch.set_num_threads(1)
     info = world_info(dict(os.environ))
     logging.basicConfig(level=logging.WARNING, format=f"[r{info.rank}] %(levelname)s %(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = rank_parser("dsnd.bench.pipeline_rank", steps=40, warmup=10)
+    parser.add_argument("--phase", choices=tuple(PHASES), default="pipeline")
+    args = parser.parse_args(argv)
+    info = start_rank()
     world, resolve_runs, phase = PHASES[args.phase]
     if info.world_size != world:
         raise SystemExit(f"dsnd bench pipeline's {args.phase} phase runs on {world} ranks, got "
