@@ -87,10 +87,8 @@ REFUSED = {
 
 # zero_optimization keys DeepSpeed knows and dsnd refuses.
 ZERO_REFUSED = {
-    "offload_param": "ZeRO offload is not supported by dsnd",
-    "offload_optimizer": "ZeRO offload is not supported by dsnd",
-    "cpu_offload": "ZeRO offload is not supported by dsnd",
-    "cpu_offload_param": "ZeRO offload is not supported by dsnd",
+    "cpu_offload": "the pre-0.4 offload key; use offload_optimizer: {device: cpu}",
+    "cpu_offload_param": "the pre-0.4 offload key; use offload_param: {device: cpu}",
     "zenflow": "ZenFlow is not supported by dsnd",
     "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not supported by dsnd",
     "zero_quantized_weights": "ZeRO++ quantized weights are not supported by dsnd",
@@ -270,11 +268,28 @@ def _check_ranges(ds: dict[str, Any], path: str) -> None:
     stage = (ds.get("zero_optimization") or {}).get("stage")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise UserError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    _check_offload(ds.get("zero_optimization") or {}, stage or 0, path)
     if ds.get("steps_per_print") is not None and ds["steps_per_print"] < 1:
         raise UserError(f"{path}: steps_per_print must be >= 1, got {ds['steps_per_print']}")
     if ds.get("gradient_clipping") is not None and ds["gradient_clipping"] < 0:
         raise UserError(f"{path}: gradient_clipping must be >= 0 (0 = off), got "
                         f"{ds['gradient_clipping']}")  # fmt: skip
+
+
+def _check_offload(zero: dict[str, Any], stage: int, path: str) -> None:
+    """ZeRO-Offload to the CPU runs inside pipeline stages (optimizer: ZeRO 1-3; parameters:
+    ZeRO-3, as in DeepSpeed); NVMe (ZeRO-Infinity) does not yet."""
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key)
+        device = section.get("device", "none") if isinstance(section, dict) else "none"
+        if device == "nvme":
+            raise UserError(f"{path}: zero_optimization.{key}.device='nvme' is refused: NVMe "
+                            "offload (ZeRO-Infinity) is not supported by dsnd yet; use "
+                            "'cpu'")  # fmt: skip
+        if device == "cpu" and (stage == 0 or (key == "offload_param" and stage != 3)):
+            needs = "3" if key == "offload_param" else "1, 2 or 3"
+            raise UserError(f"{path}: zero_optimization.{key}.device='cpu' needs "
+                            f"zero_optimization.stage {needs}, got {stage}")  # fmt: skip
 
 
 def check_keys(ds: dict[str, Any], path: str) -> None:
