@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_launch(args)
     except UserError as e:
-        print(f"dsnd: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"dsnd: error: {line}", file=sys.stderr)
         return 2
 
 

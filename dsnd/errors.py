@@ -36,6 +36,28 @@ class UserError(Exception):
         super().__init__(" ".join(message.split()))  # always exactly one line
 
 
+class UserErrors(UserError):
+    """Several problems in the user's input found at once: one line each (all reported, then
+    exit code 2, so a config is fixed in one round, not one launch per problem)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = [" ".join(p.split()) for p in problems]
+        Exception.__init__(self, "\n".join(self.problems))
+
+
+def problems_of(error: UserError) -> list[str]:
+    """The one-line problems an error reports."""
+    return list(error.problems) if isinstance(error, UserErrors) else [str(error)]
+
+
+def raise_all(problems: list[str]) -> None:
+    """Raise the problems found, if any: one UserError, or UserErrors for several."""
+    if len(problems) == 1:
+        raise UserError(problems[0])
+    if problems:
+        raise UserErrors(problems)
+
+
 class Diverged(Exception):
     """Training produced a non-finite loss, gradient norm or model state (exit code 3)."""
 

@@ -170,6 +170,8 @@ def _log_start(res: Resolved, st: _Stage) -> None:
              "batch %s", res.model.describe(), st.corpus.name, len(st.samples), res.topology.pp,
              res.topology.dp, res.topology.tp, res.plan.zero_stage, res.plan.schedule,
              res.batch)  # fmt: skip
+    for note in res.ds_notes:
+        log.info("%s: %s", res.ds_path, note)
     for note in deepspeed_notes(res.ds):
         log.warning(note)
 

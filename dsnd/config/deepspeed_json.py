@@ -9,16 +9,20 @@ that item, not the JSON file (which may be the packaged one the user never opene
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 import json
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from dsnd.config import json_lines
+from dsnd.config.ds_auto import remaining_autos
 from dsnd.config.json_lines import MAX_DEPTH
 from dsnd.engine import deepspeed_api
-from dsnd.errors import UserError, did_you_mean
+from dsnd.engine.deepspeed_api import half_precision_support
+from dsnd.errors import UserError, did_you_mean, problems_of, raise_all
 
 T = TypeVar("T")
 DsSet = tuple[str, Any, str]
@@ -43,9 +47,10 @@ TOP_TYPES: dict[str, tuple[type, ...]] = {
     "zero_optimization": (dict,), "optimizer": (dict,), "scheduler": (dict,),
 }  # fmt: skip
 
-# Top-level keys DeepSpeed knows and dsnd refuses, with the reason.
+# Top-level keys DeepSpeed knows and dsnd refuses, with the reason — when they turn something on
+# (`inactive`): a section at its do-nothing value is accepted with a note.
 REFUSED = {
-    "fp16": "fp16 loss scaling is not supported by dsnd; use bf16",
+    "fp16": "fp16 loss scaling is not supported by dsnd yet; use bf16",
     "amp": "apex AMP is not supported by dsnd; use bf16",
     "torch_autocast": "torch autocast is not supported by dsnd; use bf16",
     "pipeline": "dsnd runs its own pipeline schedule; set parallel.pp in the run YAML",
@@ -54,13 +59,9 @@ REFUSED = {
         "Ulysses sequence parallelism is not supported by dsnd (Megatron's is: "
         "parallel.sequence_parallel with parallel.tp)"
     ),
-    "activation_checkpointing": (
-        "dsnd checkpoints activations itself; set parallel.activation_checkpoint_interval in the "
-        "run YAML"
-    ),
     "checkpoint": (
-        "dsnd writes its own checkpoints; set checkpoint.dir, checkpoint.every and "
-        "checkpoint.keep in the run YAML"
+        "dsnd writes its own checkpoints (universal: any layout resumes); set checkpoint.dir, "
+        "checkpoint.every and checkpoint.keep in the run YAML"
     ),
     "tensorboard": "dsnd writes its own TensorBoard files; set log.tensorboard in the run YAML",
     "wandb": "the wandb monitor is not supported by dsnd (log.tensorboard and metrics.jsonl are)",
@@ -84,6 +85,33 @@ REFUSED = {
     "expert_parallel": "mixture-of-experts parallelism is not supported by dsnd",
     "zenflow": "ZenFlow is not supported by dsnd",
 }
+
+IGNORED = {
+    "activation_checkpointing": (
+        "DeepSpeed applies it only to models that call deepspeed.checkpointing; dsnd "
+        "checkpoints activations with parallel.activation_checkpoint_interval"
+    ),
+    "aio": "it configures NVMe offload, which this JSON does not turn on",
+}
+"""Top-level sections DeepSpeed reads but that change nothing in a dsnd run: accepted, noted."""
+
+NEAR_MISS = 0.85
+"""An unknown key this close to a known one (difflib's ratio) is a typo, refused; any other
+unknown key is ignored by DeepSpeed, and by dsnd with a note."""
+
+
+def inactive(key: str, value: Any) -> bool:
+    """Whether top-level section `key` is at its do-nothing value: ``enabled: false`` (for
+    `compile`, no ``deepcompile`` either); a `checkpoint` section that loads nothing universal
+    (its other keys shape DeepSpeed's own checkpoint files, which dsnd does not write)."""
+    if not isinstance(value, dict):
+        return value is False or value is None
+    if key == "checkpoint":
+        return not value.get("load_universal")
+    if key == "compile":
+        return not value.get("enabled") and not value.get("deepcompile")
+    return value.get("enabled") is False
+
 
 # zero_optimization keys DeepSpeed knows and dsnd refuses.
 ZERO_REFUSED = {
@@ -111,10 +139,8 @@ def _is_number(value: Any) -> bool:
 def _type_and_params(section: Any, name: str, path: str) -> tuple[str, dict[str, Any]] | None:
     """An ``{"type": ..., "params": {...}}`` section (optimizer, scheduler) as (type, params),
     None when absent, or a UserError."""
-    if section is None:
+    if not isinstance(section, dict):  # absent, or the wrong type (reported by _check_types)
         return None
-    if not isinstance(section, dict):
-        raise UserError(f"{path}: {name} must be an object with 'type' and 'params'")
     _check_keys(section, {"type", "params"}, {}, f"{path}: {name}")
     params = section.get("params")
     if params is None:
@@ -214,24 +240,60 @@ def check_blamed(
     except UserError:
         if not sets:
             raise
-    failure = str(_failure(check, merged, ""))  # messages compared without their `where`
-    current = copy.deepcopy(ds)
-    for n, cause in enumerate([where, *(label for *_, label in sets)]):
+    # each problem (compared without its `where`) is blamed on the first of the file and the
+    # --sets from which on it is present in every later dict
+    causes = [where, *(label for *_, label in sets)]
+    found, current = [], copy.deepcopy(ds)
+    for n in range(len(causes)):
         if n:
             merge_override(current, sets[n - 1][0], sets[n - 1][1])
-        if str(_failure(check, current, "")) == failure:
-            raise _failure(check, current, cause) or UserError(failure)
-    raise UserError(failure)  # not reached: with every set applied, the failure is the same
+        failure = _failure(check, current, "")
+        found.append([] if failure is None else [_bare(p) for p in problems_of(failure)])
+    blamed = []
+    for problem in found[-1]:
+        first = next(n for n in range(len(causes)) if all(problem in f for f in found[n:]))
+        blamed.append(f"{causes[first]}: {problem}")
+    raise_all(blamed)
+    raise AssertionError("not reached: the merged dict failed")
+
+
+def _bare(problem: str) -> str:
+    """A problem checked with an empty `where`, without the ': ' that was its place."""
+    return problem[2:] if problem.startswith(": ") else problem
 
 
 def _check_keys(section: dict, known: set[str], refused: dict[str, str], where: str) -> None:
-    for key in section:
-        if key in refused:
-            raise UserError(f"{where}: '{key}' is refused: {refused[key]}")
-        if key not in known:
-            raise UserError(
-                f"{where}: unknown key '{key}'" + did_you_mean(key, known | set(refused))
-            )
+    """Every unknown or refused key of a section DeepSpeed checks strictly, all at once."""
+    raise_all([
+        f"{where}: '{key}' is refused: {refused[key]}" if key in refused
+        else f"{where}: unknown key '{key}'" + did_you_mean(key, known | set(refused))
+        for key in section if key in refused or key not in known
+    ])  # fmt: skip
+
+
+def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
+    """Top-level keys by value: supported ones pass; a refused feature only when it turns
+    something on; ignored sections and unknown keys (DeepSpeed ignores those) with a note, a
+    near miss of a known key refused as the typo it is."""
+    known = SUPPORTED | set(REFUSED) | set(IGNORED)
+    problems = []
+    for key, value in ds.items():
+        if key in SUPPORTED:
+            continue
+        if key in REFUSED and inactive(key, value):
+            notes.append(f"{key}: at its do-nothing value, ignored")
+        elif key == "fp16" and not half_precision_support()[1]:
+            problems.append(f"{path}: fp16 is not supported on this device (DeepSpeed: Type "
+                            "fp16 is not supported on your device); use bf16 or fp32")  # fmt: skip
+        elif key in REFUSED:
+            problems.append(f"{path}: '{key}' is refused: {REFUSED[key]}")
+        elif key in IGNORED:
+            notes.append(f"{key}: ignored: {IGNORED[key]}")
+        elif difflib.get_close_matches(key, known, n=1, cutoff=NEAR_MISS):
+            problems.append(f"{path}: unknown key '{key}'" + did_you_mean(key, known))
+        else:
+            notes.append(f"{key}: not a key DeepSpeed reads; ignored, as DeepSpeed does")
+    raise_all(problems)
 
 
 def _pydantic_keys(model: type) -> set[str]:
@@ -292,28 +354,49 @@ def _check_offload(zero: dict[str, Any], stage: int, path: str) -> None:
                             f"zero_optimization.stage {needs}, got {stage}")  # fmt: skip
 
 
-def check_keys(ds: dict[str, Any], path: str) -> None:
-    """Refuse unknown, misspelt and unsupported keys, wrong types and values out of range, each
-    named with `path`."""
-    check_values(ds, path)
-    _check_keys(ds, SUPPORTED, REFUSED, path)
+def _check_types(ds: dict[str, Any], path: str) -> None:
+    problems = []
     for key, types in TOP_TYPES.items():
         value = ds.get(key)
         bad_bool = isinstance(value, bool) and bool not in types
         if value is not None and (bad_bool or not isinstance(value, types)):
             expected = " or ".join("object" if t is dict else t.__name__ for t in types)
-            raise UserError(f"{path}: {key} must be {expected}, got {value!r}")
+            problems.append(f"{path}: {key} must be {expected}, got {value!r}")
+    raise_all(problems)
+
+
+def _check_sections(ds: dict[str, Any], path: str) -> None:
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict):
         known = _pydantic_keys(deepspeed_api.zero_config_model()) - set(ZERO_REFUSED)
         _check_keys(zero, known, ZERO_REFUSED, f"{path}: zero_optimization")
-    _check_ranges(ds, path)
     for name in ("bf16", "bfloat16"):
         if isinstance(ds.get(name), dict):
             bf16 = _pydantic_keys(deepspeed_api.bf16_config_model())
             _check_keys(ds[name], bf16, {}, f"{path}: {name}")
-    _check_optimizer(ds.get("optimizer"), path)
-    _check_scheduler(ds.get("scheduler"), path)
+
+
+def check_keys(ds: dict[str, Any], path: str) -> list[str]:
+    """Refuse misspelt and unsupported keys, wrong types and values out of range — every
+    problem at once, each named with `path` — and return the notes on what is ignored."""
+    check_values(ds, path)
+    notes: list[str] = []
+    problems: list[str] = []
+    autos = remaining_autos(ds)
+    if autos:
+        problems.append(f"{path}: {', '.join(autos)}: 'auto' is not a value dsnd can fill "
+                        "here; set a number")  # fmt: skip
+    for check in (partial(_top_level, notes=notes), _check_types, _check_sections, _check_ranges,
+                  lambda d, p: _check_optimizer(d.get("optimizer"), p),
+                  lambda d, p: _check_scheduler(d.get("scheduler"), p)):  # fmt: skip
+        try:
+            check(ds, path)
+        except UserError as e:
+            problems.extend(problems_of(e))
+        except (TypeError, AttributeError):  # a section of the wrong type, reported above
+            continue
+    raise_all(problems)
+    return notes
 
 
 def _check_optimizer(opt: Any, path: str) -> None:
@@ -373,8 +456,8 @@ def _check_scheduler(sched: Any, path: str) -> None:
         # the default's type; a `*_lr` without one (required, or None = "the optimizer's") is a
         # number too, and train.lr_scaling multiplies it
         like = default if default not in (inspect.Parameter.empty, None) else None
-        if like is None and key.endswith("_lr"):
-            like = 0.0
+        if like is None and (key.endswith("_lr") or default is inspect.Parameter.empty):
+            like = 0.0  # every required parameter of DeepSpeed's schedules is a number
         if like is not None:
             _check_param_type(f"{path}: scheduler.params", key, params[key], like)
 

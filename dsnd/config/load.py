@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Any
 
 from dsnd.config import deepspeed_json, json_lines, strict
+from dsnd.config.ds_auto import fill_auto
 from dsnd.config.schema import RunConfig
 from dsnd.config.yaml_lines import load_yaml
 from dsnd.errors import UserError, did_you_mean
@@ -120,6 +121,11 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
     base = os.getcwd() if ds_from_cli else os.path.dirname(os.path.abspath(yaml_path))
     ds_path = os.path.normpath(os.path.join(base, run.deepspeed))
     ds_file = deepspeed_json.load_json(ds_path)
-    ds, _ = deepspeed_json.check_blamed(deepspeed_json.check_keys, ds_file, ds_path, ds_sets)
+    # checked as it will run: "auto" filled (the numbers do not matter yet: resolve fills them
+    # again for the model and world)
+    ds, _ = deepspeed_json.check_blamed(
+        lambda d, where: deepspeed_json.check_keys(fill_auto(d, 1, 1, True)[0], where),
+        ds_file, ds_path, ds_sets,
+    )  # fmt: skip
     return LoadedConfig(run=run, ds=ds, yaml_path=yaml_path, ds_path=ds_path, sets=sets,
                         ds_file=ds_file, ds_sets=ds_sets)  # fmt: skip

@@ -12,8 +12,10 @@ from typing import Any
 
 from dsnd.config.batch import GAS, MICRO, TRAIN, Batch, resolve_batch
 from dsnd.config.deepspeed_json import check_blamed, check_keys, check_with_deepspeed
+from dsnd.config.ds_auto import fill_auto
 from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, RunConfig
+from dsnd.engine.deepspeed_api import half_precision_support
 from dsnd.errors import UserError
 from dsnd.model.spec import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.plan.plan import Plan, make_plan
@@ -36,6 +38,8 @@ class Resolved:
     # the user's DeepSpeed dict (the JSON with --set ds.* applied, nothing derived or scaled):
     # what a rerun starts from, as `ds` would scale the learning rates a second time
     ds_user: dict[str, Any] = field(default_factory=dict)
+    # what dsnd filled in ("auto", a missing optimizer) or ignores in the JSON, logged at start
+    ds_notes: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> int:
@@ -135,25 +139,24 @@ def check_ranges(run: RunConfig) -> None:
         raise UserError("log.dir must not be empty")
 
 
-def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int) -> tuple[dict, Batch]:
-    """The DeepSpeed dict for `dp` data-parallel ranks: batch keys derived, learning rates scaled
-    by train.lr_scaling, checked by DeepSpeed itself; errors name `where`.
+def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
+              hidden: int) -> tuple[dict, Batch, list[str]]:  # fmt: skip
+    """The DeepSpeed dict for `dp` data-parallel ranks — "auto" values and missing optimizer /
+    scheduler filled (`ds_auto`), batch keys derived, learning rates scaled by
+    train.lr_scaling, checked by dsnd and then by DeepSpeed itself — and the notes on what was
+    filled or ignored; errors name `where`.
 
     Checks the keys first, so every intermediate dict a blame search tries fails as a UserError.
     """
-    check_keys(ds, where)
-    ds = copy.deepcopy(ds)
+    ds, notes = fill_auto(ds, hidden, run.train.steps, half_precision_support()[0])
+    notes += check_keys(ds, where)
     batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), dp, where)
     ds[TRAIN], ds[MICRO], ds[GAS] = batch
-    if "optimizer" not in ds:
-        raise UserError(
-            f"{where}: no 'optimizer' section (dsnd takes the optimizer from the DeepSpeed JSON)"
-        )
     if run.train.lr_scaling != "none":
         ratio = batch.train / run.train.lr_reference_batch
         scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
     check_with_deepspeed(ds, where)
-    return ds, batch
+    return ds, batch, notes
 
 
 def zero_stage(ds: dict[str, Any]) -> int:
@@ -213,9 +216,10 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
 
     # an error a --set ds.* causes names that item, not the JSON file
     file, sets = (loaded.ds_file, loaded.ds_sets) if loaded.ds_file is not None else (loaded.ds, [])
-    _, (ds, batch) = check_blamed(
-        lambda d, where: derive_ds(d, where, run, topology.dp), file, loaded.ds_path, sets
-    )
+    _, (ds, batch, notes) = check_blamed(
+        lambda d, where: derive_ds(d, where, run, topology.dp, model.hidden_size), file,
+        loaded.ds_path, sets,
+    )  # fmt: skip
     return Resolved(
         run=run,
         ds=ds,
@@ -226,4 +230,5 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         yaml_path=loaded.yaml_path,
         ds_path=loaded.ds_path,
         ds_user=copy.deepcopy(loaded.ds),
+        ds_notes=notes,
     )

@@ -63,3 +63,11 @@ def unpartitioned_shape(param: Any) -> tuple[int, ...]:
     """A parameter's shape before ZeRO-3 partitioned it (`ds_shape`; a partitioned parameter's
     own `.shape` is its flat local shard), else its shape."""
     return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def half_precision_support() -> tuple[bool, bool]:
+    """(bf16, fp16) on this machine's accelerator, as DeepSpeed's engine will decide it."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return bool(accelerator.is_bf16_supported()), bool(accelerator.is_fp16_supported())

@@ -423,13 +423,14 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "fp16 refused": (
             [*L, "2", D, "--set", "ds.fp16.enabled=true"],
-            "--set ds.fp16.enabled=true: 'fp16' is refused: fp16 loss scaling is not supported "
-            "by dsnd; use bf16",
+            "--set ds.fp16.enabled=true: fp16 is not supported on this device (DeepSpeed: Type "
+            "fp16 is not supported on your device); use bf16 or fp32",
         ),
-        "offload refused": (
+        "offload without ZeRO": (
             [*L, "2", D, "--set", 'ds.zero_optimization.offload_optimizer={"device": "cpu"}'],
-            '--set ds.zero_optimization.offload_optimizer={"device": "cpu"}: zero_optimization: '
-            "'offload_optimizer' is refused: ZeRO offload is not supported by dsnd",
+            '--set ds.zero_optimization.offload_optimizer={"device": "cpu"}: '
+            "zero_optimization.offload_optimizer.device='cpu' needs zero_optimization.stage 1, 2 "
+            "or 3, got 0",
         ),
         "DeepSpeed pipeline refused": (
             [*L, "2", D, "--set", "ds.pipeline.stages=2"],

@@ -17,6 +17,7 @@ import pytest
 
 from dsnd.config import deepspeed_json, strict
 from dsnd.config.batch import Batch, resolve_batch
+from dsnd.config.ds_auto import packaged
 from dsnd.config.load import default_config_path, load, parse_set
 from dsnd.config.resolve import resolve
 from dsnd.config.schema import RunConfig
@@ -556,35 +557,28 @@ def test_batch_math_runs_after_the_merge_with_dp_from_the_layout():
 # ---- DeepSpeed JSON: refused features, unknown keys, types ------------------------------------
 
 
+FP16_HERE = "fp16 is not supported on this device (DeepSpeed: Type fp16 is not supported on your"
+
+
 @pytest.mark.parametrize(
     "item, message",
     [
-        ('ds.fp16={"enabled": true}', "'fp16' is refused: fp16 loss scaling is not supported"),
-        (
-            "ds.fp16.enabled=false",
-            "'fp16' is refused: fp16 loss scaling is not supported by dsnd; use bf16",
-        ),
+        ('ds.fp16={"enabled": true}', FP16_HERE),
         ('ds.pipeline={"stages": 2}', "'pipeline' is refused: dsnd runs its own pipeline"),
         ("ds.amp.enabled=true", "'amp' is refused: apex AMP is not supported"),
         ("ds.tensor_parallel.autotp_size=2", "'tensor_parallel' is refused"),
-        (
-            "ds.activation_checkpointing.partition_activations=true",
-            "'activation_checkpointing' is refused",
-        ),
-        ("ds.checkpoint.tag_validation=Warn", "'checkpoint' is refused"),
+        ("ds.checkpoint.load_universal=true", "'checkpoint' is refused: dsnd writes its own"),
         ("ds.sequence_parallel_size=2", "'sequence_parallel_size' is refused"),
-        (
-            'ds.zero_optimization.offload_optimizer={"device": "cpu"}',
-            "zero_optimization: 'offload_optimizer' is refused: ZeRO offload is not supported",
-        ),
-        (
-            'ds.zero_optimization.offload_param={"device": "cpu"}',
-            "zero_optimization: 'offload_param' is refused",
-        ),
+        ('ds.zero_optimization.offload_optimizer={"device": "nvme"}',
+         "zero_optimization.offload_optimizer.device='nvme' is refused: NVMe offload"),
+        ('ds.zero_optimization.offload_param={"device": "cpu"}',
+         "zero_optimization.offload_param.device='cpu' needs zero_optimization.stage 3, got 0"),
         ("ds.zero_optimization.zero_quantized_weights=true", "'zero_quantized_weights' is refused"),
         ("ds.zero_optimization.zero_hpz_partition_size=2", "'zero_hpz_partition_size' is refused"),
+        ("ds.train_batch_szie=16",
+         "unknown key 'train_batch_szie' (did you mean 'train_batch_size'?)"),
     ],
-)
+)  # fmt: skip
 def test_refused_deepspeed_features_by_name(item, message):
     msg = error(load, None, [item])
     assert msg.startswith(f"--set {item}: ")  # the --set, not the packaged JSON
@@ -593,10 +587,7 @@ def test_refused_deepspeed_features_by_name(item, message):
 
 def test_refused_feature_in_the_json_file(tmp_path):
     path = write_run(tmp_path, "deepspeed: ds.json\n", zero0(fp16={"enabled": True}))
-    assert error(load, path) == (
-        f"{tmp_path / 'ds.json'}: 'fp16' is refused: fp16 loss scaling is not supported by dsnd; "
-        "use bf16"
-    )
+    assert error(load, path) == (f"{tmp_path / 'ds.json'}: {FP16_HERE} device); use bf16 or fp32")
 
 
 @pytest.mark.parametrize(
@@ -719,18 +710,19 @@ def test_deepspeed_itself_checks_values_before_any_rank():
     )
 
 
-def test_no_optimizer_is_an_error(tmp_path):
-    assert error(resolve, load(None, ["ds.optimizer=null"]), 1) == (
-        "--set ds.optimizer=null: no 'optimizer' section (dsnd takes the optimizer from the "
-        "DeepSpeed JSON)"
-    )
+def test_no_optimizer_or_scheduler_takes_dsnds_default_and_says_so(tmp_path):
     ds = zero0()
-    del ds["optimizer"]
+    del ds["optimizer"], ds["scheduler"]
     path = write_run(tmp_path, "deepspeed: ds.json\n", ds)
-    assert error(resolve, load(path), 1) == (
-        f"{tmp_path / 'ds.json'}: no 'optimizer' section (dsnd takes the optimizer from the "
-        "DeepSpeed JSON)"
-    )
+    res = resolve(load(path), 1)
+    assert res.ds["optimizer"] == packaged()["optimizer"]
+    assert res.ds["scheduler"] == packaged()["scheduler"]
+    assert res.ds_notes[:2] == [
+        'optimizer: none in the JSON -> dsnd\'s default AdamW {"lr": 0.003, "betas": [0.9, 0.95], '
+        '"eps": 1e-08, "weight_decay": 0.1, "torch_adam": true}',
+        'scheduler: none in the JSON -> dsnd\'s default WarmupLR {"warmup_min_lr": 0.0003, '
+        '"warmup_max_lr": 0.003, "warmup_num_steps": 5, "warmup_type": "linear"}',
+    ]
 
 
 # ---- layout checks -------------------------------------------------------------------------------
@@ -932,10 +924,10 @@ def test_lr_scaling_covers_every_scheduler_lr():
     assert res.ds["optimizer"]["params"]["lr"] == pytest.approx(0.006, rel=1e-12)
 
 
-def test_lr_scaling_without_a_scheduler_or_lr():
-    sets = ["train.lr_scaling=sqrt", "ds.scheduler=null", "ds.optimizer.params.lr=null"]
+def test_lr_scaling_without_an_lr():
+    sets = ["train.lr_scaling=sqrt", "ds.optimizer.params.lr=null"]
     res = resolve(load(None, sets), 1)
-    assert "scheduler" not in res.ds and "lr" not in res.ds["optimizer"]["params"]
+    assert "lr" not in res.ds["optimizer"]["params"]
 
 
 def test_user_error_is_always_one_line():

@@ -386,10 +386,11 @@ def test_set_object_replaces_and_the_error_names_the_set(train):
          "gradient_accumulation_steps=3 * dp=1 (= 6)"),
         (["ds.optimizer.type=SGD", "ds.optimizer.type=Adam", "ds.optimizer.params.lr=x"], 2,
          "optimizer.params.lr must be a number, got 'x'"),
-        (["ds.optimizer=null"], 0,
-         "no 'optimizer' section (dsnd takes the optimizer from the DeepSpeed JSON)"),
+        (["ds.optimizer=null", "ds.scheduler.params.warmup_num_steps=x"], 1,
+         "scheduler.params.warmup_num_steps must be a number, got 'x'"),
         (["ds.fp16.enabled=true"], 0,
-         "'fp16' is refused: fp16 loss scaling is not supported by dsnd; use bf16"),
+         "fp16 is not supported on this device (DeepSpeed: Type fp16 is not supported on your "
+         "device); use bf16 or fp32"),
     ],
 )  # fmt: skip
 def test_error_names_the_first_set_that_causes_it(train, sets, blamed, message):
@@ -410,8 +411,8 @@ def test_a_set_completed_by_a_later_one_is_not_blamed(train):
 def test_a_bad_file_is_blamed_even_with_sets(tmp_path, train):
     path = run_yaml(tmp_path, ds_text=json.dumps(zero0(fp16={"enabled": True})))
     assert train("--config", path, "--set", "ds.gradient_clipping=2") == (
-        f"{tmp_path / 'ds.json'}: 'fp16' is refused: fp16 loss scaling is not supported by dsnd; "
-        "use bf16"
+        f"{tmp_path / 'ds.json'}: fp16 is not supported on this device (DeepSpeed: Type fp16 is "
+        "not supported on your device); use bf16 or fp32"
     )
     # ... and a set that fixes the file is fine
     assert load(path, ["ds.fp16=null"]).ds.get("fp16") is None
@@ -431,7 +432,6 @@ def test_world_size_batch_error_blames_the_file(monkeypatch, train):
 @pytest.mark.parametrize(
     "key, names",
     [
-        ("activation_checkpointing", "parallel.activation_checkpoint_interval"),
         ("tensorboard", "log.tensorboard"),
         ("checkpoint", "checkpoint.dir"),
         ("csv_monitor", "log.dir"),
@@ -441,7 +441,8 @@ def test_world_size_batch_error_blames_the_file(monkeypatch, train):
     ],
 )
 def test_refusal_names_the_run_key_to_use(train, key, names):
-    item = f"ds.{key}=" + ("2" if key == "sequence_parallel_size" else '{"enabled": true}')
+    value = {"sequence_parallel_size": "2", "checkpoint": '{"load_universal": true}'}
+    item = f"ds.{key}=" + value.get(key, '{"enabled": true}')
     message = train("--set", item)
     assert message.startswith(f"--set {item}: '{key}' is refused: ")
     assert names in message

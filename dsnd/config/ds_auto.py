@@ -1,0 +1,130 @@
+"""Fill in what a user's DeepSpeed JSON leaves to the caller, as the Hugging Face integration
+does, so that the JSONs users already have run unchanged.
+
+- ``"auto"`` values: the Hugging Face Trainer fills them from its own arguments; dsnd fills them
+  from its packaged ``zero*.json`` (the optimizer's and scheduler's numbers), from the run config
+  (``total_num_steps`` = ``train.steps``) and from the model (ZeRO bucket sizes from the hidden
+  size, with Hugging Face's formulas). Batch keys set to ``"auto"`` are derived by the batch rule
+  (the packaged micro-batch when nothing else sets it); precision ``"auto"`` is bf16 where the
+  device supports it, else fp32.
+- a missing ``optimizer`` or ``scheduler`` section (Megatron's and Hugging Face's JSONs leave
+  them to the calling code): the packaged AdamW and warm-up.
+
+Every decision is returned as a note (logged at start, shown by ``dsnd ds-config check``), and
+the filled JSON is what the run saves beside itself, so it stays the one home of these settings.
+Written by hand: the Hugging Face version (`transformers.integrations.HfTrainerDeepSpeedConfig`)
+reads a `TrainingArguments` object and the model, neither of which a dsnd run has.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from functools import cache
+from typing import Any
+
+from dsnd.config.batch import GAS, MICRO, TRAIN
+
+AUTO = "auto"
+
+
+@cache
+def packaged() -> dict[str, Any]:
+    """The packaged ZeRO-1 JSON: where dsnd's default optimizer and scheduler come from."""
+    from dsnd.config.load import default_config_path
+
+    path = os.path.join(os.path.dirname(default_config_path()), "zero1.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def fill_auto(ds: dict[str, Any], hidden: int, steps: int,
+              bf16_supported: bool) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """(a copy of `ds` with the above filled in, one note per decision)."""
+    ds = copy.deepcopy(ds)
+    notes: list[str] = []
+    _batch(ds, notes)
+    _sections(ds, notes)
+    _optimizer_and_scheduler(ds, steps, notes)
+    if ds.get("gradient_clipping") == AUTO:
+        ds["gradient_clipping"] = 1.0
+        notes.append("gradient_clipping: 'auto' -> 1.0")
+    _precision(ds, bf16_supported, notes)
+    _zero_buckets(ds.get("zero_optimization"), hidden, notes)
+    return ds, notes
+
+
+def _batch(ds: dict[str, Any], notes: list[str]) -> None:
+    autos = [key for key in (TRAIN, MICRO, GAS) if ds.get(key) == AUTO]
+    for key in autos:
+        del ds[key]
+    if MICRO in autos and TRAIN not in ds:
+        ds[MICRO] = packaged()[MICRO]
+    if autos:
+        notes.append(f"{', '.join(autos)}: 'auto' -> derived by the batch rule "
+                     f"(micro-batch {ds.get(MICRO, 'from the batch keys')})")  # fmt: skip
+
+
+def _sections(ds: dict[str, Any], notes: list[str]) -> None:
+    for name in ("optimizer", "scheduler"):
+        if name not in ds:
+            ds[name] = copy.deepcopy(packaged()[name])
+            notes.append(f"{name}: none in the JSON -> dsnd's default {ds[name]['type']} "
+                         f"{json.dumps(ds[name]['params'])}")  # fmt: skip
+
+
+def _optimizer_and_scheduler(ds: dict[str, Any], steps: int, notes: list[str]) -> None:
+    defaults = {**packaged()["optimizer"]["params"], **packaged()["scheduler"]["params"],
+                "total_num_steps": steps}  # fmt: skip
+    for name in ("optimizer", "scheduler"):
+        section = ds.get(name)
+        params = section.get("params") if isinstance(section, dict) else None
+        if not isinstance(params, dict):
+            continue
+        for key, value in list(params.items()):
+            if value == AUTO and key in defaults:
+                params[key] = copy.deepcopy(defaults[key])
+                source = "train.steps" if key == "total_num_steps" else "dsnd's default"
+                notes.append(f"{name}.params.{key}: 'auto' -> {params[key]} ({source})")
+
+
+def _precision(ds: dict[str, Any], bf16_supported: bool, notes: list[str]) -> None:
+    autos = [name for name in ("bf16", "bfloat16", "fp16")
+             if isinstance(ds.get(name), dict) and ds[name].get("enabled") == AUTO]  # fmt: skip
+    if not autos:
+        return
+    for name in autos:
+        ds[name]["enabled"] = False
+    if bf16_supported:
+        ds.setdefault("bf16", {})["enabled"] = True
+        notes.append(f"{', '.join(autos)}: 'auto' -> bf16 (the device supports it)")
+    else:
+        notes.append(f"{', '.join(autos)}: 'auto' -> fp32 (the device has no bf16)")
+
+
+HF_BUCKETS = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+"""Hugging Face's "auto" ZeRO bucket sizes from the model's hidden size."""
+
+
+def _zero_buckets(zero: Any, hidden: int, notes: list[str]) -> None:
+    if not isinstance(zero, dict):
+        return
+    for key, formula in HF_BUCKETS.items():
+        if zero.get(key) == AUTO:
+            zero[key] = formula(hidden)
+            notes.append(f"zero_optimization.{key}: 'auto' -> {zero[key]} (hidden size {hidden})")
+
+
+def remaining_autos(value: Any, path: str = "") -> list[str]:
+    """Dotted keys still set to "auto" (nothing above knows how to fill them)."""
+    if value == AUTO:
+        return [path]
+    if isinstance(value, dict):
+        return [k for key, v in value.items()
+                for k in remaining_autos(v, f"{path}.{key}" if path else str(key))]  # fmt: skip
+    return []

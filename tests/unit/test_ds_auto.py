@@ -1,0 +1,139 @@
+"""The DeepSpeed JSONs users already have: "auto" values, missing sections, do-nothing sections,
+keys DeepSpeed ignores, and every problem reported at once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsnd import cli
+from dsnd.config.ds_auto import HF_BUCKETS, fill_auto, packaged, remaining_autos
+from dsnd.config.load import load
+from dsnd.config.resolve import resolve
+from dsnd.errors import UserError, UserErrors
+
+# transformers' tests/deepspeed/ds_config_zero3.json, as the Hugging Face Trainer users have it
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "total_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
+def write(tmp_path, ds: dict) -> str:
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    (tmp_path / "run.yaml").write_text("deepspeed: ds.json\ntrain:\n  steps: 7\n")
+    return str(tmp_path / "run.yaml")
+
+
+def test_hf_zero3_auto_config_resolves_as_the_trainer_would(tmp_path):
+    res = resolve(load(write(tmp_path, HF_ZERO3)), 2)
+    ds, defaults = res.ds, packaged()
+    assert remaining_autos(ds) == []
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        defaults["train_micro_batch_size_per_gpu"], 1)  # fmt: skip
+    assert ds["train_batch_size"] == 2 * ds["train_micro_batch_size_per_gpu"]  # dp = 2
+    params = ds["optimizer"]["params"]
+    assert [params[k] for k in ("lr", "betas", "eps", "weight_decay")] == [
+        defaults["optimizer"]["params"][k] for k in ("lr", "betas", "eps", "weight_decay")
+    ]
+    sched = ds["scheduler"]["params"]
+    assert sched["total_num_steps"] == 7  # train.steps
+    assert sched["warmup_max_lr"] == defaults["scheduler"]["params"]["warmup_max_lr"]
+    assert ds["gradient_clipping"] == 1.0
+    hidden = res.model.hidden_size
+    zero = ds["zero_optimization"]
+    assert [zero[k] for k in HF_BUCKETS] == [hidden * hidden, int(0.9 * hidden * hidden),
+                                             10 * hidden]  # fmt: skip
+    # this CPU has bf16 and no fp16: "auto" is bf16, and the disabled fp16 section is noted
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert "bf16, fp16: 'auto' -> bf16 (the device supports it)" in res.ds_notes
+    assert "fp16: at its do-nothing value, ignored" in res.ds_notes
+    assert "scheduler.params.total_num_steps: 'auto' -> 7 (train.steps)" in res.ds_notes
+
+
+def test_fill_auto_leaves_numbers_alone_and_fills_only_what_it_knows():
+    ds = {"train_batch_size": 32, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}},
+          "zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}}  # fmt: skip
+    filled, notes = fill_auto(ds, hidden=64, steps=10, bf16_supported=False)
+    assert filled["train_batch_size"] == 32 and filled["optimizer"]["params"] == {"lr": 1e-4}
+    assert (
+        filled["scheduler"]["params"]["warmup_num_steps"]
+        == (packaged()["scheduler"]["params"]["warmup_num_steps"])
+    )
+    assert remaining_autos(filled) == ["zero_optimization.allgather_bucket_size"]
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == "auto"  # the input is not changed
+    assert notes == ["scheduler.params.warmup_num_steps: 'auto' -> 5 (dsnd's default)"]
+
+
+def test_bf16_auto_without_bf16_is_fp32():
+    filled, notes = fill_auto({"bf16": {"enabled": "auto"}}, 64, 10, bf16_supported=False)
+    assert filled["bf16"] == {"enabled": False}
+    assert "bf16: 'auto' -> fp32 (the device has no bf16)" in notes
+
+
+def test_an_auto_dsnd_cannot_fill_is_refused_by_name():
+    with pytest.raises(UserError, match=r"zero_optimization.allgather_bucket_size: 'auto' is not "
+                       "a value dsnd can fill here; set a number"):  # fmt: skip
+        resolve(load(None, ["ds.zero_optimization.allgather_bucket_size=auto"]), 1)
+
+
+def test_keys_deepspeed_ignores_are_noted_and_near_misses_refused():
+    res = resolve(
+        load(
+            None,
+            [
+                "ds.cuda_visible_devices=0",
+                "ds.hybrid_engine.enabled=false",
+                "ds.activation_checkpointing.partition_activations=true",
+            ],
+        ),
+        1,
+    )
+    assert "cuda_visible_devices: not a key DeepSpeed reads; ignored, as DeepSpeed does" in (
+        res.ds_notes)  # fmt: skip
+    assert "hybrid_engine: at its do-nothing value, ignored" in res.ds_notes
+    assert any(n.startswith("activation_checkpointing: ignored: ") for n in res.ds_notes)
+    with pytest.raises(UserError, match=r"unknown key 'gradient_clippin' \(did you mean "
+                       r"'gradient_clipping'\?\)"):  # fmt: skip
+        resolve(load(None, ["ds.gradient_clippin=1.0"]), 1)
+
+
+def test_every_problem_is_reported_at_once_each_blamed_on_its_cause(capsys):
+    sets = ["ds.train_batch_szie=16", "ds.amp.enabled=true", "ds.gradient_clipping=-1",
+            "ds.optimizer.params.betas=[2, 0.9]"]  # fmt: skip
+    with pytest.raises(UserErrors) as e:
+        resolve(load(None, sets), 1)
+    assert e.value.problems == [
+        "--set ds.train_batch_szie=16: unknown key 'train_batch_szie' (did you mean "
+        "'train_batch_size'?)",
+        "--set ds.amp.enabled=true: 'amp' is refused: apex AMP is not supported by dsnd; use bf16",
+        "--set ds.gradient_clipping=-1: gradient_clipping must be >= 0 (0 = off), got -1",
+        "--set ds.optimizer.params.betas=[2, 0.9]: optimizer.params.betas must each be in "
+        "[0, 1), got [2, 0.9]",
+    ]
+    argv = ["launch", "--nprocs", "1", "--dry-run", *[a for s in sets for a in ("--set", s)]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4 and all(line.startswith("dsnd: error: --set ds.") for line in err)
+
+
+def test_warmup_decay_with_a_string_total_is_refused_before_start():
+    item = 'ds.scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": "x"}}'
+    with pytest.raises(UserError, match="scheduler.params.total_num_steps must be a number"):
+        resolve(load(None, [item]), 1)
