@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | bench | env | ckpt | plot | data | model | generate.
+"""``dsnd``: train | launch | bench | env | ckpt | plot | data | model | generate | ds-config.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -120,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable)",
     )
 
+    ds_config = sub.add_parser("ds-config", help="what dsnd does with a DeepSpeed JSON")
+    ds_what = ds_config.add_subparsers(dest="ds_command", required=True)
+    for name, text in (
+        ("check", "each section: used, filled in, ignored; every problem at once"),
+        ("explain", "check, then batch math, precision, ZeRO, offload, memory"),
+    ):
+        what = ds_what.add_parser(name, help=text)
+        what.add_argument("file", metavar="FILE", help="a DeepSpeed JSON")
+        what.add_argument("--config", help="the run YAML (default: dsnd's default run)")
+        what.add_argument("--nprocs", type=int, default=1, help="ranks the run has")
+        what.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                          help="a run key or ds.KEY (repeatable)")  # fmt: skip
+
     data = sub.add_parser("data", help="prepare a pre-tokenized corpus")
     data_what = data.add_subparsers(dest="data_command", required=True)
     prepare = data_what.add_parser("prepare", help="tokenize a text/JSONL file into OUT.bin")
@@ -203,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             from dsnd.commands.bench import run_bench
 
             return run_bench(args)
+        if args.command == "ds-config":
+            from dsnd.commands.ds_config import run_check, run_explain
+
+            return (run_check if args.ds_command == "check" else run_explain)(args)
         if args.command == "data":
             from dsnd.commands.data import run_prepare
 

@@ -472,7 +472,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "unknown command": (
             ["lanch"],
             "argument command: invalid choice: 'lanch' (choose from env, train, launch, bench, "
-            "data, model, generate, plot, ckpt) (see 'dsnd --help')",
+            "ds-config, data, model, generate, plot, ckpt) (see 'dsnd --help')",
         ),
     }
 

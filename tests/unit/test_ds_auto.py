@@ -137,3 +137,46 @@ def test_warmup_decay_with_a_string_total_is_refused_before_start():
     item = 'ds.scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": "x"}}'
     with pytest.raises(UserError, match="scheduler.params.total_num_steps must be a number"):
         resolve(load(None, [item]), 1)
+
+
+def test_model_state_formula_matches_what_deepspeed_was_measured_to_keep():
+    from dsnd.plan.memory import model_state_bytes
+
+    psi = 217664  # dsnd bench pipeline's memory phase measured these bytes at dp=2
+    assert model_state_bytes(1, psi, 2, bf16=False)["device"] == {
+        "params": 870656, "grads": 870656, "master": 435328, "adam": 870656}  # fmt: skip
+    assert model_state_bytes(3, psi, 2, bf16=False)["device"] == {
+        "params": 435328, "grads": 435328, "master": 435328, "adam": 870656}  # fmt: skip
+    assert model_state_bytes(0, 10, 4, bf16=False)["device"]["master"] == 0
+    off = model_state_bytes(3, 100, 2, bf16=True, offload_optimizer=True, offload_param=True)
+    assert off == {"device": {"grads": 100.0},
+                   "cpu": {"params": 100.0, "master": 200.0, "adam": 400.0}}  # fmt: skip
+    # parameter offload needs ZeRO-3, optimizer offload ZeRO 1-3: elsewhere nothing moves
+    assert model_state_bytes(0, 100, 2, False, True, True)["cpu"] == {}
+
+
+def test_ds_config_check_and_explain(tmp_path, capsys):
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    assert cli.main(["ds-config", "check", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{path}: dsnd will run it (1 rank)"
+    assert "  steps_per_print: used as written" in out
+    assert "  gradient_clipping: 'auto' -> 1.0" in out
+    assert len(out) == len(set(out))  # a note naming several keys is shown once
+    argv = ["ds-config", "explain", str(path), "--nprocs", "4", "--set", "parallel.pp=2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "batch: train_batch_size 4 = micro 2 x gradient_accumulation_steps 1 x dp 2" in out
+    assert "ZeRO-3 over each stage's 2 data-parallel ranks; offload: optimizer none" in out
+    assert out.count(" MiB on the device, 0.0 MiB in CPU memory") == 2  # two stages, no offload
+
+
+def test_ds_config_check_reports_every_problem_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"train_batch_szie": 8, "zero_optimization": {"stage": 5}}))
+    assert cli.main(["ds-config", "check", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"dsnd: error: {path}: unknown key 'train_batch_szie' (did you mean 'train_batch_size'?)",
+        f"dsnd: error: {path}: zero_optimization.stage must be 0, 1, 2 or 3, got 5",
+    ]
