@@ -24,7 +24,9 @@ from dsnd.checkpoint.contents import expected_tensors, tensor_file
 from dsnd.checkpoint.layout import CheckpointError, optim_file, rng_file
 from dsnd.checkpoint.verify import member, read_manifest
 from dsnd.config.resolve import Resolved
+from dsnd.engine.compat import replay_cpu_adam_steps
 from dsnd.engine.state import (
+    basic_optimizer,
     materialise_optimizer_state,
     set_full_state,
     unmanaged_masters,
@@ -77,6 +79,8 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
         group["lr"] = trainer["lr"]
         if trainer["betas"] is not None:
             group["betas"] = tuple(trainer["betas"])
+    # with the restored betas: DeepSpeedCPUAdam's beta powers as an uninterrupted run has them
+    replay_cpu_adam_steps(basic_optimizer(engine), trainer["optimizer_step"])
     step = manifest["step"]
     engine.global_steps = step
     engine.global_samples = manifest["consumed_samples"]

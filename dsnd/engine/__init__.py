@@ -19,7 +19,9 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   `.stage3`, `.partition_parameters`, `.partitioned_param_coordinator`, replaced by a copy
   scoped to the stage's data-parallel group (the world-wide check hangs when pipeline stages
   hold different layers); `deepspeed.ops.op_builder.builder.OpBuilder.jit_load` wrapped to log
-  op builds (with torch's `torch.utils.cpp_extension._get_build_directory`).
+  op builds (with torch's `torch.utils.cpp_extension._get_build_directory`);
+  `DeepSpeedCPUAdam.ds_opt_adam` / `opt_id` (its C++ op's per-optimizer beta powers, replayed
+  on resume so an offloaded run resumes bit for bit).
 - `state`: `engine.optimizer.optimizer` (the torch optimizer inside ZeRO's wrapper), a
   parameter's `ds_id` / `_hp_mapping` (whether DeepSpeed keeps a separate fp32 master),
   `fp16_groups` / `fp32_groups` (bf16 at ZeRO-0), `fp32_partitioned_groups_flat` (ZeRO-3's flat

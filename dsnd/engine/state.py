@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -108,8 +109,10 @@ def full_state(
 
 
 def materialise_optimizer_state(engine, keys: list[str], step: int) -> None:
-    """Give a fresh engine's optimizer the state entries loading will overwrite, at `step`."""
+    """Give a fresh engine's optimizer the state entries loading will overwrite, at `step`
+    (DeepSpeedCPUAdam counts in a Python int, as it does itself; torch's Adam in a tensor)."""
     opt = basic_optimizer(engine)
+    counts_in_int = isinstance(opt, DeepSpeedCPUAdam)
     # ZeRO-3 puts its flat fp32 partitions into the optimizer's groups only around each step
     params = [p for group in opt.param_groups for p in group["params"]]
     params += list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
@@ -121,7 +124,7 @@ def materialise_optimizer_state(engine, keys: list[str], step: int) -> None:
         for key in keys:
             if key not in state:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        state["step"] = step if counts_in_int else torch.tensor(float(step), dtype=torch.float32)
     _link_state_views(engine)
 
 
