@@ -28,6 +28,29 @@ class TensorBoardWriter:
         self._writer.close()
 
 
+class CsvWriter:
+    """Scalars as DeepSpeed's csv_monitor writes them: one ``<name>.csv`` per scalar in
+    `out_dir` ('/' in the name as '_'), rows ``step,value`` under a header."""
+
+    def __init__(self, out_dir: str) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir = out_dir
+
+    def write(self, step: int, scalars: dict[str, float | None]) -> None:
+        for name, value in scalars.items():
+            if value is None or not math.isfinite(value):
+                continue
+            path = os.path.join(self.out_dir, name.replace("/", "_") + ".csv")
+            new = not os.path.exists(path)
+            with open(path, "a", encoding="utf-8") as f:
+                if new:
+                    f.write(f"step,{name}\n")
+                f.write(f"{step},{value!r}\n")
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsWriter:
     """Appends rows to ``<log_dir>/metrics.jsonl`` (global rank 0 only)."""
 

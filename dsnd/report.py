@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from dsnd.config.resolve import Resolved
-from dsnd.metrics import MetricsWriter, TensorBoardWriter
+from dsnd.metrics import CsvWriter, MetricsWriter, TensorBoardWriter
 from dsnd.progress import Progress
 from dsnd.secrets import mask_config
 
@@ -58,23 +58,28 @@ class Reporter:
         run = res.run
         save_resolved_configs(res, run.log.dir)
         self.metrics = MetricsWriter(run.log.dir)
-        self.board = None
+        text = yaml.safe_dump(mask_config(dataclasses.asdict(run)), sort_keys=False)
+        self.boards: list = []  # TensorBoard (log.dir; DeepSpeed's section) and CSV writers
         if run.log.tensorboard:
-            text = yaml.safe_dump(mask_config(dataclasses.asdict(run)), sort_keys=False)
-            self.board = TensorBoardWriter(run.log.dir, text)
+            self.boards.append(TensorBoardWriter(run.log.dir, text))
+        if "tensorboard" in res.monitors:
+            self.boards.append(TensorBoardWriter(res.monitors["tensorboard"], text))
+        if "csv_monitor" in res.monitors:
+            self.boards.append(CsvWriter(res.monitors["csv_monitor"]))
         self.progress = Progress(start, run.train.steps, run.log.every)
 
     def write(self, row: dict[str, Any], numbers: dict[str, Any]) -> None:
         self.metrics.write(row)
-        if self.board:
-            self.board.write(row["step"], {
-                "train/loss": row["loss"], "train/lr": row["lr"],
-                "train/grad_norm": row["grad_norm"], **numbers,
-                "eval/loss": row.get("eval_loss"), "eval/perplexity": row.get("eval_perplexity"),
-            })  # fmt: skip
+        scalars = {
+            "train/loss": row["loss"], "train/lr": row["lr"], "train/grad_norm": row["grad_norm"],
+            **numbers,
+            "eval/loss": row.get("eval_loss"), "eval/perplexity": row.get("eval_perplexity"),
+        }  # fmt: skip
+        for board in self.boards:
+            board.write(row["step"], scalars)
         self.progress.update(row)
 
     def close(self) -> None:
         self.metrics.close()
-        if self.board:
-            self.board.close()
+        for board in self.boards:
+            board.close()

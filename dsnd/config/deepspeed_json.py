@@ -13,6 +13,7 @@ import difflib
 import inspect
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -63,9 +64,8 @@ REFUSED = {
         "dsnd writes its own checkpoints (universal: any layout resumes); set checkpoint.dir, "
         "checkpoint.every and checkpoint.keep in the run YAML"
     ),
-    "tensorboard": "dsnd writes its own TensorBoard files; set log.tensorboard in the run YAML",
-    "wandb": "the wandb monitor is not supported by dsnd (log.tensorboard and metrics.jsonl are)",
-    "csv_monitor": "dsnd writes metrics.jsonl into log.dir; set log.dir in the run YAML",
+    "wandb": "the wandb monitor is not supported by dsnd (log.tensorboard, DeepSpeed's "
+    "tensorboard and csv_monitor sections, and metrics.jsonl are)",
     "comet": "the comet monitor is not supported by dsnd (log.tensorboard and metrics.jsonl are)",
     "sparse_attention": "sparse attention is not supported by dsnd",
     "curriculum_learning": "curriculum learning is not supported by dsnd",
@@ -85,6 +85,11 @@ REFUSED = {
     "expert_parallel": "mixture-of-experts parallelism is not supported by dsnd",
     "zenflow": "ZenFlow is not supported by dsnd",
 }
+
+MONITORS = ("tensorboard", "csv_monitor")
+"""DeepSpeed monitors dsnd writes itself, with its own step numbers, where DeepSpeed would:
+``output_path/job_name`` (DeepSpeed's monitors would count each stage engine's micro-batch calls
+as steps). They are taken out of the dict DeepSpeed gets (`take_monitors`)."""
 
 IGNORED = {
     "activation_checkpointing": (
@@ -280,6 +285,9 @@ def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
     for key, value in ds.items():
         if key in SUPPORTED:
             continue
+        if key in MONITORS:
+            problems += _monitor(key, value, path, notes)
+            continue
         if key in REFUSED and inactive(key, value):
             notes.append(f"{key}: at its do-nothing value, ignored")
         elif key == "fp16" and not half_precision_support()[1]:
@@ -374,6 +382,33 @@ def _check_sections(ds: dict[str, Any], path: str) -> None:
         if isinstance(ds.get(name), dict):
             bf16 = _pydantic_keys(deepspeed_api.bf16_config_model())
             _check_keys(ds[name], bf16, {}, f"{path}: {name}")
+
+
+def _monitor(key: str, value: Any, path: str, notes: list[str]) -> list[str]:
+    if not isinstance(value, dict):
+        return [f"{path}: {key} must be an object, got {value!r}"]
+    fields = {"enabled": bool, "output_path": str, "job_name": str}
+    problems = []
+    for k, v in value.items():
+        if k not in fields:
+            problems.append(f"{path}: {key}: unknown key '{k}'" + did_you_mean(k, fields))
+        elif not isinstance(v, fields[k]):
+            problems.append(f"{path}: {key}.{k} must be {fields[k].__name__}, got {v!r}")
+    if not problems:
+        written = f"written by dsnd into {monitor_dir(value)}" if value.get("enabled") else "off"
+        notes.append(f"{key}: {written}")
+    return problems
+
+
+def monitor_dir(section: dict[str, Any]) -> str:
+    """Where DeepSpeed's monitor of `section` writes: ``output_path/job_name``."""
+    return os.path.join(section.get("output_path", ""), section.get("job_name", "DeepSpeedJobName"))
+
+
+def take_monitors(ds: dict[str, Any]) -> dict[str, str]:
+    """Remove the monitor sections from `ds`; {monitor: its directory} for the enabled ones."""
+    sections = {key: ds.pop(key) for key in MONITORS if key in ds}
+    return {key: monitor_dir(s) for key, s in sections.items() if s.get("enabled")}
 
 
 def check_keys(ds: dict[str, Any], path: str) -> list[str]:

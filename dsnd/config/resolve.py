@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsnd.config.batch import GAS, MICRO, TRAIN, Batch, resolve_batch
-from dsnd.config.deepspeed_json import check_blamed, check_keys, check_with_deepspeed
+from dsnd.config.deepspeed_json import (
+    check_blamed,
+    check_keys,
+    check_with_deepspeed,
+    take_monitors,
+)
 from dsnd.config.ds_auto import fill_auto
 from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, RunConfig
@@ -40,6 +45,8 @@ class Resolved:
     ds_user: dict[str, Any] = field(default_factory=dict)
     # what dsnd filled in ("auto", a missing optimizer) or ignores in the JSON, logged at start
     ds_notes: list[str] = field(default_factory=list)
+    # DeepSpeed monitor sections dsnd writes itself: {"tensorboard" | "csv_monitor": directory}
+    monitors: dict[str, str] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:
@@ -140,7 +147,7 @@ def check_ranges(run: RunConfig) -> None:
 
 
 def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
-              hidden: int) -> tuple[dict, Batch, list[str]]:  # fmt: skip
+              hidden: int) -> tuple[dict, Batch, list[str], dict[str, str]]:  # fmt: skip
     """The DeepSpeed dict for `dp` data-parallel ranks — "auto" values and missing optimizer /
     scheduler filled (`ds_auto`), batch keys derived, learning rates scaled by
     train.lr_scaling, checked by dsnd and then by DeepSpeed itself — and the notes on what was
@@ -150,13 +157,14 @@ def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
     """
     ds, notes = fill_auto(ds, hidden, run.train.steps, half_precision_support()[0])
     notes += check_keys(ds, where)
+    monitors = take_monitors(ds)
     batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), dp, where)
     ds[TRAIN], ds[MICRO], ds[GAS] = batch
     if run.train.lr_scaling != "none":
         ratio = batch.train / run.train.lr_reference_batch
         scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
     check_with_deepspeed(ds, where)
-    return ds, batch, notes
+    return ds, batch, notes, monitors
 
 
 def zero_stage(ds: dict[str, Any]) -> int:
@@ -216,7 +224,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
 
     # an error a --set ds.* causes names that item, not the JSON file
     file, sets = (loaded.ds_file, loaded.ds_sets) if loaded.ds_file is not None else (loaded.ds, [])
-    _, (ds, batch, notes) = check_blamed(
+    _, (ds, batch, notes, monitors) = check_blamed(
         lambda d, where: derive_ds(d, where, run, topology.dp, model.hidden_size), file,
         loaded.ds_path, sets,
     )  # fmt: skip
@@ -231,4 +239,5 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         ds_path=loaded.ds_path,
         ds_user=copy.deepcopy(loaded.ds),
         ds_notes=notes,
+        monitors=monitors,
     )

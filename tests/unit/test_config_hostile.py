@@ -432,9 +432,7 @@ def test_world_size_batch_error_blames_the_file(monkeypatch, train):
 @pytest.mark.parametrize(
     "key, names",
     [
-        ("tensorboard", "log.tensorboard"),
         ("checkpoint", "checkpoint.dir"),
-        ("csv_monitor", "log.dir"),
         ("pipeline", "parallel.pp"),
         ("tensor_parallel", "parallel.tp"),
         ("sequence_parallel_size", "parallel.sequence_parallel"),

@@ -180,3 +180,35 @@ def test_ds_config_check_reports_every_problem_and_exits_2(tmp_path, capsys):
         f"dsnd: error: {path}: unknown key 'train_batch_szie' (did you mean 'train_batch_size'?)",
         f"dsnd: error: {path}: zero_optimization.stage must be 0, 1, 2 or 3, got 5",
     ]
+
+
+def test_deepspeed_monitors_are_written_by_dsnd_where_deepspeed_would(tmp_path):
+    from dsnd.report import Reporter
+
+    tb, csv = tmp_path / "tb", tmp_path / "csv"
+    sets = [f"log.dir={tmp_path / 'run'}", "log.tensorboard=false",
+            f'ds.tensorboard={{"enabled": true, "output_path": "{tb}", "job_name": "job"}}',
+            f'ds.csv_monitor={{"enabled": true, "output_path": "{csv}"}}']  # fmt: skip
+    res = resolve(load(None, sets), 1)
+    assert res.monitors == {"tensorboard": str(tb / "job"),
+                            "csv_monitor": str(csv / "DeepSpeedJobName")}  # fmt: skip
+    assert "tensorboard" not in res.ds and "csv_monitor" not in res.ds  # not DeepSpeed's to write
+    assert f"tensorboard: written by dsnd into {tb / 'job'}" in res.ds_notes
+    reporter = Reporter(res, 0)
+    for step in (1, 2):
+        row = {
+            "step": step,
+            "loss": 3.0 / step,
+            "lr": 0.1,
+            "grad_norm": 1.0,
+            "step_time_s": 1.0,
+            "tokens_per_s": 100.0,
+        }
+        reporter.write(row, {})
+    reporter.close()
+    assert any(p.name.startswith("events.out.tfevents") for p in (tb / "job").iterdir())
+    lines = (csv / "DeepSpeedJobName" / "train_loss.csv").read_text().splitlines()
+    assert lines == ["step,train/loss", "1,3.0", "2,1.5"]
+    with pytest.raises(UserError, match=r"tensorboard: unknown key 'outpt_path' \(did you mean "
+                       r"'output_path'\?\)"):  # fmt: skip
+        resolve(load(None, ['ds.tensorboard={"enabled": true, "outpt_path": "x"}']), 1)
