@@ -78,7 +78,6 @@ REFUSED = {
     "hybrid_engine": "the hybrid engine is not supported by dsnd",
     "eigenvalue": "eigenvalue computation is not supported by dsnd",
     "progressive_layer_drop": "progressive layer drop is not supported by dsnd",
-    "aio": "NVMe offload is not supported by dsnd",
     "nebula": "Nebula checkpointing is not supported by dsnd",
     "compile": "torch.compile through DeepSpeed is not supported by dsnd",
     "sparse_gradients": "sparse gradients are not supported by dsnd",
@@ -115,18 +114,23 @@ def inactive(key: str, value: Any) -> bool:
         return not value.get("load_universal")
     if key == "compile":
         return not value.get("enabled") and not value.get("deepcompile")
+    if key == "tensor_parallel":
+        tp = value.get("tp") if isinstance(value.get("tp"), dict) else {}
+        return (value.get("autotp_size") or 1) <= 1 and (tp.get("tp_size") or 1) <= 1
     return value.get("enabled") is False
 
 
 # zero_optimization keys DeepSpeed knows and dsnd refuses.
 ZERO_REFUSED = {
-    "cpu_offload": "the pre-0.4 offload key; use offload_optimizer: {device: cpu}",
-    "cpu_offload_param": "the pre-0.4 offload key; use offload_param: {device: cpu}",
     "zenflow": "ZenFlow is not supported by dsnd",
     "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not supported by dsnd",
     "zero_quantized_weights": "ZeRO++ quantized weights are not supported by dsnd",
     "zero_quantized_gradients": "ZeRO++ quantized gradients are not supported by dsnd",
 }
+
+ZERO_OFF = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+            "zero_quantized_gradients": False}  # fmt: skip
+"""The values at which ZeRO++'s switches turn nothing on: accepted."""
 
 OPTIMIZERS = {"adam", "adamw"}
 OPTIMIZER_PARAMS = {
@@ -377,7 +381,8 @@ def _check_sections(ds: dict[str, Any], path: str) -> None:
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict):
         known = _pydantic_keys(deepspeed_api.zero_config_model()) - set(ZERO_REFUSED)
-        _check_keys(zero, known, ZERO_REFUSED, f"{path}: zero_optimization")
+        active = {k: v for k, v in zero.items() if k not in ZERO_OFF or v != ZERO_OFF[k]}
+        _check_keys(active, known, ZERO_REFUSED, f"{path}: zero_optimization")
     for name in ("bf16", "bfloat16"):
         if isinstance(ds.get(name), dict):
             bf16 = _pydantic_keys(deepspeed_api.bf16_config_model())

@@ -7,6 +7,8 @@ does, so that the JSONs users already have run unchanged.
   size, with Hugging Face's formulas). Batch keys set to ``"auto"`` are derived by the batch rule
   (the packaged micro-batch when nothing else sets it); precision ``"auto"`` is bf16 where the
   device supports it, else fp32.
+- DeepSpeed's legacy forms, as it still reads them: ``"zero_optimization": true`` (stage 1),
+  ``cpu_offload`` / ``cpu_offload_param`` (the CPU offload sections).
 - a missing ``optimizer`` or ``scheduler`` section (Megatron's and Hugging Face's JSONs leave
   them to the calling code): the packaged AdamW and warm-up.
 
@@ -45,6 +47,7 @@ def fill_auto(ds: dict[str, Any], hidden: int, steps: int,
     ds = copy.deepcopy(ds)
     notes: list[str] = []
     _batch(ds, notes)
+    _legacy_zero(ds, notes)
     _sections(ds, notes)
     _optimizer_and_scheduler(ds, steps, notes)
     if ds.get("gradient_clipping") == AUTO:
@@ -52,6 +55,7 @@ def fill_auto(ds: dict[str, Any], hidden: int, steps: int,
         notes.append("gradient_clipping: 'auto' -> 1.0")
     _precision(ds, bf16_supported, notes)
     _zero_buckets(ds.get("zero_optimization"), hidden, notes)
+    _zero_defaults(ds.get("zero_optimization"), notes)
     return ds, notes
 
 
@@ -64,6 +68,31 @@ def _batch(ds: dict[str, Any], notes: list[str]) -> None:
     if autos:
         notes.append(f"{', '.join(autos)}: 'auto' -> derived by the batch rule "
                      f"(micro-batch {ds.get(MICRO, 'from the batch keys')})")  # fmt: skip
+
+
+LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+"""ZeRO's deprecated offload switches, which DeepSpeed 0.19.8 still reads, and their new keys."""
+
+
+def _legacy_zero(ds: dict[str, Any], notes: list[str]) -> None:
+    """DeepSpeed's deprecated forms, translated as DeepSpeed reads them."""
+    if isinstance(ds.get("zero_optimization"), bool):
+        stage = int(ds["zero_optimization"])
+        ds["zero_optimization"] = {"stage": stage}
+        notes.append(f"zero_optimization: {str(bool(stage)).lower()} (the legacy form, as "
+                     f"DeepSpeed reads it) -> stage {stage}")  # fmt: skip
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for old, new in LEGACY_OFFLOAD.items():
+        if old in zero:
+            on = zero.pop(old)
+            if on and new not in zero:
+                zero[new] = {"device": "cpu", "pin_memory": bool(zero.get(
+                    "cpu_offload_use_pin_memory", False))}  # fmt: skip
+            notes.append(f"zero_optimization.{old}: {str(bool(on)).lower()} (deprecated, as "
+                         f"DeepSpeed reads it) -> {new}: {zero.get(new, 'none')}")  # fmt: skip
+    zero.pop("cpu_offload_use_pin_memory", None)
 
 
 def _sections(ds: dict[str, Any], notes: list[str]) -> None:
@@ -118,6 +147,23 @@ def _zero_buckets(zero: Any, hidden: int, notes: list[str]) -> None:
         if zero.get(key) == AUTO:
             zero[key] = formula(hidden)
             notes.append(f"zero_optimization.{key}: 'auto' -> {zero[key]} (hidden size {hidden})")
+
+
+def _zero_defaults(zero: Any, notes: list[str]) -> None:
+    """Any other ZeRO "auto": DeepSpeed's own default, which DeepSpeed would use silently."""
+    if not isinstance(zero, dict):
+        return
+    from dsnd.engine.deepspeed_api import zero_config_model
+
+    fields = zero_config_model().model_fields
+    by_name = {f.alias or name: f for name, f in fields.items()} | dict(fields)
+    for key, value in list(zero.items()):
+        default = by_name[key].default if key in by_name else None
+        if value == AUTO and default is not None:
+            # DeepSpeed's pp_int prints with commas: store a plain number
+            zero[key] = int(default) if isinstance(default, int) else default
+            notes.append(f"zero_optimization.{key}: 'auto' -> {zero[key]} (DeepSpeed's "
+                         "default, which DeepSpeed itself would use)")  # fmt: skip
 
 
 def remaining_autos(value: Any, path: str = "") -> list[str]:

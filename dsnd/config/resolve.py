@@ -200,6 +200,30 @@ def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str,
     )
 
 
+ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed's default sub_group_size
+
+
+def check_zero3_sub_groups(ds: dict[str, Any], plan: Plan, model: ModelSpec) -> None:
+    """ZeRO-3 steps its parameters in sub-groups of `sub_group_size` elements, with collectives
+    per sub-group over the model-parallel group; stages holding different numbers of them wait
+    on each other for ever (measured: `sub_group_size: 0`, axolotl's ZeRO-3 JSON, hangs at
+    pp=2 in the first step, and runs at pp=1). Refused unless every stage fits one sub-group."""
+    if plan.pp == 1 or plan.zero_stage != 3:
+        return
+    size = (ds.get("zero_optimization") or {}).get("sub_group_size", ZERO3_SUB_GROUP)
+    from dsnd.model.count import layer_table
+
+    counts = {index: n for index, _, n in layer_table(model)}
+    largest = max(sum(counts[i] for i in plan.stage_layers(s)) for s in range(plan.pp))
+    if size < largest:
+        raise UserError(
+            f"zero_optimization.sub_group_size={size:g} splits a pipeline stage's {largest:,} "
+            "parameters into ZeRO-3 sub-groups whose number differs between stages, and "
+            "DeepSpeed's per-sub-group collectives then hang (measured at pp=2); set it to at "
+            f"least {largest} (DeepSpeed's default is {ZERO3_SUB_GROUP:g})"
+        )
+
+
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")  # fmt: skip
 """Set per rank by every launcher; never copied from the launching environment."""
@@ -228,13 +252,15 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         lambda d, where: derive_ds(d, where, run, topology.dp, model.hidden_size), file,
         loaded.ds_path, sets,
     )  # fmt: skip
+    plan = run_plan(run, model, topology, ds, batch)
+    check_zero3_sub_groups(ds, plan, model)
     return Resolved(
         run=run,
         ds=ds,
         model=model,
         topology=topology,
         batch=batch,
-        plan=run_plan(run, model, topology, ds, batch),
+        plan=plan,
         yaml_path=loaded.yaml_path,
         ds_path=loaded.ds_path,
         ds_user=copy.deepcopy(loaded.ds),

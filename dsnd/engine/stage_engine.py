@@ -12,7 +12,8 @@ reduction; `step()` then moves the optimizer once.
   1.2753 instead of the reference 1.2345). DeepSpeed forbids `engine.step()` inside the block,
   and counts one `step()` per micro-batch (the optimizer moves at the last), so `step()` calls
   it once per micro-batch after it.
-- ZeRO-0 cannot coalesce. dsnd owns its accumulation boundary with the public
+- ZeRO-0 cannot coalesce (nor can DeepSpeed's BF16_Optimizer wrapper, which bf16 with fp32
+  gradient accumulation gets at ZeRO-1). dsnd owns its accumulation boundary with the public
   `set_gradient_accumulation_boundary`: False through every backward (a stage runs v × m of
   them under interleaving), True for `allreduce_gradients()` and for the last of the m
   `step()` calls.
@@ -47,6 +48,9 @@ class StageEngine:
     def __init__(self, engine: Any, norm_group: dist.ProcessGroup, tp_rank: int) -> None:
         self.engine = engine
         self.zero = engine.zero_optimization_stage()
+        # ZeRO 1-3 coalesce, except under DeepSpeed's BF16_Optimizer wrapper (bf16 with fp32
+        # gradient accumulation at ZeRO-1), which cannot: it takes ZeRO-0's boundary path
+        self.coalesce = self.zero > 0 and hasattr(engine.optimizer, "_coalesce_grad_reduction")
         self.device = engine.device
         self.gas = engine.gradient_accumulation_steps()
         self._norm_group, self._tp_rank = norm_group, tp_rank
@@ -54,7 +58,7 @@ class StageEngine:
 
     def begin(self) -> None:
         """Start a step: from here on backwards only accumulate local gradients."""
-        if self.zero > 0:
+        if self.coalesce:
             self._coalescing = contextlib.ExitStack()
             self._coalescing.enter_context(self.engine.coalesce_grad_reduction())
         else:
@@ -106,7 +110,7 @@ class StageEngine:
 
     def reduce(self) -> None:
         """The step's one data-parallel gradient reduction."""
-        if self.zero > 0:
+        if self.coalesce:
             self._coalescing.close()
             self._coalescing = None
         else:
@@ -120,7 +124,7 @@ class StageEngine:
         if self.zero == 0:
             norm = replica_grad_norm(self.engine.module, self._norm_group, self._tp_rank)
         for i in range(self.gas):
-            if self.zero == 0:
+            if not self.coalesce:
                 self.engine.set_gradient_accumulation_boundary(i == self.gas - 1)
             self.engine.step()
         return norm
