@@ -106,8 +106,10 @@ def test_log_op_builds_wraps_deepspeeds_jit_load_once(monkeypatch):
     from deepspeed.ops.op_builder.builder import OpBuilder
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
-    monkeypatch.setattr(OpBuilder, "jit_load", OpBuilder.jit_load)  # restored after the test
-    original = OpBuilder.jit_load
+    # unwrapped for the test (an earlier test in this process may have started a world, which
+    # wraps it) and restored after it
+    original = getattr(OpBuilder.jit_load, "__wrapped__", OpBuilder.jit_load)
+    monkeypatch.setattr(OpBuilder, "jit_load", original)
     log_op_builds()
     log_op_builds()
     wrapped = ShareMemCommBuilder.jit_load  # what `load` calls on a builder DeepSpeed creates
