@@ -425,7 +425,7 @@ def check_keys(ds: dict[str, Any], path: str) -> list[str]:
     autos = remaining_autos(ds)
     if autos:
         problems.append(f"{path}: {', '.join(autos)}: 'auto' is not a value dsnd can fill "
-                        "here; set a number")  # fmt: skip
+                        "here; set a value")  # fmt: skip
     for check in (partial(_top_level, notes=notes), _check_types, _check_sections, _check_ranges,
                   lambda d, p: _check_optimizer(d.get("optimizer"), p),
                   lambda d, p: _check_scheduler(d.get("scheduler"), p)):  # fmt: skip

@@ -439,7 +439,8 @@ def test_world_size_batch_error_blames_the_file(monkeypatch, train):
     ],
 )
 def test_refusal_names_the_run_key_to_use(train, key, names):
-    value = {"sequence_parallel_size": "2", "checkpoint": '{"load_universal": true}'}
+    value = {"sequence_parallel_size": "2", "checkpoint": '{"load_universal": true}',
+             "tensor_parallel": '{"autotp_size": 2}'}  # fmt: skip
     item = f"ds.{key}=" + value.get(key, '{"enabled": true}')
     message = train("--set", item)
     assert message.startswith(f"--set {item}: '{key}' is refused: ")

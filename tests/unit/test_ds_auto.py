@@ -76,9 +76,14 @@ def test_fill_auto_leaves_numbers_alone_and_fills_only_what_it_knows():
         filled["scheduler"]["params"]["warmup_num_steps"]
         == (packaged()["scheduler"]["params"]["warmup_num_steps"])
     )
-    assert remaining_autos(filled) == ["zero_optimization.allgather_bucket_size"]
+    assert remaining_autos(filled) == []
+    assert filled["zero_optimization"]["allgather_bucket_size"] == 500_000_000  # DeepSpeed's
     assert ds["scheduler"]["params"]["warmup_num_steps"] == "auto"  # the input is not changed
-    assert notes == ["scheduler.params.warmup_num_steps: 'auto' -> 5 (dsnd's default)"]
+    assert notes == [
+        "scheduler.params.warmup_num_steps: 'auto' -> 5 (dsnd's default)",
+        "zero_optimization.allgather_bucket_size: 'auto' -> 500000000 (DeepSpeed's default, "
+        "which DeepSpeed itself would use)",
+    ]
 
 
 def test_bf16_auto_without_bf16_is_fp32():
@@ -88,9 +93,9 @@ def test_bf16_auto_without_bf16_is_fp32():
 
 
 def test_an_auto_dsnd_cannot_fill_is_refused_by_name():
-    with pytest.raises(UserError, match=r"zero_optimization.allgather_bucket_size: 'auto' is not "
-                       "a value dsnd can fill here; set a number"):  # fmt: skip
-        resolve(load(None, ["ds.zero_optimization.allgather_bucket_size=auto"]), 1)
+    with pytest.raises(UserError, match=r"optimizer.params.amsgrad: 'auto' is not a value dsnd "
+                       "can fill here; set a value"):  # fmt: skip
+        resolve(load(None, ["ds.optimizer.params.amsgrad=auto"]), 1)
 
 
 def test_keys_deepspeed_ignores_are_noted_and_near_misses_refused():
