@@ -74,6 +74,8 @@ class Reporter:
             "train/loss": row["loss"], "train/lr": row["lr"], "train/grad_norm": row["grad_norm"],
             **numbers,
             "eval/loss": row.get("eval_loss"), "eval/perplexity": row.get("eval_perplexity"),
+            "train/loss_scale": row.get("loss_scale"),
+            "train/skipped_steps": row.get("skipped_steps"),
         }  # fmt: skip
         for board in self.boards:
             board.write(row["step"], scalars)

@@ -19,7 +19,7 @@ from dsnd.engine.memory import state_bytes
 from dsnd.pipeline.executor import PHASES
 from dsnd.topology import Topology
 
-STATS = (*PHASES, "live_bytes", "peak_bytes", "stop_requested")
+STATS = (*PHASES, "live_bytes", "peak_bytes", "stop_requested", "step_skipped")
 
 
 def rank_memory(engine) -> tuple[float, float]:
@@ -31,11 +31,12 @@ def rank_memory(engine) -> tuple[float, float]:
 
 
 def gather_stats(times: dict[str, float], engine, stop_requested: bool = False) -> torch.Tensor:
-    """(world, len(STATS)) float64: every rank's phase times, memory and stop request
-    (collective). The stop request rides along so that all ranks agree on the step to stop at
-    without a collective of its own."""
+    """(world, len(STATS)) float64: every rank's phase times, memory, stop request and whether
+    DeepSpeed skipped its optimizer step (collective). The stop request rides along so that all
+    ranks agree on the step to stop at without a collective of its own; the skip so that
+    `check_skips_agree` can see every rank's."""
     mine = torch.tensor([times[p] for p in PHASES] + list(rank_memory(engine))
-                        + [float(stop_requested)],
+                        + [float(stop_requested), float(not engine.was_step_applied())],
                         dtype=torch.float64, device=engine.device)  # fmt: skip
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
@@ -45,6 +46,18 @@ def gather_stats(times: dict[str, float], engine, stop_requested: bool = False) 
 def stop_agreed(stats: torch.Tensor) -> bool:
     """True when any rank asked to stop at this step (the same answer on every rank)."""
     return bool(stats[:, STATS.index("stop_requested")].max() > 0)
+
+
+def check_skips_agree(stats: torch.Tensor) -> None:
+    """RuntimeError unless every rank applied the step or every rank skipped it. fp16's
+    overflow skips must be taken by all stages together (DeepSpeed decides over its
+    model-parallel group, which dsnd's mpu makes the whole replica, and the data group); one
+    stage stepping while another skips would silently train a different model."""
+    skipped = stats[:, STATS.index("step_skipped")] > 0
+    if skipped.any() and not skipped.all():
+        ranks = [i for i, s in enumerate(skipped.tolist()) if s]
+        raise RuntimeError(f"ranks {ranks} skipped the optimizer step (gradient overflow) and "
+                           f"the other ranks of {len(skipped)} applied it")  # fmt: skip
 
 
 def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens: int,

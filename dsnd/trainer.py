@@ -32,6 +32,7 @@ from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.data.corpus import Corpus
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
+from dsnd.engine.loss_scale import current_scale, scale_numbers
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.model.count import layer_table
@@ -40,7 +41,7 @@ from dsnd.pipeline.runner import StageRunner
 from dsnd.progress import RankLogFile
 from dsnd.report import Reporter, step_row
 from dsnd.stop_request import StopRequest
-from dsnd.telemetry import gather_stats, step_numbers, stop_agreed
+from dsnd.telemetry import check_skips_agree, gather_stats, step_numbers, stop_agreed
 
 log = logging.getLogger(__name__)
 
@@ -182,17 +183,22 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     every rank agreed to stop after it. `flops` is (FLOPs per token, peak FLOP/s)."""
     run, engine = res.run, st.runner.engine
     lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
+    scale = current_scale(engine)  # fp16: the loss scale this step's gradients carry
     t0 = time.perf_counter()
     micro = batch_for_step(st.samples, run.train.seed, step, res.batch.train, groups.coord.dp,
                            res.topology.dp, res.batch.micro)  # fmt: skip
     result = st.runner.run(micro)
     loss, norm = st.runner.report(result)
+    scaling = scale_numbers(engine, scale)
+    if scaling.get("skipped"):  # overflowed at this scale: skipped by design, not diverged
+        norm = None
     check_finite(step + 1, loss, norm)
     elapsed = time.perf_counter() - t0
     stats = gather_stats(result.times, engine, stop is not None and stop.requested)
+    check_skips_agree(stats)
     numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step, res.batch.train,
                            *flops)  # fmt: skip
-    row = step_row(step + 1, loss, lr, norm, elapsed, res.tokens_per_step, numbers)
+    row = step_row(step + 1, loss, lr, norm, elapsed, res.tokens_per_step, numbers) | scaling
     if st.held_out is not None and (step + 1) % run.eval.every == 0:
         row["eval_loss"] = _evaluate(st.runner, res, groups, st.held_out)
         row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))

@@ -25,6 +25,7 @@ from dsnd.checkpoint.layout import CheckpointError, optim_file, rng_file
 from dsnd.checkpoint.verify import member, read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.engine.compat import replay_cpu_adam_steps
+from dsnd.engine.loss_scale import restore_scaler
 from dsnd.engine.state import (
     basic_optimizer,
     materialise_optimizer_state,
@@ -81,6 +82,7 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
             group["betas"] = tuple(trainer["betas"])
     # with the restored betas: DeepSpeedCPUAdam's beta powers as an uninterrupted run has them
     replay_cpu_adam_steps(basic_optimizer(engine), trainer["optimizer_step"])
+    restore_scaler(engine, trainer.get("loss_scaler"))
     step = manifest["step"]
     engine.global_steps = step
     engine.global_samples = manifest["consumed_samples"]

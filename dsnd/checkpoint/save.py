@@ -28,6 +28,7 @@ from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, ste
 from dsnd.config.resolve import Resolved
 from dsnd.data.corpus import Corpus
 from dsnd.distributed.groups import ProcessGroups
+from dsnd.engine.loss_scale import scaler_state
 from dsnd.engine.state import full_state, optim_keys, optimizer_step
 from dsnd.errors import Diverged
 from dsnd.model.specs import layer_of
@@ -93,6 +94,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
             "lr_scheduler": sched.state_dict() if sched is not None else None,
             "lr": group["lr"],
             "betas": list(group["betas"]) if "betas" in group else None,
+            "loss_scaler": scaler_state(engine),
         },
         "params": params,
         "optim_keys": keys,

@@ -57,6 +57,10 @@ NESTED: dict[str, dict[str, Rule]] = {
     },  # fmt: skip
     "corpus": {"name": TEXT, "tokens": COUNT, "sha256": TEXT},
 }
+NESTED_OPTIONAL: dict[str, dict[str, Rule]] = {
+    # fp16's loss scaler (dsnd.engine.loss_scale.scaler_state); absent before fp16 was supported
+    "trainer": {"loss_scaler": TABLE_OR_NULL},
+}
 FILE_ENTRY: dict[str, Rule] = {"bytes": COUNT, "sha256": SHA256}
 PARAM_ENTRY: dict[str, Rule] = {"file": TEXT, "shape": COUNTS}
 DEFAULT_DTYPE = "F32"  # what every checkpoint without a "dtype" per parameter holds
@@ -158,7 +162,7 @@ def manifest_problems(manifest: dict) -> list[str]:
     if out:
         return out
     for key, rules in NESTED.items():
-        out += table_problems(key, manifest[key], rules)
+        out += table_problems(key, manifest[key], rules, NESTED_OPTIONAL.get(key))
     return out + model_problems(manifest["model"]) + _params_problems(manifest["params"])
 
 

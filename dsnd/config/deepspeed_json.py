@@ -32,7 +32,7 @@ DsSet = tuple[str, Any, str]
 # Top-level keys dsnd passes to DeepSpeed as they are.
 SUPPORTED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "gradient_clipping", "zero_optimization", "bf16", "bfloat16",
+    "optimizer", "scheduler", "gradient_clipping", "zero_optimization", "bf16", "bfloat16", "fp16",
     "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
     "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "comms_logger",
@@ -51,7 +51,6 @@ TOP_TYPES: dict[str, tuple[type, ...]] = {
 # Top-level keys DeepSpeed knows and dsnd refuses, with the reason — when they turn something on
 # (`inactive`): a section at its do-nothing value is accepted with a note.
 REFUSED = {
-    "fp16": "fp16 loss scaling is not supported by dsnd yet; use bf16",
     "amp": "apex AMP is not supported by dsnd; use bf16",
     "torch_autocast": "torch autocast is not supported by dsnd; use bf16",
     "pipeline": "dsnd runs its own pipeline schedule; set parallel.pp in the run YAML",
@@ -287,6 +286,14 @@ def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
     known = SUPPORTED | set(REFUSED) | set(IGNORED)
     problems = []
     for key, value in ds.items():
+        if key == "fp16" and not fp16_enabled(ds):
+            notes.append(f"{key}: at its do-nothing value, ignored")
+        elif key == "fp16" and not half_precision_support()[1]:
+            problems.append(f"{path}: fp16 is not supported on this device (DeepSpeed: Type "
+                            "fp16 is not supported on your device); use bf16 or fp32")  # fmt: skip
+        elif key == "fp16":
+            notes.append("fp16: dynamic loss scaling by DeepSpeed; the scale and skipped steps "
+                         "are in metrics.jsonl and checkpoints")  # fmt: skip
         if key in SUPPORTED:
             continue
         if key in MONITORS:
@@ -294,9 +301,6 @@ def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
             continue
         if key in REFUSED and inactive(key, value):
             notes.append(f"{key}: at its do-nothing value, ignored")
-        elif key == "fp16" and not half_precision_support()[1]:
-            problems.append(f"{path}: fp16 is not supported on this device (DeepSpeed: Type "
-                            "fp16 is not supported on your device); use bf16 or fp32")  # fmt: skip
         elif key in REFUSED:
             problems.append(f"{path}: '{key}' is refused: {REFUSED[key]}")
         elif key in IGNORED:
@@ -383,10 +387,16 @@ def _check_sections(ds: dict[str, Any], path: str) -> None:
         known = _pydantic_keys(deepspeed_api.zero_config_model()) - set(ZERO_REFUSED)
         active = {k: v for k, v in zero.items() if k not in ZERO_OFF or v != ZERO_OFF[k]}
         _check_keys(active, known, ZERO_REFUSED, f"{path}: zero_optimization")
-    for name in ("bf16", "bfloat16"):
+    for name in ("bf16", "bfloat16", "fp16"):
         if isinstance(ds.get(name), dict):
-            bf16 = _pydantic_keys(deepspeed_api.bf16_config_model())
-            _check_keys(ds[name], bf16, {}, f"{path}: {name}")
+            model = deepspeed_api.fp16_config_model() if name == "fp16" else \
+                deepspeed_api.bf16_config_model()  # fmt: skip
+            _check_keys(ds[name], _pydantic_keys(model), {}, f"{path}: {name}")
+
+
+def fp16_enabled(ds: dict[str, Any]) -> bool:
+    """Whether the JSON turns fp16 (with its loss scaling) on."""
+    return isinstance(ds.get("fp16"), dict) and ds["fp16"].get("enabled") is True
 
 
 def _monitor(key: str, value: Any, path: str, notes: list[str]) -> list[str]:
@@ -527,6 +537,7 @@ def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:
 # DeepSpeed's pydantic models, by title -> the JSON section their error locations start in
 MODEL_SECTIONS = {
     "DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+    "DeepSpeedFP16Config": "fp16",
     "CommsLoggerConfig": "comms_logger", "DeepSpeedThroughputTimerConfig": "timers.throughput",
 }  # fmt: skip
 

@@ -21,7 +21,11 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   hold different layers); `deepspeed.ops.op_builder.builder.OpBuilder.jit_load` wrapped to log
   op builds (with torch's `torch.utils.cpp_extension._get_build_directory`);
   `DeepSpeedCPUAdam.ds_opt_adam` / `opt_id` (its C++ op's per-optimizer beta powers, replayed
-  on resume so an offloaded run resumes bit for bit).
+  on resume so an offloaded run resumes bit for bit); `FP16_UnfusedOptimizer`'s `fp16_groups` /
+  `fp32_groups` and inner optimizer state (undoing the step its constructor takes).
+- `loss_scale`: fp16's scaler on the optimizer, `loss_scaler` (ZeRO 1-3) or `loss_scale_config`
+  (ZeRO-0's FP16 optimizers), its `cur_scale` / `cur_iter` / `last_overflow_iter` /
+  `cur_hysteresis`, and the engine's `fp16_enabled`, `was_step_applied`, `skipped_steps`.
 - `state`: `engine.optimizer.optimizer` (the torch optimizer inside ZeRO's wrapper), a
   parameter's `ds_id` / `_hp_mapping` (whether DeepSpeed keeps a separate fp32 master),
   `fp16_groups` / `fp32_groups` (bf16 at ZeRO-0), `fp32_partitioned_groups_flat` (ZeRO-3's flat

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter  # the rule ZeRO's norm uses
 from torch import nn
 
+from dsnd.engine.compat import undo_unfused_init_step
+
 log = logging.getLogger(__name__)
 
 
@@ -25,6 +27,7 @@ def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list
         mpu=mpu,
         dist_init_required=False,
     )
+    undo_unfused_init_step(engine)
     return engine
 
 

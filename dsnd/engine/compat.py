@@ -27,6 +27,16 @@ decimal of the loss, pp=2 x dp=2, ZeRO-1 and ZeRO-3 offload). `replay_cpu_adam_s
 resumed optimizer's op through steps 1..t on empty tensors (`ds_opt_adam.adam_update` with the
 optimizer's `opt_id`: no arithmetic, only the counters), so it holds the uninterrupted run's
 products; step 1 always sets beta^1 exactly, so any earlier state of the op is overwritten.
+
+At ZeRO-0 with bf16 or fp16 DeepSpeed wraps the optimizer in `FP16_UnfusedOptimizer`, whose
+constructor (`initialize_optimizer_states`) runs the torch optimizer's `step()` once on zero
+gradients to create its state. For Adam that counts a step (its bias corrections then run one
+step ahead) and for AdamW it applies the decoupled weight decay to every fp32 master once, before
+training starts (measured: pp=2 ZeRO-0 fp16, the loss after the first step 5.5084 where the
+fp32 reference and ZeRO-1 fp16 give 5.4859 and 5.4854; bf16 5.5041). ZeRO 1-3 build no such
+step. `undo_unfused_init_step` puts the optimizer back as it was before that call: state empty
+(created at the first real step, as everywhere else) and the masters equal to the parameters
+they were cloned from (which the call did not touch).
 """
 
 from __future__ import annotations
@@ -150,3 +160,18 @@ def replay_cpu_adam_steps(optimizer: Any, step: int) -> None:
                 optimizer.opt_id, t, group["lr"], beta1, beta2, group["eps"],
                 group["weight_decay"], group["bias_correction"], empty, empty, empty, empty,
             )  # fmt: skip
+
+
+def undo_unfused_init_step(engine: Any) -> None:
+    """Undo the zero-gradient optimizer step `FP16_UnfusedOptimizer` takes when it is built (see
+    the module docstring); nothing for any other optimizer."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, FP16_UnfusedOptimizer):
+        return
+    opt.optimizer.state.clear()
+    with torch.no_grad():
+        for low, masters in zip(opt.fp16_groups, opt.fp32_groups, strict=True):
+            for param, master in zip(low, masters, strict=True):
+                master.copy_(param)

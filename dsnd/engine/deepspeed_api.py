@@ -17,6 +17,13 @@ def zero_config_model() -> type:
     return DeepSpeedZeroConfig
 
 
+def fp16_config_model() -> type:
+    """`DeepSpeedFP16Config`: the pydantic model of `fp16`."""
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    return DeepSpeedFP16Config
+
+
 def bf16_config_model() -> type:
     """`DeepSpeedBF16Config`: the pydantic model of `bf16` / `bfloat16`."""
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from dsnd.engine.build import replica_grad_norm
+from dsnd.engine.loss_scale import current_scale, loss_for_backward, surrogate_for_backward
 
 
 class StageEngine:
@@ -67,8 +68,14 @@ class StageEngine:
     def forward(self, x: torch.Tensor, chunk: int) -> torch.Tensor:
         return self.engine(x, chunk=chunk)
 
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
-        self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+    def backward_loss(self, loss: torch.Tensor) -> None:
+        """Backward of the last stage's loss (DeepSpeed divides it by the accumulation steps)."""
+        self.engine.backward(loss_for_backward(self.engine, loss))
+
+    def backward_output(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward of an inner stage's `output`, given the gradient the next stage sent."""
+        surrogate = surrogate_for_backward(self.engine, output, grad)
+        self.engine.backward(surrogate, scale_wrt_gas=False)
 
     # ---- the split backward of zero-bubble schedules --------------------------------------
 
@@ -85,7 +92,7 @@ class StageEngine:
     ) -> Any:
         """d(loss)/d(inputs) into the inputs' `.grad`; returns what `backward_weight` needs.
         `grad` None means `output` is the loss (scaled by 1/gas here)."""
-        output = output / self.gas if grad is None else output
+        output = output * current_scale(self.engine) / self.gas if grad is None else output
         weights = self._weights(leaves)
         if not inputs:  # the first stage: no input gradient; the weight pass does it all
             return ("whole", output, grad, weights)
@@ -123,6 +130,7 @@ class StageEngine:
         norm = None
         if self.zero == 0:
             norm = replica_grad_norm(self.engine.module, self._norm_group, self._tp_rank)
+            norm /= current_scale(self.engine)  # fp16's gradients carry the loss scale
         for i in range(self.gas):
             if not self.coalesce:
                 self.engine.set_gradient_accumulation_boundary(i == self.gas - 1)

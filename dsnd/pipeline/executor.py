@@ -7,8 +7,9 @@ Per instruction, on a stage holding model chunk(s) of layers in one `StageEngine
   F                      input = tokens (first virtual stage) or the received activation;
                          the last virtual stage computes the loss;
   recv_grad / send_grad  d(loss)/d(output) from the next / d(loss)/d(input) to the previous;
-  B                      backward of the loss (scaled 1/gas by DeepSpeed) or of the surrogate
-                         (output * grad).sum() (not scaled again);
+  B                      backward of the loss (scaled 1/gas, and by fp16's loss scale) or of
+                         the surrogate (output * grad).sum() (not scaled again; the received
+                         gradient carries both: dsnd/engine/loss_scale.py);
   I / W                  the same backward split into input and weight gradients (zero bubble);
   tied_*                 the tied-weight exchange (pipeline/tied.py);
   sp_sum                 the tensor group's sum of partial gradients of replicated parameters
@@ -178,10 +179,9 @@ class Executor:
     def _backward(self, x: Instr, state: _Step) -> None:
         out = state.outputs.pop((x.micro, x.chunk))
         if self._is_last(x):
-            self.engine.backward(out, scale_wrt_gas=True)
+            self.engine.backward_loss(out)
         else:
-            grad = state.grads.pop((x.micro, x.chunk))
-            self.engine.backward((out * grad).sum(), scale_wrt_gas=False)
+            self.engine.backward_output(out, state.grads.pop((x.micro, x.chunk)))
 
     def _backward_input(self, x: Instr, state: _Step) -> None:
         key = (x.micro, x.chunk)

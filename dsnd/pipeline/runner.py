@@ -59,7 +59,8 @@ class StageRunner:
         self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(groups))
         self.program = list(plan.programs[stage])
         self.links = StageLinks(groups, self.engine.device)
-        dtype = torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32
+        dtype = (torch.bfloat16 if self.engine.bfloat16_enabled()
+                 else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
         tp = tensor_parallel(res, groups)
         seq = res.run.model.seq_len // (tp.size if tp.sequence_parallel else 1)
         self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype)

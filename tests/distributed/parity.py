@@ -26,12 +26,13 @@ def case(
     return {"name": name, "sets": [*all_sets, *sets], "reference": reference}
 
 
-def run_cases(tmp_path, world: int, cases: list[dict]) -> dict:
+def run_cases(tmp_path, world: int, cases: list[dict],
+              worker: str = "tests/distributed/train_cases.py") -> dict:  # fmt: skip
     cases_file, out = tmp_path / "cases.json", tmp_path / "out.json"
     for c in cases:
         c["sets"] = [s.replace("runs/test", str(tmp_path)) for s in c["sets"]]
     cases_file.write_text(json.dumps(cases))
-    run_ranks(world, ["tests/distributed/train_cases.py", str(out), str(cases_file)], timeout=400)
+    run_ranks(world, [worker, str(out), str(cases_file)], timeout=400)
     return json.loads(out.read_text())
 
 

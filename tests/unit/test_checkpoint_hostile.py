@@ -231,6 +231,9 @@ MANIFEST_EDITS = {
                                            "safetensors dtype"),
     "no trainer": (lambda m: m.pop("trainer"), "the manifest has no 'trainer'"),
     "trainer without lr": (lambda m: m["trainer"].pop("lr"), "trainer has no 'lr'"),
+    "fp16 loss scaler not an object": (lambda m: m["trainer"].update(loss_scaler=65536),
+                                       "'loss_scaler' of trainer is 65536, expected an object "
+                                       "or null"),
     "step as a string": (lambda m: m.update(step="10"),
                          "'step' of the manifest is '10', expected a non-negative integer"),
     "topology without pp": (lambda m: m["topology"].pop("pp"), "topology has no 'pp'"),
