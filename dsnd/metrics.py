@@ -51,6 +51,32 @@ class CsvWriter:
         pass
 
 
+class WandbWriter:
+    """Scalars to Weights & Biases, as DeepSpeed's wandb monitor sends them (`wandb.init` with the
+    section's project, group and team as entity, then `wandb.log` per step), with dsnd's step
+    numbers; run files under `log_dir`. wandb's own environment applies: ``WANDB_MODE=offline``
+    writes the run to disk only (``wandb sync`` uploads it later)."""
+
+    def __init__(self, section: dict[str, Any], log_dir: str, config: dict[str, Any]) -> None:
+        import wandb  # the optional dependency; the config check refuses the section without it
+
+        self._run = wandb.init(project=section.get("project", "deepspeed"),
+                               group=section.get("group"), entity=section.get("team"),
+                               dir=log_dir, config=config)  # fmt: skip
+
+    def write(self, step: int, scalars: dict[str, float | None]) -> None:
+        clean = {k: v for k, v in scalars.items() if v is not None and math.isfinite(v)}
+        self._run.log(clean, step=step)
+
+    def close(self) -> None:
+        import wandb
+
+        self._run.finish()
+        # finish() returns before wandb's service has written the run file (measured: 7 bytes
+        # of it on return, all of it 3 s later); teardown waits for it, as at interpreter exit
+        wandb.teardown()
+
+
 class MetricsWriter:
     """Appends rows to ``<log_dir>/metrics.jsonl`` (global rank 0 only)."""
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
+from dsnd.config.deepspeed_json import monitor_dir
 from dsnd.config.resolve import Resolved
-from dsnd.metrics import CsvWriter, MetricsWriter, TensorBoardWriter
+from dsnd.metrics import CsvWriter, MetricsWriter, TensorBoardWriter, WandbWriter
 from dsnd.progress import Progress
 from dsnd.secrets import mask_config
 
@@ -62,10 +63,14 @@ class Reporter:
         self.boards: list = []  # TensorBoard (log.dir; DeepSpeed's section) and CSV writers
         if run.log.tensorboard:
             self.boards.append(TensorBoardWriter(run.log.dir, text))
-        if "tensorboard" in res.monitors:
-            self.boards.append(TensorBoardWriter(res.monitors["tensorboard"], text))
-        if "csv_monitor" in res.monitors:
-            self.boards.append(CsvWriter(res.monitors["csv_monitor"]))
+        monitors = res.monitors  # DeepSpeed's monitor sections, enabled
+        if "tensorboard" in monitors:
+            self.boards.append(TensorBoardWriter(monitor_dir(monitors["tensorboard"]), text))
+        if "csv_monitor" in monitors:
+            self.boards.append(CsvWriter(monitor_dir(monitors["csv_monitor"])))
+        if "wandb" in monitors:
+            config = mask_config({"run": dataclasses.asdict(run), "deepspeed": res.ds})
+            self.boards.append(WandbWriter(monitors["wandb"], run.log.dir, config))
         self.progress = Progress(start, run.train.steps, run.log.every)
 
     def write(self, row: dict[str, Any], numbers: dict[str, Any]) -> None:

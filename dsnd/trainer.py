@@ -13,8 +13,10 @@ every `checkpoint.every` steps and at the end.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -234,8 +236,25 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                 break
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data)
+        if (res.ds.get("comms_logger") or {}).get("enabled"):
+            _comms_summary(run.log.dir)
     finally:
         if reporter:
             reporter.close()
         engine.destroy()
     return rows
+
+
+def _comms_summary(log_dir: str) -> None:
+    """DeepSpeed's comms_logger summary at the end of a run (collective), as a DeepSpeed training
+    script prints it with `deepspeed.comm.log_summary()`: rank 0 prints the table to its log and
+    writes the numbers to ``log.dir/comms_summary.json``. It counts the collectives DeepSpeed
+    runs (ZeRO's reductions and gathers), not dsnd's pipeline sends."""
+    import deepspeed.comm
+
+    summary = deepspeed.comm.log_summary(return_dict=True)
+    if dist.get_rank() == 0 and summary is not None:
+        path = os.path.join(log_dir, "comms_summary.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, default=str)
+        log.info("DeepSpeed's communication summary written to %s", path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import inspect
 import json
 import math
@@ -63,8 +64,6 @@ REFUSED = {
         "dsnd writes its own checkpoints (universal: any layout resumes); set checkpoint.dir, "
         "checkpoint.every and checkpoint.keep in the run YAML"
     ),
-    "wandb": "the wandb monitor is not supported by dsnd (log.tensorboard, DeepSpeed's "
-    "tensorboard and csv_monitor sections, and metrics.jsonl are)",
     "comet": "the comet monitor is not supported by dsnd (log.tensorboard and metrics.jsonl are)",
     "sparse_attention": "sparse attention is not supported by dsnd",
     "curriculum_learning": "curriculum learning is not supported by dsnd",
@@ -84,10 +83,15 @@ REFUSED = {
     "zenflow": "ZenFlow is not supported by dsnd",
 }
 
-MONITORS = ("tensorboard", "csv_monitor")
-"""DeepSpeed monitors dsnd writes itself, with its own step numbers, where DeepSpeed would:
-``output_path/job_name`` (DeepSpeed's monitors would count each stage engine's micro-batch calls
-as steps). They are taken out of the dict DeepSpeed gets (`take_monitors`)."""
+MONITORS = {
+    "tensorboard": {"enabled": bool, "output_path": str, "job_name": str},
+    "csv_monitor": {"enabled": bool, "output_path": str, "job_name": str},
+    "wandb": {"enabled": bool, "project": str, "group": str, "team": str},
+}
+"""DeepSpeed monitors (with their keys) dsnd writes itself, with its own step numbers, where
+DeepSpeed would: tensorboard and csv_monitor into ``output_path/job_name``, wandb to its project
+(DeepSpeed's monitors would count each stage engine's micro-batch calls as steps). They are
+taken out of the dict DeepSpeed gets (`take_monitors`)."""
 
 IGNORED = {
     "activation_checkpointing": (
@@ -402,17 +406,28 @@ def fp16_enabled(ds: dict[str, Any]) -> bool:
 def _monitor(key: str, value: Any, path: str, notes: list[str]) -> list[str]:
     if not isinstance(value, dict):
         return [f"{path}: {key} must be an object, got {value!r}"]
-    fields = {"enabled": bool, "output_path": str, "job_name": str}
+    fields = MONITORS[key]
     problems = []
     for k, v in value.items():
         if k not in fields:
             problems.append(f"{path}: {key}: unknown key '{k}'" + did_you_mean(k, fields))
         elif not isinstance(v, fields[k]):
             problems.append(f"{path}: {key}.{k} must be {fields[k].__name__}, got {v!r}")
+    if value.get("enabled") and key == "wandb" and importlib.util.find_spec("wandb") is None:
+        problems.append(f"{path}: wandb.enabled needs the wandb package, which is not installed "
+                        "(pip install wandb)")  # fmt: skip
     if not problems:
-        written = f"written by dsnd into {monitor_dir(value)}" if value.get("enabled") else "off"
-        notes.append(f"{key}: {written}")
+        notes.append(f"{key}: {_monitor_note(key, value)}")
     return problems
+
+
+def _monitor_note(key: str, section: dict[str, Any]) -> str:
+    if not section.get("enabled"):
+        return "off"
+    if key == "wandb":
+        return (f"written by dsnd to project {section.get('project', 'deepspeed')!r} "
+                "(WANDB_MODE=offline keeps the run on disk, under log.dir)")  # fmt: skip
+    return f"written by dsnd into {monitor_dir(section)}"
 
 
 def monitor_dir(section: dict[str, Any]) -> str:
@@ -420,10 +435,10 @@ def monitor_dir(section: dict[str, Any]) -> str:
     return os.path.join(section.get("output_path", ""), section.get("job_name", "DeepSpeedJobName"))
 
 
-def take_monitors(ds: dict[str, Any]) -> dict[str, str]:
-    """Remove the monitor sections from `ds`; {monitor: its directory} for the enabled ones."""
+def take_monitors(ds: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Remove the monitor sections from `ds`; {monitor: its section} for the enabled ones."""
     sections = {key: ds.pop(key) for key in MONITORS if key in ds}
-    return {key: monitor_dir(s) for key, s in sections.items() if s.get("enabled")}
+    return {key: s for key, s in sections.items() if s.get("enabled")}
 
 
 def check_keys(ds: dict[str, Any], path: str) -> list[str]:

@@ -46,7 +46,7 @@ class Resolved:
     # what dsnd filled in ("auto", a missing optimizer) or ignores in the JSON, logged at start
     ds_notes: list[str] = field(default_factory=list)
     # DeepSpeed monitor sections dsnd writes itself: {"tensorboard" | "csv_monitor": directory}
-    monitors: dict[str, str] = field(default_factory=dict)
+    monitors: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:

@@ -9,6 +9,7 @@ about each JSON's sections, not its production batch size. The table of outcomes
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 
@@ -29,7 +30,6 @@ REFUSED = {
     "DeepSpeed rejects the config": "DeepSpeed's own config check",
     "NVMe offload (ZeRO-Infinity) is not supported by dsnd yet": "NVMe offload: not in dsnd yet",
     "ZeRO++": "ZeRO++: not in dsnd yet",
-    "the wandb monitor is not supported": "wandb: not in dsnd",
     "the comet monitor is not supported": "comet: not in dsnd",
     "unknown key '": "a key DeepSpeed's config refuses too",
     "sub_group_size=0 splits a pipeline stage": "ZeRO-3 sub-groups that hang a pipeline",
@@ -78,6 +78,10 @@ def test_every_corpus_json_trains_or_is_refused_for_a_listed_reason(tmp_path):
                       f"{len(outcomes[p.name][1])} notes"]  # fmt: skip
         table.append(f"{p.name:48} {kind:9} {'; '.join(detail)}")
     text = "\n".join(table)
+    # comms_logger on: DeepSpeed's summary of its collectives, written where dsnd logs
+    summary = json.loads((tmp_path / "deepspeed-docs-comms-logger" / "comms_summary.json")
+                         .read_text())  # fmt: skip
+    assert summary and all(isinstance(op, str) for op in summary), summary
     (tmp_path / "corpus.txt").write_text(text + "\n")
     print("\n" + text)
     assert len(accepted) >= len(paths) // 2, text

@@ -195,8 +195,10 @@ def test_deepspeed_monitors_are_written_by_dsnd_where_deepspeed_would(tmp_path):
             f'ds.tensorboard={{"enabled": true, "output_path": "{tb}", "job_name": "job"}}',
             f'ds.csv_monitor={{"enabled": true, "output_path": "{csv}"}}']  # fmt: skip
     res = resolve(load(None, sets), 1)
-    assert res.monitors == {"tensorboard": str(tb / "job"),
-                            "csv_monitor": str(csv / "DeepSpeedJobName")}  # fmt: skip
+    assert res.monitors == {
+        "tensorboard": {"enabled": True, "output_path": str(tb), "job_name": "job"},
+        "csv_monitor": {"enabled": True, "output_path": str(csv)},
+    }
     assert "tensorboard" not in res.ds and "csv_monitor" not in res.ds  # not DeepSpeed's to write
     assert f"tensorboard: written by dsnd into {tb / 'job'}" in res.ds_notes
     reporter = Reporter(res, 0)
@@ -217,3 +219,29 @@ def test_deepspeed_monitors_are_written_by_dsnd_where_deepspeed_would(tmp_path):
     with pytest.raises(UserError, match=r"tensorboard: unknown key 'outpt_path' \(did you mean "
                        r"'output_path'\?\)"):  # fmt: skip
         resolve(load(None, ['ds.tensorboard={"enabled": true, "outpt_path": "x"}']), 1)
+
+
+def test_the_wandb_monitor_is_written_by_dsnd_offline(tmp_path, monkeypatch):
+    """DeepSpeed's wandb section: dsnd's steps and scalars, in the project the section names,
+    run files under log.dir. wandb 0.31 has no Python reader of its run file (its core is a Go
+    service), so the test looks for the scalar, the project and the values in its bytes."""
+    from dsnd.report import Reporter
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sets = [f"log.dir={tmp_path / 'run'}", "log.tensorboard=false",
+            'ds.wandb={"enabled": true, "project": "dsnd-proj", "group": "g1"}']  # fmt: skip
+    res = resolve(load(None, sets), 1)
+    assert "wandb" not in res.ds  # not DeepSpeed's to write
+    assert any(n.startswith("wandb: written by dsnd to project 'dsnd-proj'") for n in res.ds_notes)
+    reporter = Reporter(res, 0)
+    for step in (1, 2):
+        reporter.write({"step": step, "loss": 3.0 / step, "lr": 0.1, "grad_norm": 1.25,
+                        "step_time_s": 1.0, "tokens_per_s": 100.0}, {})  # fmt: skip
+    reporter.close()
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    for expected in (b"dsnd-proj", b"g1", b"train/loss", b"train/grad_norm", b"1.25", b"1.5"):
+        assert expected in data, expected
+    with pytest.raises(UserError, match=r"wandb: unknown key 'projct' \(did you mean 'project'"):
+        resolve(load(None, ['ds.wandb={"enabled": true, "projct": "x"}']), 1)
