@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="a run's log.dir")
     plot.add_argument("-o", "--out", required=True, help="the PNG to write")
 
-    ckpt = sub.add_parser("ckpt", help="inspect, verify or export a saved dsnd checkpoint")
+    ckpt = sub.add_parser("ckpt", help="inspect, verify or export a saved dsnd checkpoint; "
+                          "import one DeepSpeed saved")  # fmt: skip
     what = ckpt.add_subparsers(dest="ckpt_command", required=True)
     where_help = "a checkpoint root (its 'latest') or a step directory"
     inspect = what.add_parser("inspect", help="manifest summary and every file's checksum")
@@ -178,6 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
     export = what.add_parser("export", help="write the weights as a transformers directory")
     export.add_argument("dir", help=where_help)
     export.add_argument("out", help="new (or empty) output directory")
+    imp = what.add_parser(
+        "import",
+        help="convert a checkpoint DeepSpeed's engine saved (ZeRO 1-3, pipeline or not) into a "
+        "dsnd checkpoint of the run config's model",
+    )
+    imp.add_argument(
+        "dir",
+        metavar="DS_CHECKPOINT_DIR",
+        help="the directory save_checkpoint wrote (its 'latest' tag) or one tag",
+    )
+    imp.add_argument("out", metavar="OUT", help="new (or empty) dsnd checkpoint root")
+    _add_config_args(imp)
     return parser
 
 

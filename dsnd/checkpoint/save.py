@@ -58,6 +58,17 @@ def _write_tensors(step_dir: str, name: str, tensors: dict[str, torch.Tensor]) -
     return name
 
 
+def software_versions() -> dict[str, str]:
+    """What wrote a checkpoint (the manifest's "versions")."""
+    return {
+        "dsnd": __version__,
+        "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
 def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, keys: list,
               job_id: str | None) -> dict:  # fmt: skip
     sched = engine.lr_scheduler
@@ -76,13 +87,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
         "zero_stage": res.plan.zero_stage,
         "parts": list(res.plan.parts),
         "model": res.model.manifest(),
-        "versions": {
-            "dsnd": __version__,
-            "deepspeed": deepspeed.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },  # fmt: skip
+        "versions": software_versions(),
         "config": mask_config({"run": dataclasses.asdict(res.run), "deepspeed": res.ds}),
         "corpus": {
             "name": corpus.name,

@@ -1,4 +1,5 @@
-"""``dsnd ckpt inspect | verify | export DIR``: look at, check and convert a saved checkpoint.
+"""``dsnd ckpt inspect | verify | export DIR``: look at, check and convert a saved checkpoint;
+``dsnd ckpt import DS_CHECKPOINT_DIR OUT``: make one from a checkpoint DeepSpeed's engine saved.
 
 DIR is a checkpoint root (the step directory its `latest` names) or one step directory (see
 `dsnd.checkpoint.layout`). No process group starts, and nothing is unpickled: JSON and
@@ -11,11 +12,19 @@ safetensors only.
   size and SHA-256, then each tensor file's safetensors header against the manifest and its
   values (NaN or infinity is a problem).
 - export: the weights of an intact checkpoint as a transformers directory (`write_hf_dir`).
+- import: what DeepSpeed's `save_checkpoint` wrote (DS_CHECKPOINT_DIR: the directory, meaning
+  the tag its `latest` names, or one tag directory; ZeRO 1-3, `PipelineEngine` or plain engine)
+  as the dsnd checkpoint root OUT (OUT/step_<step>, OUT/latest), continued by any layout with
+  `checkpoint.resume: OUT`. A DeepSpeed checkpoint names parameters and shapes but holds no
+  model config, so the model is the run config's, as for `dsnd train`: ``--config RUN_YAML``
+  and ``--set`` (e.g. ``--set model.config=DIR/config.json``); give the YAML the run will
+  continue with, and its model must fit the checkpoint name by name and shape by shape (see
+  `dsnd.checkpoint.import_ds`). The result passes `verify`.
 
 Exit codes: 0 intact, 1 a file is missing or fails a check (inspect and verify still report
 everything), 2 a usage error: DIR missing, not a checkpoint or a symbolic link to a step
-directory, or, for export, any problem at all (the first bad file is named and nothing is
-written).
+directory, or, for export and import, any problem at all (the first bad file is named and
+nothing is written; import never writes into an existing OUT that is not empty).
 """
 
 from __future__ import annotations
@@ -183,7 +192,25 @@ def run_export(path: str, out: str) -> int:
     return 0
 
 
+def run_import(path: str, out: str, config: str | None, sets: list[str]) -> int:
+    from dsnd.checkpoint.import_ds import import_deepspeed  # torch/DeepSpeed: only for import
+    from dsnd.config.load import load
+    from dsnd.config.resolve import run_model
+
+    loaded = load(config, sets)
+    model = run_model(loaded.run)
+    step_dir, manifest = import_deepspeed(path, out, loaded.run, model)
+    t, imported = manifest["topology"], manifest["imported"]
+    print(f"wrote {step_dir}: step {manifest['step']} of {imported['engine']} "
+          f"{imported['tag']} (pp={t['pp']} dp={t['dp']}, ZeRO-{manifest['zero_stage']}), "
+          f"{len(manifest['params'])} parameters of {model.describe()}; continue it with "
+          f"checkpoint.resume={out}")  # fmt: skip
+    return 0
+
+
 def run_ckpt(args: argparse.Namespace) -> int:
+    if args.ckpt_command == "import":
+        return run_import(args.dir, args.out, args.config, args.sets)
     if args.ckpt_command == "inspect":
         return run_inspect(args.dir, args.json)
     if args.ckpt_command == "verify":

@@ -32,6 +32,13 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   masters, in the optimizer only around a step), `_lazy_init_hp_params_optimizer_state` and
   `_hp_optimizer_states_linked` (relinking ZeRO-1/2's state views; no public method exists).
   The public `deepspeed.utils.safe_{get,set}_full_{fp32_param,optimizer_state}` do the rest.
+- `ds_checkpoint`: `deepspeed.checkpoint.ds_to_universal.main` (DeepSpeed's own conversion of a
+  saved checkpoint into a universal one, driven as its command line would), with its private
+  `_inject_missing_state` replaced during the call (to add the pattern of pipeline-replicated
+  tied modules, which `main` takes no other way), and the classes DeepSpeed's checkpoint files
+  pickle, allowed for `torch.load(weights_only=True)`: `deepspeed.runtime.fp16.loss_scaler.
+  LossScaler`, `deepspeed.runtime.zero.config.ZeroStageEnum`, `deepspeed.utils.tensor_fragment.
+  fragment_address`.
 - `memory`: `ds_tensor`, `single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`,
   `fp32_groups`, `grad_partitions_flat_buffer`, read (never changed) to count model-state bytes.
 - `deepspeed_api`: `deepspeed.runtime.zero.config.DeepSpeedZeroConfig`,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -388,3 +389,131 @@ def test_generate_samples_from_the_checkpointed_weights(capsys, pristine, preset
         texts[seed] = tok.decode(ids[0].tolist()) + "\n"
     assert out == texts[3] and out.startswith("def main(")
     assert texts[4] != texts[3]
+
+
+# --- `dsnd ckpt import`: refusals, before anything is written (the conversion itself is
+# tests/distributed/test_ckpt_import.py, on checkpoints DeepSpeed's engines wrote) ---
+
+
+def _ds_tag(root, **state) -> str:
+    """A tag directory as a ZeRO-1/2 DeepSpeedEngine writes it, holding `state` in its model-state
+    file (default: llama-tiny's parameter shapes at step 3; keys as DeepSpeed names them)."""
+    from collections import OrderedDict
+
+    from dsnd.model.count import full_shapes
+
+    tag = root / "global_step3"
+    tag.mkdir(parents=True)
+    shapes = OrderedDict((n, torch.Size(s)) for n, s in full_shapes(spec_of("llama-tiny")).items())
+    torch.save({"param_shapes": [shapes], "global_steps": 3, "lr_scheduler": None,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}, **state},
+               tag / "mp_rank_00_model_states.pt")  # fmt: skip
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not read before the checks")
+    (root / "latest").write_text("global_step3")
+    return str(tag)
+
+
+def _import_refused(capsys, tmp_path, source: str, *sets: str, out=None) -> str:
+    """`dsnd ckpt import` exits 2 with one line and writes nothing beside the checkpoint."""
+    out = str(out or tmp_path / "out")
+    before = sorted(os.listdir(tmp_path))
+    rc, said, err = run(capsys, "ckpt", "import", source, out, *[f"--set={s}" for s in sets])
+    assert (rc, said) == (2, "") and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == before
+    return err.removeprefix("dsnd: error: ").removesuffix("\n")
+
+
+def test_import_refuses_what_is_not_a_zero_checkpoint(capsys, tmp_path):
+    assert _import_refused(capsys, tmp_path, str(tmp_path / "none")) == \
+        f"{tmp_path / 'none'}: no such directory"  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    assert _import_refused(capsys, tmp_path, str(tmp_path / "empty")).endswith(
+        "empty: not a DeepSpeed checkpoint (no *_model_states.pt, and no 'latest' naming a tag "
+        "directory)"
+    )
+    (tmp_path / "empty" / "latest").write_text("global_step9\n")
+    assert _import_refused(capsys, tmp_path, str(tmp_path / "empty")).endswith(
+        "latest: names 'global_step9', which is not a tag directory holding *_model_states.pt"
+    )
+    tag = _ds_tag(tmp_path / "ds")
+    os.remove(os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    assert _import_refused(capsys, tmp_path, str(tmp_path / "ds")) == (
+        f"{tag}: no ZeRO optimizer files (*_optim_states.pt): saved without ZeRO; DeepSpeed's "
+        "universal-checkpoint conversion needs ZeRO stage 1, 2 or 3"
+    )
+
+
+def test_import_loads_weights_only(capsys, tmp_path):
+    """A pickled class outside the allow-list (Megatron-DeepSpeed saves its `args` so) is
+    refused by torch before it is built; damaged bytes are one line too."""
+    import argparse
+
+    tag = _ds_tag(tmp_path / "ds", args=argparse.Namespace(seed=1))
+    err = _import_refused(capsys, tmp_path, tag)
+    assert err == (
+        f"{tag}/mp_rank_00_model_states.pt: holds a pickled argparse.Namespace; dsnd loads "
+        "DeepSpeed checkpoints with torch.load(weights_only=True), allowing only tensors and "
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler, deepspeed.runtime.zero.config."
+        "ZeroStageEnum, deepspeed.utils.tensor_fragment.fragment_address"
+    )
+    with open(os.path.join(tag, "mp_rank_00_model_states.pt"), "r+b") as f:
+        f.truncate(100)
+    err = _import_refused(capsys, tmp_path, tag)
+    assert re.fullmatch(r".*/mp_rank_00_model_states\.pt: not readable by torch\.load "
+                        r"\(RuntimeError: .*\)", err)  # fmt: skip
+
+
+def test_the_allow_list_holds_what_deepspeed_pickles_and_nothing_more(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from dsnd.engine import ds_checkpoint
+
+    saved = {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients,
+             "mappings": [{"w": fragment_address(numel=4, start=0)}]}  # fmt: skip
+    torch.save(saved, tmp_path / "ok.pt")
+    back = ds_checkpoint.load(str(tmp_path / "ok.pt"))
+    assert back["zero_stage"] == ZeroStageEnum.gradients and back["mappings"] == saved["mappings"]
+    # fp16's dynamic scaler: no fp16 checkpoint was measured here, so it stays refused
+    torch.save({"loss_scaler": DynamicLossScaler(2.0**16, 1000, 1.0, 2, False)},
+               tmp_path / "dynamic.pt")  # fmt: skip
+    with pytest.raises(Exception) as e:
+        ds_checkpoint.load(str(tmp_path / "dynamic.pt"))
+    assert ds_checkpoint.refused_global(e.value) == \
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"  # fmt: skip
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # restored after each load
+
+
+@pytest.mark.parametrize(("state", "want"), [
+    ({"checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}},
+     "saved with tensor parallelism (tp_degree 2); dsnd imports DeepSpeed checkpoints without it"),
+    ({"frozen_param_shapes": {"layers.0.embed_tokens.weight": torch.Size([256, 64])}},
+     "holds 1 frozen parameter(s) (layers.0.embed_tokens.weight, ...); dsnd trains every "
+     "parameter"),
+    ({"global_steps": None}, "no 'global_steps' (not written by DeepSpeed's save_checkpoint)"),
+    ({"lr_scheduler": {"last_epoch": 3, "_step_count": 4}},
+     "the LR scheduler's state (_step_count, last_epoch) is not one of DeepSpeed's schedulers"),
+])  # fmt: skip
+def test_import_refuses_what_dsnd_cannot_continue(capsys, tmp_path, state, want):
+    _ds_tag(tmp_path / "ds", **state)
+    assert want in _import_refused(capsys, tmp_path, str(tmp_path / "ds"))
+
+
+def test_import_refuses_another_model_and_an_existing_out(capsys, tmp_path):
+    tag = _ds_tag(tmp_path / "ds")
+    assert _import_refused(capsys, tmp_path, tag, "model.preset=gpt2-tiny") == (
+        f"{tag}: parameter layers.0.embed_tokens.weight is not one of preset gpt2-tiny's (gpt2 "
+        "(preset gpt2-tiny): hidden 64, 4 layers, 4 heads (4 kv), vocab 256)"
+    )
+    assert _import_refused(capsys, tmp_path, tag, "model.ffn_size=128") == (
+        f"{tag}: layers.1.mlp.down_proj.weight has shape [64, 176], preset llama-tiny's "
+        "layers.1.mlp.down_proj.weight has [64, 128]"
+    )
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert _import_refused(capsys, tmp_path, tag, out=tmp_path / "out") == (
+        f"{tmp_path / 'out'}: already exists and is not an empty directory (dsnd never writes "
+        "over a checkpoint; name a new OUT)"
+    )
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]

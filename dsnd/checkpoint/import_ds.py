@@ -1,0 +1,365 @@
+"""A checkpoint DeepSpeed's own engine saved -> a dsnd checkpoint (`dsnd ckpt import`).
+
+Input: what `engine.save_checkpoint(DIR)` wrote, ZeRO stage 1, 2 or 3 — a `PipelineEngine`'s
+(`layer_XX-model_states.pt` per layer, ZeRO-1 partitions per stage) or a plain
+`DeepSpeedEngine`'s — as DIR (its `latest` names the tag) or one tag directory.
+
+1. Checked before anything is written: the model-state files (read with
+   `torch.load(weights_only=True)`, `dsnd.engine.ds_checkpoint`) name every trained parameter
+   with its full shape; each must map to the run config's model and the model must be complete
+   (`ds_names`); no tensor parallelism, no frozen parameters, ZeRO optimizer files present;
+   OUT must not exist (or be an empty directory).
+2. DeepSpeed's universal-checkpoint conversion (`ds_to_universal`) joins every parameter's fp32
+   master and Adam moments over the data-parallel partitions and pipeline stages, into a
+   temporary directory beside OUT (removed at the end, whatever happens).
+3. dsnd writes per-layer safetensors files (fp32 master as the weight, exp_avg and exp_avg_sq),
+   the trainer state (step, Adam's step, learning rate, betas, DeepSpeed's LR-scheduler state)
+   and a manifest, and commits them as OUT/step_<step> with OUT/latest
+   (`dsnd.checkpoint.commit`), then verifies the result as `dsnd ckpt verify` does.
+
+The universal files are read here directly: they are the converter's output (a tensor, or a
+dict with it under "param"), and DeepSpeed's own reader of them loads into a live ZeRO engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from dsnd.checkpoint.commit import publish, temporary_dir, write_atomic, write_manifest
+from dsnd.checkpoint.ds_names import Shapes, dsnd_names, layer_indices, naming
+from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, step_dir_name
+from dsnd.checkpoint.save import software_versions
+from dsnd.checkpoint.verify import check_intact
+from dsnd.config.schema import RunConfig
+from dsnd.engine import ds_checkpoint
+from dsnd.errors import UserError
+from dsnd.model.spec import ModelSpec
+from dsnd.secrets import mask_config
+
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+_LAYER_FILE = re.compile(r"layer_\d+-model_.*")  # a pipeline layer's weights (not the masters)
+# what the converter's errors are (its checks are asserts; a broken file is any of the others)
+_CONVERSION_ERRORS = (AssertionError, KeyError, IndexError, ValueError, TypeError, RuntimeError,
+                      OSError, EOFError, NotImplementedError, pickle.UnpicklingError)  # fmt: skip
+
+
+@dataclass
+class Source:
+    """One tag of a DeepSpeed checkpoint, as read before converting it."""
+
+    tag_dir: str
+    model_files: list[str]  # *_model_states.pt: one per pipeline stage, or per rank at ZeRO-3
+    state: dict  # the first model-state file (steps, LR scheduler, config), without weights
+    shapes: Shapes  # every trained parameter's full shape, by DeepSpeed name
+    stage_names: list[list[str]]  # the names each model-state file lists (pipeline stages)
+
+    @property
+    def pipeline(self) -> bool:
+        return naming(list(self.shapes)) == "pipeline"
+
+
+def _natural(path: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", os.path.basename(path))]
+
+
+def _model_files(tag_dir: str) -> list[str]:
+    found = glob.glob(os.path.join(tag_dir, "*_model_states.pt"))
+    return sorted((f for f in found if not _LAYER_FILE.fullmatch(os.path.basename(f))
+                   and "_expert_" not in os.path.basename(f)), key=_natural)  # fmt: skip
+
+
+def find_tag(path: str) -> str:
+    """The tag directory `path` means: itself when it holds model-state files, else the tag its
+    `latest` file names (as DeepSpeed's `load_checkpoint` reads it)."""
+    if not os.path.isdir(path):
+        raise UserError(f"{path}: no such directory")
+    if _model_files(path):
+        return path
+    pointer = os.path.join(path, "latest")
+    if not os.path.isfile(pointer):
+        raise UserError(f"{path}: not a DeepSpeed checkpoint (no *_model_states.pt, and no "
+                        "'latest' naming a tag directory)")  # fmt: skip
+    with open(pointer, encoding="utf-8", errors="replace") as f:
+        tag = f.read().strip()
+    tag_dir = os.path.join(path, tag)
+    if not tag or os.sep in tag or tag in (".", "..") or not _model_files(tag_dir):
+        raise UserError(f"{pointer}: names {tag!r}, which is not a tag directory holding "
+                        "*_model_states.pt")  # fmt: skip
+    return tag_dir
+
+
+def load_file(path: str):
+    """One DeepSpeed file, weights only; a refusal or a damaged file is one line."""
+    try:
+        return ds_checkpoint.load(path)
+    except pickle.UnpicklingError as e:
+        raise UserError(_refusal(path, e)) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise UserError(f"{path}: not readable by torch.load ({_first_line(e)})") from None
+
+
+def _refusal(path: str, error: BaseException) -> str:
+    cls = ds_checkpoint.refused_global(error)
+    if cls is None:
+        return f"{path}: refused by torch.load(weights_only=True) ({_first_line(error)})"
+    allowed = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in ds_checkpoint.SAFE_GLOBALS)
+    return (
+        f"{path}: holds a pickled {cls}; dsnd loads DeepSpeed checkpoints with "
+        f"torch.load(weights_only=True), allowing only tensors and {allowed}"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _shapes_of(state: dict, path: str) -> dict[str, tuple[int, ...]]:
+    groups = state.get("param_shapes") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise UserError(f"{path}: no 'param_shapes' list (not written by DeepSpeed's "
+                        "save_checkpoint with a ZeRO optimizer)")  # fmt: skip
+    return {name: tuple(int(d) for d in size) for g in groups for name, size in g.items()}
+
+
+def read_source(path: str) -> Source:
+    """The tag `path` means, checked for what dsnd can import (one line if not)."""
+    tag_dir = find_tag(path)
+    if not glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
+        raise UserError(f"{tag_dir}: no ZeRO optimizer files (*_optim_states.pt): saved without "
+                        "ZeRO; DeepSpeed's universal-checkpoint conversion needs ZeRO stage 1, "
+                        "2 or 3")  # fmt: skip
+    files = _model_files(tag_dir)
+    shapes: Shapes = {}
+    stage_names, first = [], {}
+    for i, file in enumerate(files):
+        state = load_file(file)
+        found = _shapes_of(state, file)
+        shapes |= found
+        stage_names.append(list(found))
+        if i == 0:
+            first = {k: v for k, v in state.items() if k != "module"}
+        del state
+    dims = first.get("checkpoint_parallel_dimensions") or {}
+    tp = dims.get("tp_degree", 1) if isinstance(dims, dict) else 1
+    if tp != 1:
+        raise UserError(f"{tag_dir}: saved with tensor parallelism (tp_degree {tp}); dsnd imports "
+                        "DeepSpeed checkpoints without it (its tensor parallelism is Megatron's, "
+                        "resumed from any layout once imported)")  # fmt: skip
+    frozen = first.get("frozen_param_shapes") or {}
+    if frozen:
+        name = next(iter(frozen))
+        raise UserError(
+            f"{files[0]}: holds {len(frozen)} frozen parameter(s) ({name}, ...); "
+            "dsnd trains every parameter (it has no Adam state for these)"
+        )
+    if not isinstance(first.get("global_steps"), int):
+        raise UserError(f"{files[0]}: no 'global_steps' (not written by DeepSpeed's "
+                        "save_checkpoint)")  # fmt: skip
+    return Source(tag_dir, files, first, shapes, stage_names)
+
+
+def check_out(out: str) -> str:
+    """The directory OUT will be made in; UserError unless OUT is new (or an empty directory)
+    and that directory is writable."""
+    if os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out) or os.listdir(out)):
+        raise UserError(f"{out}: already exists and is not an empty directory (dsnd never writes "
+                        "over a checkpoint; name a new OUT)")  # fmt: skip
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{out}: cannot be created ({parent} is not a writable directory)")
+    return parent
+
+
+def _scheduler_state(state: dict, where: str) -> dict | None:
+    sched = state.get("lr_scheduler")
+    if sched is None:
+        return None
+    try:
+        json.dumps(sched, allow_nan=False)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: the LR scheduler's state is not plain data (only DeepSpeed's "
+                        "schedulers, from the JSON's 'scheduler' section, can be continued)"
+                        ) from None  # fmt: skip
+    if not isinstance(sched, dict) or "last_batch_iteration" not in sched:
+        keys = (
+            ", ".join(sorted(map(str, sched))) if isinstance(sched, dict) else type(sched).__name__
+        )
+        raise UserError(f"{where}: the LR scheduler's state ({keys}) is not one of DeepSpeed's "
+                        "schedulers (those of the JSON's 'scheduler' section, which dsnd "
+                        "continues)")  # fmt: skip
+    return sched
+
+
+def _tensor(universal: str, name: str, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """One full tensor the converter wrote for parameter `name`, in `shape`, fp32."""
+    path = os.path.join(universal, "zero", name, f"{key}.pt")
+    if not os.path.isfile(path):
+        raise UserError(f"{name}: DeepSpeed's conversion wrote no {key} for it (no optimizer "
+                        "state: was it ever trained?)")  # fmt: skip
+    value = load_file(path)
+    value = value.get("param") if isinstance(value, dict) else value
+    if not torch.is_tensor(value) or value.numel() != torch.Size(shape).numel():
+        got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise UserError(f"{name}: DeepSpeed's conversion wrote {key} {got}, expected {list(shape)}")
+    return value.reshape(shape).to(torch.float32).contiguous()
+
+
+def _adam_step(universal: str, names: list[str], optim: dict) -> int:
+    """Adam's step count: each parameter's step.pt (ZeRO-1/2), else the optimizer's state or
+    its param group (ZeRO-3, optimizers that count per group); all must agree."""
+    found = set()
+    for name in names:
+        path = os.path.join(universal, "zero", name, "step.pt")
+        if os.path.isfile(path):
+            found.add(int(load_file(path)))
+    if not found:
+        inner = optim.get("optimizer_state_dict") or {}
+        for entry in (inner.get("state") or {}).values():
+            if isinstance(entry, dict) and "step" in entry:
+                found.add(int(entry["step"]))
+    if not found:
+        group = (optim.get("param_groups") or [{}])[0]
+        if "step" in group:
+            found.add(int(group["step"]))
+    if len(found) != 1:
+        raise UserError(f"the optimizer's step count is {sorted(found) or 'missing'} (expected "
+                        "one value for every parameter)")  # fmt: skip
+    return found.pop()
+
+
+def _parts(source: Source, mapping: dict[str, str], layers: dict[str, int], total: int) -> list:
+    """Stage boundaries [0, ..., total] of a pipeline checkpoint (each model-state file is one
+    stage, in order); [0, total] otherwise or when the stages do not cut the layers in order."""
+    if not source.pipeline or len(source.stage_names) < 2:
+        return [0, total]
+    firsts = [min((layers[mapping[n]] for n in names if not n.startswith("tied_modules.")),
+                  default=0) for names in source.stage_names]  # fmt: skip
+    cuts = [0, *firsts[1:], total]  # stage 0 starts at 0 (its first may be a tied embedding)
+    return cuts if cuts == sorted(set(cuts)) else [0, total]
+
+
+def _manifest(source: Source, run: RunConfig, model: ModelSpec, trainer: dict, zero_stage: int,
+              params: dict, parts: list) -> dict:  # fmt: skip
+    state = source.state
+    step = state["global_steps"]
+    ds_config = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
+    dims = state.get("checkpoint_parallel_dimensions") or {}
+    pp = int(dims.get("pp_degree", len(parts) - 1)) if isinstance(dims, dict) else len(parts) - 1
+    dp = int(state.get("dp_world_size") or 1)
+    samples = state.get("global_samples")
+    if not isinstance(samples, int):
+        batch = ds_config.get("train_batch_size")
+        samples = step * batch if isinstance(batch, int) else 0
+    return {
+        "format": FORMAT,
+        "step": step,
+        "job_id": None,
+        "consumed_samples": samples,
+        "topology": {"pp": pp, "tp": 1, "dp": dp, "world_size": pp * dp},
+        "zero_stage": zero_stage,
+        "parts": parts,
+        "model": model.manifest(),
+        "versions": software_versions() | {"deepspeed_checkpoint": str(state.get("ds_version"))},
+        "config": mask_config({"run": dataclasses.asdict(run), "deepspeed": ds_config}),
+        "corpus": {
+            "name": "not recorded (imported from a DeepSpeed checkpoint)",
+            "tokens": 0,
+            "sha256": "",
+        },  # fmt: skip
+        "trainer": trainer,
+        "params": params,
+        "optim_keys": list(OPTIM_KEYS),
+        "imported": {
+            "from": "deepspeed",
+            "engine": "PipelineEngine" if source.pipeline else "DeepSpeedEngine",
+            "tag": os.path.basename(os.path.normpath(source.tag_dir)),
+            "naming": naming(list(source.shapes)),
+        },
+    }
+
+
+def _convert(source: Source, tmp: str) -> str:
+    universal = os.path.join(tmp, "universal", "step")
+    try:
+        ds_checkpoint.to_universal(source.tag_dir, universal)
+    except pickle.UnpicklingError as e:
+        raise UserError(_refusal(source.tag_dir, e)) from None
+    except _CONVERSION_ERRORS as e:
+        raise UserError(f"{source.tag_dir}: DeepSpeed's universal-checkpoint conversion failed "
+                        f"({_first_line(e)})") from None  # fmt: skip
+    return universal
+
+
+def _trainer_state(universal: str, names: list[str], optim: dict, sched: dict | None) -> dict:
+    group = optim["param_groups"][0]
+    return {
+        "optimizer_step": _adam_step(universal, names, optim),
+        "lr": float(group["lr"]),
+        "lr_scheduler": sched,
+        "betas": [float(b) for b in group["betas"]] if "betas" in group else None,
+    }
+
+
+def _write_layers(work: str, universal: str, source: Source, mapping: dict[str, str],
+                  layers: dict[str, int]) -> tuple[list[str], dict]:  # fmt: skip
+    """Each layer's model and optimizer file in `work`; (the files, manifest["params"])."""
+    by_layer: dict[int, list[str]] = {}
+    for theirs in sorted(mapping):
+        by_layer.setdefault(layers[mapping[theirs]], []).append(theirs)
+    files, params = [], {}
+    for layer, names in sorted(by_layer.items()):
+        weights, states = {}, {}
+        for theirs in names:
+            ours, shape = mapping[theirs], source.shapes[theirs]
+            weights[ours] = _tensor(universal, theirs, "fp32", shape)
+            for key in OPTIM_KEYS:
+                states[f"{ours}.{key}"] = _tensor(universal, theirs, key, shape)
+            params[ours] = {"file": model_file(layer), "shape": list(shape), "dtype": "F32"}
+        for rel, tensors in ((model_file(layer), weights), (optim_file(layer), states)):
+            write_atomic(os.path.join(work, rel), safetensors_bytes(tensors))
+            files.append(rel)
+    return files, params
+
+
+def import_deepspeed(path: str, out: str, run: RunConfig, model: ModelSpec) -> tuple[str, dict]:
+    """Convert the DeepSpeed checkpoint `path` for `model` into the new dsnd checkpoint root
+    `out`; returns (its step directory, its manifest). UserError (nothing written) on any
+    problem found before converting; a failure later (the conversion, a result that does not
+    verify, e.g. NaN in the optimizer state) removes what was written."""
+    source = read_source(path)
+    mapping = dsnd_names(source.shapes, model, source.tag_dir)
+    sched = _scheduler_state(source.state, source.model_files[0])
+    parent = check_out(out)
+    layers = layer_indices(model)
+    created = not os.path.exists(out)
+    name = step_dir_name(source.state["global_steps"])
+    work = temporary_dir(out, name)
+    try:
+        with tempfile.TemporaryDirectory(prefix=".dsnd-import-", dir=parent) as tmp:
+            universal = _convert(source, tmp)
+            optim = load_file(os.path.join(universal, "zero", "optimizer_state.pt"))
+            trainer = _trainer_state(universal, list(mapping), optim, sched)
+            os.makedirs(work)
+            files, params = _write_layers(work, universal, source, mapping, layers)
+        parts = _parts(source, mapping, layers, model.num_layers + 3)
+        zero_stage = int(optim.get("zero_stage", 1))
+        manifest = _manifest(source, run, model, trainer, zero_stage, params, parts)
+        write_manifest(work, manifest, files)
+        check_intact(work)  # what `dsnd ckpt verify` checks, before it becomes a checkpoint
+        final = publish(out, work, name)
+    except BaseException:
+        shutil.rmtree(out if created else work, ignore_errors=True)
+        raise
+    return final, manifest

@@ -1,0 +1,82 @@
+"""`dsnd ckpt import`: checkpoints DeepSpeed's own engines saved, continued by dsnd on other
+layouts, equal the uninterrupted DeepSpeed runs.
+
+1. One 4-rank job (`ds_native_worker.py`) trains with DeepSpeed alone, from the same JSONs,
+   initial weights and samples dsnd uses: a plain `DeepSpeedEngine` over the whole model at
+   ZeRO-2 and at ZeRO-3 (dp=4, llama-tiny), and a `PipelineEngine` (`PipelineModule` over
+   dsnd's layer specs) at ZeRO-1, pp=2 x dp=2 (gpt2-tiny: its tied embedding lives on both
+   stages). Each saves with `save_checkpoint` after SAVE_AT steps and runs on to STEPS.
+2. `dsnd ckpt import` (the CLI's entry point) converts each; the result passes `verify`. The
+   pipeline's checkpoint imported for another model is refused in one line, nothing written.
+3. One 4-rank dsnd job continues each import at pp=2 x dp=2 ZeRO-3 and at tp=2 x dp=2 ZeRO-1:
+   steps SAVE_AT+1..STEPS must equal DeepSpeed's own (loss, gradient norm and learning rate
+   within rel 1e-4). The warmup ends inside them, so the LR schedule's state moves too; without
+   the Adam moments or with Adam's step count off, the losses would differ from the first
+   continued step on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dsnd import cli
+from dsnd.checkpoint.verify import verify
+from tests.distributed.parity import RTOL, case, run_cases
+
+STEPS, SAVE_AT = 6, 3
+SOURCES = {  # name: (engine, JSON, preset)
+    "plain-z2": ("plain", "ds_configs/zero2.json", "llama-tiny"),
+    "plain-z3": ("plain", "ds_configs/zero3.json", "llama-tiny"),
+    "pipe-z1": ("pipe", "ds_configs/zero1.json", "gpt2-tiny"),  # last: it sets DeepSpeed's mpu
+}
+LAYOUTS = {  # dsnd layout the import continues on: (ZeRO stage, --set items)
+    "pp2-dp2-z3": (3, ("parallel.pp=2",)),
+    "tp2-dp2-z1": (1, ("parallel.tp=2",)),
+}
+
+
+@pytest.mark.dist
+def test_deepspeed_checkpoints_continue_in_dsnd(tmp_path, capsys):
+    ds_cases = [{"name": name, "engine": engine, "json": json_path, "sets": [f"model.preset={p}"],
+                 "steps": STEPS, "save_at": SAVE_AT, "save_dir": str(tmp_path / f"ds-{name}")}
+                for name, (engine, json_path, p) in SOURCES.items()]  # fmt: skip
+    (tmp_path / "ds").mkdir()
+    theirs = run_cases(tmp_path / "ds", 4, ds_cases, worker="tests/distributed/ds_native_worker.py")
+
+    cases = []
+    for name, (_, _, preset) in SOURCES.items():
+        out = str(tmp_path / f"dsnd-{name}")
+        rc = cli.main(["ckpt", "import", str(tmp_path / f"ds-{name}"), out,
+                       "--set", f"model.preset={preset}"])  # fmt: skip
+        said = capsys.readouterr()
+        assert rc == 0, said.err
+        assert said.out.startswith(f"wrote {out}/step_{SAVE_AT:08d}: step {SAVE_AT} of "), said.out
+        assert verify(os.path.join(out, f"step_{SAVE_AT:08d}")) == []
+        for layout, (zero, sets) in LAYOUTS.items():
+            cases.append(case(f"{name}-to-{layout}", zero, preset, sets=(
+                *sets, f"train.steps={STEPS}", f"checkpoint.resume={out}")))  # fmt: skip
+    # the pipeline's checkpoint for another model: refused by name, nothing written
+    other = str(tmp_path / "refused")
+    rc = cli.main(["ckpt", "import", str(tmp_path / "ds-pipe-z1"), other,
+                   "--set", "model.preset=llama-tiny"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and not os.path.exists(other), err
+    assert err.endswith(
+        "global_step3: the checkpoint has 1 tied module(s) (tied_modules.embed) but preset "
+        "llama-tiny has 0 (tie_word_embeddings=False)\n"
+    ), err
+    (tmp_path / "dsnd").mkdir()
+    ours = run_cases(tmp_path / "dsnd", 4, cases)
+
+    for name in SOURCES:
+        want = theirs[name][SAVE_AT:]
+        assert [r["step"] for r in want] == list(range(SAVE_AT + 1, STEPS + 1)), name
+        for layout in LAYOUTS:
+            label = f"{name}-to-{layout}"
+            rows = ours[label]
+            assert [r["step"] for r in rows] == [r["step"] for r in want], label
+            for got, ref in zip(rows, want, strict=True):
+                for key in ("loss", "grad_norm", "lr"):
+                    assert got[key] == pytest.approx(ref[key], rel=RTOL), (label, got["step"], key)
