@@ -15,7 +15,7 @@ stage boundaries: the profile's layer costs are cached under ``DIR/profile-cache
 launching process (`dsnd.commands.bench`) fills by resolving the runs once before the ranks
 start (`partition_configs`), so every rank reads the same measurement.
 
-Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.results` turns them into rows.
+Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.partition_results` turns them into rows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsnd.bench.partition_results import PARTITION_WORLD, PARTITIONS
 from dsnd.bench.pipeline_rank import (
     _ds_json,
     _pipe_sets,
@@ -36,7 +37,6 @@ from dsnd.bench.pipeline_rank import (
     rank_parser,
     start_rank,
 )
-from dsnd.bench.results import PARTITION_WORLD, PARTITIONS
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve, zero_stage
 from dsnd.distributed.init import init_world, shutdown

@@ -15,7 +15,7 @@ Phase ``pipeline`` (2 ranks):
    ``parallel.virtual_stages``), take turns in the same way, in rotating order; each step
    records its stage time, receive waits, optimizer time and seconds per compute instruction
    kind (`StepResult.op_seconds`), and the plan's programs are kept so that
-   `dsnd.bench.results` can replay them at the measured costs.
+   `dsnd.bench.schedule_results` can replay them at the measured costs.
 3. pp=1 x dp=2: a ZeRO-1 and then a ZeRO-3 engine; after one full step (Adam's state exists)
    and one more micro-batch backward (gradients accumulating), the model-state bytes each
    holds on each rank.
@@ -41,7 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsnd.bench.results import BASELINE, PP4_WORLD, WORLD
+from dsnd.bench.results import PP4_WORLD, WORLD
+from dsnd.bench.schedule_results import BASELINE
 from dsnd.config.load import default_config_path, load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step, load_corpus
@@ -53,7 +54,7 @@ from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
 from dsnd.pipeline.runner import StageRunner
 from dsnd.pipeline.stage import build_stage
 from dsnd.plan.partition import layer_param_counts
-from dsnd.plan.schedule import MULTI_CHUNK, REDUCE, Instr
+from dsnd.plan.schedule import MULTI_CHUNK
 
 PIPE_SETS = ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.partition=parameters")
 SCHEDULES = {BASELINE: (), "interleaved-1f1b": ("parallel.virtual_stages=2",), "zb-h1": ()}
@@ -124,20 +125,6 @@ class DsndPipeline:
         self.runner = StageRunner(self.res, self.groups)
         self.engine = self.runner.engine
         self.links = self.runner.links
-        self._reduce_at = 0.0
-        self._clock_reduce()
-
-    def _clock_reduce(self) -> None:
-        """Note when the executor starts the gradient reduction: where the pipelined part of
-        the step (compute, messages, tied exchange) ends, which `StepResult` does not say."""
-        table = self.runner.executor.table
-        reduce = table[REDUCE]
-
-        def clocked(x: Instr, state: Any) -> None:
-            self._reduce_at = time.perf_counter()
-            reduce(x, state)
-
-        table[REDUCE] = clocked
 
     def step(self, micro: Batches) -> dict[str, Any]:
         """One optimizer step: the stage's own time (`stage_s`); its pipelined part (`pipe_s`:
@@ -153,7 +140,7 @@ class DsndPipeline:
         step_s = time.perf_counter() - start
         times = result.times
         return {"stage_s": stage_s, "step_s": step_s, "loss": loss,
-                "pipe_s": self._reduce_at - start, "wait_s": times["pipeline_wait"],
+                "pipe_s": result.pipelined_s, "wait_s": times["pipeline_wait"],
                 "optimizer_s": times["optimizer"], "times": dict(times),
                 "ops": dict(result.op_seconds)}  # fmt: skip
 
@@ -242,7 +229,7 @@ def bench_schedules(runs: dict[str, Resolved], steps: int, warmup: int) -> list[
 
 
 def plan_record(res: Resolved) -> dict[str, Any]:
-    """What `dsnd.bench.results` needs to replay a run's schedule: its programs as
+    """What `dsnd.bench.schedule_results` needs to replay a run's schedule: its programs as
     (op, micro, chunk) triples and its stages' roles."""
     plan = res.plan
     return {

@@ -89,7 +89,7 @@ def measure_profile(micro_batches: int, log_dir: str, sets: Sequence[str]) -> No
     import torch
 
     from dsnd.bench.partition_rank import partition_configs
-    from dsnd.bench.results import PARTITION_WORLD
+    from dsnd.bench.partition_results import PARTITION_WORLD
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -102,7 +102,7 @@ def measure_profile(micro_batches: int, log_dir: str, sets: Sequence[str]) -> No
 def _partition(args: argparse.Namespace, tmp: str) -> list:
     """``dsnd bench partition``: the profile measured here, then both layouts on 4 ranks, for
     half the repetitions (each repetition steps both)."""
-    from dsnd.bench.results import PARTITION_WORLD, partition_rows
+    from dsnd.bench.partition_results import PARTITION_WORLD, partition_rows
 
     measure_profile(args.micro_batches, tmp, args.sets)
     steps, warmup = share_reps(args.steps, args.warmup, PARTITION_SHARE)
@@ -114,7 +114,7 @@ def _partition(args: argparse.Namespace, tmp: str) -> list:
 
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
-    from dsnd.bench.results import format_table, json_lines
+    from dsnd.bench.rows import format_table, json_lines
     from dsnd.launch.local_ranks import RanksFailed
 
     measure = _partition if args.name == "partition" else _pipeline

@@ -117,7 +117,10 @@ def problems(reports: dict[str, dict | str], expected: dict[str, str], request: 
 
 
 def main() -> int:
-    print(json.dumps(probe(json.loads(sys.stdin.readline()))), flush=True)
+    """The probe as a remote process: one JSON request on stdin, one JSON report on stdout (the
+    reply channel: nothing else may be written there)."""
+    sys.stdout.write(json.dumps(probe(json.loads(sys.stdin.readline()))) + "\n")
+    sys.stdout.flush()
     return 0
 
 

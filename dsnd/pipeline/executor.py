@@ -76,6 +76,9 @@ class StepResult:
     # seconds per compute instruction kind (F, B, I, W), summed over the step: with the
     # program, what `dsnd.plan.schedule.timeline` needs to predict this stage's bubble
     op_seconds: dict[str, float] = field(default_factory=dict)
+    # seconds from the step's start to its gradient reduction: the pipelined part (every
+    # compute instruction, message and tied exchange), without the reduction and optimizer
+    pipelined_s: float = 0.0
 
 
 @dataclass
@@ -125,6 +128,7 @@ class Executor:
 
     def step(self, program: list[Instr], batches: Batches) -> StepResult:
         """Execute `program` (one optimizer step of this stage) on this rank's micro-batches."""
+        step_start = time.perf_counter()
         state = _Step(batches)
         times = state.result.times
         self.split = any(x.op == S.BACKWARD_INPUT for x in program)
@@ -134,6 +138,8 @@ class Executor:
         ops = state.result.op_seconds
         for x in program:
             start = time.perf_counter()
+            if x.op == S.REDUCE:
+                state.result.pipelined_s = start - step_start
             self.table[x.op](x, state)
             spent = time.perf_counter() - start
             times[PHASE.get(x.op, "comm")] += spent

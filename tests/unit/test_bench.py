@@ -12,7 +12,10 @@ import os
 import pytest
 
 from dsnd import cli
+from dsnd.bench import partition_results as pr
 from dsnd.bench import results as r
+from dsnd.bench import rows as rw
+from dsnd.bench import schedule_results as sr
 from dsnd.commands.bench import PARTITION_SHARE, pp4_reps, share_reps
 from dsnd.engine.memory import claim_bytes
 from dsnd.plan.schedule import (
@@ -30,10 +33,10 @@ from dsnd.plan.schedule import (
 
 
 def test_median_of_odd_and_even_counts_and_of_nothing():
-    assert r.median([3.0, 1.0, 2.0]) == 2.0
-    assert r.median(x for x in [4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert rw.median([3.0, 1.0, 2.0]) == 2.0
+    assert rw.median(x for x in [4.0, 1.0, 2.0, 3.0]) == 2.5
     with pytest.raises(ValueError):
-        r.median([])
+        rw.median([])
 
 
 @pytest.mark.parametrize(
@@ -151,38 +154,38 @@ def test_claim_bytes_partial_overlap_counts_only_new_bytes():
 
 
 def test_targets():
-    assert r.Target.at_least(1.0).met(1.0) and not r.Target.at_least(1.0).met(0.99)
-    assert r.Target.at_most(1e-4).met(0.0) and not r.Target.at_most(1e-4).met(1e-3)
-    band = r.Target.between(0.5, 2.0)
+    assert rw.Target.at_least(1.0).met(1.0) and not rw.Target.at_least(1.0).met(0.99)
+    assert rw.Target.at_most(1e-4).met(0.0) and not rw.Target.at_most(1e-4).met(1e-3)
+    band = rw.Target.between(0.5, 2.0)
     assert band.met(0.5) and band.met(2.0) and not band.met(2.01) and band.text == "0.5..2"
-    near = r.Target.near(0.7, 0.1)
+    near = rw.Target.near(0.7, 0.1)
     assert near.met(0.64) and near.met(0.76) and not near.met(0.62)
     assert near.text == "0.7 ±10%"
 
 
 def test_row_json_has_the_five_keys_and_an_optional_note():
-    row = r.Row("throughput_ratio", 1.2, r.Target.at_least(1.0), note="why")
+    row = rw.Row("throughput_ratio", 1.2, rw.Target.at_least(1.0), note="why")
     assert row.as_json() == {"bench": "pipeline", "metric": "throughput_ratio", "value": 1.2,
                              "target": ">= 1", "met": True, "note": "why"}  # fmt: skip
-    info = r.Row("dsnd_tokens_per_s", 3000.0).as_json()
+    info = rw.Row("dsnd_tokens_per_s", 3000.0).as_json()
     assert info["target"] is None and info["met"] is None and "note" not in info
 
 
 def test_format_value():
-    assert r.format_value(1.23456) == "1.235"
-    assert r.format_value(3047296.0) == "3047296"
-    assert r.format_value(3248.16) == "3248"
-    assert r.format_value(1.06e-08) == "1.06e-08"
-    assert r.format_value(12) == "12"
+    assert rw.format_value(1.23456) == "1.235"
+    assert rw.format_value(3047296.0) == "3047296"
+    assert rw.format_value(3248.16) == "3248"
+    assert rw.format_value(1.06e-08) == "1.06e-08"
+    assert rw.format_value(12) == "12"
 
 
 def test_table_is_aligned_with_notes_below():
     rows = [
-        r.Row("throughput_ratio", 1.5, r.Target.at_least(1.0), note="a note"),
-        r.Row("bubble_ratio", 2.5, r.Target.between(0.5, 2.0)),
-        r.Row("dsnd_tokens_per_s", 3248.2),
+        rw.Row("throughput_ratio", 1.5, rw.Target.at_least(1.0), note="a note"),
+        rw.Row("bubble_ratio", 2.5, rw.Target.between(0.5, 2.0)),
+        rw.Row("dsnd_tokens_per_s", 3248.2),
     ]
-    lines = r.format_table(rows).split("\n")
+    lines = rw.format_table(rows).split("\n")
     header, body = lines[0], lines[1:4]
     assert header.split() == ["bench", "metric", "value", "target", "met"]
     value_end = header.index("value") + len("value")
@@ -237,8 +240,8 @@ def test_pipeline_rows_from_raw_measurements():
     assert rows["bubble_fraction_theory"].value == pytest.approx(theory)
     # per timed rep with step T: idle = 0.05 (stage 0) + 0.1 (stage 1 drain), over 2T
     fractions = [0.15 / (2 * t) for t in (1.0, 1.0, 2.0)]
-    assert rows["bubble_fraction_measured"].value == pytest.approx(r.median(fractions))
-    assert rows["bubble_ratio"].value == pytest.approx(r.median(fractions) / theory)
+    assert rows["bubble_fraction_measured"].value == pytest.approx(rw.median(fractions))
+    assert rows["bubble_ratio"].value == pytest.approx(rw.median(fractions) / theory)
     # the larger rank's total bounds memory: 14000 (rank 0) vs 13900
     assert rows["zero1_state_bytes"].value == 14000
     assert rows["zero3_state_bytes"].value == 10000
@@ -247,7 +250,7 @@ def test_pipeline_rows_from_raw_measurements():
     assert rows["zero3_state_bytes_ratio_textbook"].value == pytest.approx(8 / 12)
     first = [row.metric for row in r.pipeline_rows(raw)][:1]
     assert first == ["throughput_ratio"]
-    lines = r.json_lines(r.pipeline_rows(raw)).split("\n")
+    lines = rw.json_lines(r.pipeline_rows(raw)).split("\n")
     assert all(set(json.loads(line)) >= {"bench", "metric", "value", "target", "met"}
                for line in lines)  # fmt: skip
 
@@ -343,26 +346,26 @@ def _section(pp4: bool = False) -> dict:
      ("interleaved-1f1b", 4, 8, 2, 3 / 16), ("zb-h1", 2, 8, 1, 1 / 24), ("zb-h1", 4, 8, 1, 1 / 8)],
 )  # fmt: skip
 def test_unit_bubble_is_the_timeline_at_unit_costs(name, p, m, v, want):
-    assert r.unit_bubble(name, p, m, v) == pytest.approx(want)
+    assert sr.unit_bubble(name, p, m, v) == pytest.approx(want)
     cost = {op: c / v for op, c in UNIT_COST.items()}
-    assert r.predicted_bubble(_plan(name, p, m, v), cost) == pytest.approx(want)
+    assert sr.predicted_bubble(_plan(name, p, m, v), cost) == pytest.approx(want)
 
 
 def test_measured_bubble_is_idle_over_busy_of_the_busiest_stage():
     # stage 0 spans 1.0 s, 0.25 of it waiting: busy 0.75; stage 1 busy 0.875 - 0.125 = 0.75
-    assert r.measured_bubble([1.0, 0.875], [0.25, 0.125]) == pytest.approx(1 / 3)
+    assert sr.measured_bubble([1.0, 0.875], [0.25, 0.125]) == pytest.approx(1 / 3)
     # the busiest stage (1.0 s busy) sets the denominator, the longest span the makespan
-    assert r.measured_bubble([1.125, 1.0], [0.25, 0.0]) == pytest.approx(0.125)
-    assert r.measured_bubble([2.0], [0.0]) == 0.0
+    assert sr.measured_bubble([1.125, 1.0], [0.25, 0.0]) == pytest.approx(0.125)
+    assert sr.measured_bubble([2.0], [0.0]) == 0.0
     with pytest.raises(ValueError):
-        r.measured_bubble([1.0, 1.0], [0.0])
+        sr.measured_bubble([1.0, 1.0], [0.0])
     with pytest.raises(ValueError):
-        r.measured_bubble([0.5], [0.5])
+        sr.measured_bubble([0.5], [0.5])
 
 
 def test_per_instruction_costs_from_op_seconds():
     plan = _plan("zb-h1", 2, 4)
-    assert [r.op_counts(p) for p in r.plan_programs(plan)[0]] == [{"F": 4, "I": 4, "W": 4}] * 2
+    assert [sr.op_counts(p) for p in sr.plan_programs(plan)[0]] == [{"F": 4, "I": 4, "W": 4}] * 2
     runs = [_run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 0.5, "I": 0.0, "W": 1.0},
                                                 {"F": 1.0, "I": 0.5, "W": 0.5}]),
             _run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 1.5, "I": 0.0, "W": 1.0},
@@ -370,33 +373,33 @@ def test_per_instruction_costs_from_op_seconds():
             _run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 2.5, "W": 1.0},
                                                 {"F": 1.0, "I": 0.5, "W": 0.5}])]  # fmt: skip
     # medians over runs per stage (stage 0's F: 0.5, 1.5, 2.5 -> 1.5 over 4 forwards)
-    assert r.stage_op_costs(plan, runs) == [{"F": 0.375, "I": 0.0, "W": 0.25},
+    assert sr.stage_op_costs(plan, runs) == [{"F": 0.375, "I": 0.0, "W": 0.25},
                                             {"F": 0.25, "I": 0.125, "W": 0.125}]  # fmt: skip
-    assert r.op_costs(plan, runs) == {"F": 0.3125, "I": 0.0625, "W": 0.1875}
-    assert r.compute_seconds(runs[0]) == 3.5
-    assert r.per_micro_batch(runs, 4) == [(0.375, 0.25), (0.25, 0.25)]
-    assert r.messages(plan) == [8, 8]
-    assert r.messages(_plan("interleaved-1f1b", 2, 4, 2)) == [24, 24]
+    assert sr.op_costs(plan, runs) == {"F": 0.3125, "I": 0.0625, "W": 0.1875}
+    assert sr.compute_seconds(runs[0]) == 3.5
+    assert sr.per_micro_batch(runs, 4) == [(0.375, 0.25), (0.25, 0.25)]
+    assert sr.messages(plan) == [8, 8]
+    assert sr.messages(_plan("interleaved-1f1b", 2, 4, 2)) == [24, 24]
 
 
 def test_predicted_bubble_at_measured_costs():
     # ZB-H1, p=2, m=2, I twice F and W: stage 0  F F . . I I W I I W, stage 1  . F I I F I I W W
-    assert r.predicted_bubble(_plan("zb-h1", 2, 2), {"F": 1.0, "I": 2.0, "W": 1.0}) == 0.25
+    assert sr.predicted_bubble(_plan("zb-h1", 2, 2), {"F": 1.0, "I": 2.0, "W": 1.0}) == 0.25
     # 1F1B's bubble is (p-1)/m whatever F and B cost
-    assert r.predicted_bubble(_plan("1f1b", 2, 4), {"F": 1.0, "B": 3.0}) == 0.25
+    assert sr.predicted_bubble(_plan("1f1b", 2, 4), {"F": 1.0, "B": 3.0}) == 0.25
 
 
 def test_step_parts_of_the_busiest_stage():
     runs = [_run(1.0, [1.125, 1.0], [0.25, 0.0], ZB_OPS),
             _run(1.25, [1.125, 1.0], [0.25, 0.0], [ZB_OPS[0], {"F": 0.5, "I": 0.25}])]  # fmt: skip
     # stage 1 is the busiest (1.0 s); it computes 1.0 s, then 0.75 s, the rest is messages
-    assert r.step_parts(runs) == {"compute": 0.875, "receive waits": 0.0,
+    assert sr.step_parts(runs) == {"compute": 0.875, "receive waits": 0.0,
                                   "messages and dispatch": 0.125,
                                   "reduce, optimizer, loss": 0.125}  # fmt: skip
 
 
 def test_schedule_rows_against_1f1b():
-    rows = {row.metric: row for row in r.schedule_rows(_section())}
+    rows = {row.metric: row for row in sr.schedule_rows(_section())}
     assert list(rows) == [
         "1f1b_bubble_ratio", "1f1b_bubble_measured", "1f1b_bubble_theory",
         "1f1b_bubble_theory_unit", "zb-h1_throughput_vs_1f1b", "zb-h1_compute_vs_1f1b",
@@ -433,13 +436,13 @@ def test_schedule_rows_against_1f1b():
 def test_schedule_rows_without_a_bubble_target_below_two_micro_batches_per_stage():
     section = _section()
     section["layout"]["micro_batches"] = 3  # m < 2p (the numbers themselves do not change)
-    rows = {row.metric: row for row in r.schedule_rows(section)}
+    rows = {row.metric: row for row in sr.schedule_rows(section)}
     assert rows["zb-h1_bubble_ratio"].target is None
     assert rows["zb-h1_throughput_vs_1f1b"].target is not None
 
 
 def test_pp4_rows_are_bubbles_only_without_targets():
-    rows = r.schedule_rows(_section(pp4=True), prefix="pp4_", compare=False)
+    rows = sr.schedule_rows(_section(pp4=True), prefix="pp4_", compare=False)
     assert [row.metric for row in rows] == [
         f"pp4_{name}_bubble_{what}" for name in ("1f1b", "zb-h1")
         for what in ("ratio", "measured", "theory", "theory_unit")
@@ -455,14 +458,16 @@ def test_pipeline_rows_put_the_schedule_phases_between_bubble_and_zero_rows():
     raw["schedules"], raw["pp4"] = _section(), _section(pp4=True)
     metrics = [row.metric for row in r.pipeline_rows(raw)]
     cut = plain.index("bubble_fraction_theory") + 1
-    schedules = [row.metric for row in r.schedule_rows(raw["schedules"])]
-    pp4 = [row.metric for row in r.schedule_rows(raw["pp4"], prefix="pp4_", compare=False)]
+    schedules = [row.metric for row in sr.schedule_rows(raw["schedules"])]
+    pp4 = [row.metric for row in sr.schedule_rows(raw["pp4"], prefix="pp4_", compare=False)]
     assert metrics == plain[:cut] + schedules + pp4 + plain[cut:]
 
 
 def test_schedule_rows_in_the_table():
-    rows = r.schedule_rows(_section())[4:5] + r.schedule_rows(_section(pp4=True), "pp4_", False)[:1]
-    lines = r.format_table(rows).split("\n")
+    rows = (
+        sr.schedule_rows(_section())[4:5] + sr.schedule_rows(_section(pp4=True), "pp4_", False)[:1]
+    )
+    lines = rw.format_table(rows).split("\n")
     assert lines[1].split() == ["pipeline", "zb-h1_throughput_vs_1f1b", "1.225", ">=", "1", "yes"]
     assert lines[2].split() == ["pipeline", "pp4_1f1b_bubble_ratio", "1.333", "-", "-"]
     assert lines[4].startswith("notes:") and lines[5].startswith("  zb-h1_throughput_vs_1f1b: ")
@@ -477,10 +482,10 @@ def test_pp4_phase_runs_a_quarter_of_the_repetitions():
 
 
 def test_target_below_is_strict():
-    below = r.Target.below(1.0)
+    below = rw.Target.below(1.0)
     assert below.text == "< 1"
     assert (below.met(0.999), below.met(1.0), below.met(1.2)) == (True, False, False)
-    assert r.Target.at_most(1.0).met(1.0)  # the other bounds stay inclusive
+    assert rw.Target.at_most(1.0).met(1.0)  # the other bounds stay inclusive
 
 
 def _times(forward: float, backward: float) -> dict:
@@ -521,21 +526,21 @@ def _partition_raw(profile_parts: list[int] | None = None) -> dict:
 
 def test_stage_compute_sums_forward_and_backward_per_stage():
     run = {"times": [_times(0.25, 0.5), _times(1.0, 2.0)], "step_s": [4.0, 5.0]}
-    assert r.stage_compute(run) == [0.75, 3.0]
-    assert r.slowest_stage(run) == 3.0
-    assert r.slowest_stage(run, "step_s") == 5.0
-    assert r.stage_sums([0, 1, 3], [1.0, 2.0, 4.0]) == [1.0, 6.0]
-    assert r.stage_sums([0, 2, 3], [1.0, 2.0, 4.0]) == [3.0, 4.0]
+    assert pr.stage_compute(run) == [0.75, 3.0]
+    assert pr.slowest_stage(run) == 3.0
+    assert pr.slowest_stage(run, "step_s") == 5.0
+    assert pr.stage_sums([0, 1, 3], [1.0, 2.0, 4.0]) == [1.0, 6.0]
+    assert pr.stage_sums([0, 2, 3], [1.0, 2.0, 4.0]) == [3.0, 4.0]
 
 
 def test_layer_kinds_counts_each_kind_in_order():
     layers = [{"name": n} for n in ("Embedding", "Block", "Block", "Norm", "Head")]
-    assert r.layer_kinds(layers, 0, 1) == "layers 0..0 (Embedding)"
-    assert r.layer_kinds(layers, 1, 4) == "layers 1..3 (Block x2, Norm)"
+    assert pr.layer_kinds(layers, 0, 1) == "layers 0..0 (Embedding)"
+    assert pr.layer_kinds(layers, 1, 4) == "layers 1..3 (Block x2, Norm)"
 
 
 def test_partition_rows_from_hand_made_records():
-    rows = r.partition_rows(_partition_raw())
+    rows = pr.partition_rows(_partition_raw())
     by = {row.metric: row for row in rows}
     assert all(row.bench == "partition" for row in rows)
     assert [row.metric for row in rows[:6]] == [
@@ -582,7 +587,7 @@ def test_partition_rows_from_hand_made_records():
 
 
 def test_partition_rows_without_a_target_when_profile_keeps_the_boundaries():
-    rows = {row.metric: row for row in r.partition_rows(_partition_raw([0, 1, 3]))}
+    rows = {row.metric: row for row in pr.partition_rows(_partition_raw([0, 1, 3]))}
     ratio = rows["partition_slowest_stage_ratio"]
     assert (ratio.target, ratio.met) == (None, None)
     assert ratio.note.startswith("NOT EVALUATED: profile chose the same boundaries as "
@@ -594,7 +599,7 @@ def test_partition_rows_without_a_target_when_profile_keeps_the_boundaries():
 def test_partition_rows_without_a_target_when_profile_keeps_the_slowest_stage():
     raw = _partition_raw()
     raw["layers"][1]["seconds"] = 0.0  # the head alone is the slowest stage of both splits
-    rows = {row.metric: row for row in r.partition_rows(raw)}
+    rows = {row.metric: row for row in pr.partition_rows(raw)}
     ratio = rows["partition_slowest_stage_ratio"]
     assert (ratio.target, ratio.met) == (None, None)
     assert ratio.note.startswith(
@@ -609,14 +614,14 @@ def test_partition_rows_without_a_target_when_profile_keeps_the_slowest_stage():
 def test_layer_costs_gives_a_run_of_one_kind_as_a_range():
     ms = [("Embedding", 3.0), ("Block", 1.5), ("Block", 2.25), ("Block", 1.75), ("Head", 40.0)]
     layers = [{"name": name, "seconds": t / 1e3} for name, t in ms]
-    assert r.layer_costs(layers) == ("0 Embedding 3.00, 1..3 Block 1.50-2.25 each, 4 Head 40.00")
+    assert pr.layer_costs(layers) == ("0 Embedding 3.00, 1..3 Block 1.50-2.25 each, 4 Head 40.00")
 
 
 def test_partition_rows_need_a_timed_repetition():
     raw = _partition_raw()
     raw["reps"] = raw["reps"][:1]
     with pytest.raises(ValueError, match="no timed repetitions"):
-        r.partition_rows(raw)
+        pr.partition_rows(raw)
 
 
 def test_bench_cli_partition_takes_run_keys():
