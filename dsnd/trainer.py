@@ -144,12 +144,12 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
             log.warning("removed %s/%s, left by a save that did not finish", root, name)
     runner = StageRunner(res, groups, load_hf=resume is None)
     engine = runner.engine
-    counts = {index: n for index, _, n in layer_table(res.model)}
+    total = sum(n for _, _, n in layer_table(res.model))
     log.info("stage %d of %d holds global layers %s: %s of the model's %s parameters, "
              "ZeRO-%d over dp=%d, tp=%d", groups.coord.pp, res.topology.pp,
              list(engine.module.global_indices),
-             f"{sum(counts[i] for i in engine.module.global_indices):,}",
-             f"{sum(counts.values()):,}", res.plan.zero_stage, res.topology.dp,
+             f"{res.plan.stage_parameters(res.model)[groups.coord.pp]:,}",
+             f"{total:,}", res.plan.zero_stage, res.topology.dp,
              res.topology.tp)  # fmt: skip
     start = 0 if resume is None else _resume(engine, res, resume, corpus)
     return _Stage(runner, corpus, samples, held_out, root, start)

@@ -70,7 +70,7 @@ def explain_lines(res: Resolved) -> list[str]:
         "model-state bytes per rank (formula: parameters, gradients, fp32 master, Adam moments; "
         "activations and buffers not included):",
     ]
-    counts = _stage_parameters(res)
+    counts = res.plan.stage_parameters(res.model)
     for s, psi in enumerate(counts):
         where = model_state_bytes(stage, psi // t.tp, t.dp, bf16,
                                   offload["offload_optimizer"] == "cpu",
@@ -80,13 +80,6 @@ def explain_lines(res: Resolved) -> list[str]:
         lines.append(f"  stage {s}: {psi:,} parameters{f' / tp {t.tp}' * (t.tp > 1)}: "
                      f"{device:.1f} MiB on the device, {cpu:.1f} MiB in CPU memory")  # fmt: skip
     return lines
-
-
-def _stage_parameters(res: Resolved) -> list[int]:
-    from dsnd.model.count import layer_table
-
-    counts = {index: n for index, _, n in layer_table(res.model)}
-    return [sum(counts[i] for i in res.plan.stage_layers(s)) for s in range(res.topology.pp)]
 
 
 def run_explain(args: argparse.Namespace) -> int:

@@ -211,10 +211,7 @@ def check_zero3_sub_groups(ds: dict[str, Any], plan: Plan, model: ModelSpec) -> 
     if plan.pp == 1 or plan.zero_stage != 3:
         return
     size = (ds.get("zero_optimization") or {}).get("sub_group_size", ZERO3_SUB_GROUP)
-    from dsnd.model.count import layer_table
-
-    counts = {index: n for index, _, n in layer_table(model)}
-    largest = max(sum(counts[i] for i in plan.stage_layers(s)) for s in range(plan.pp))
+    largest = max(plan.stage_parameters(model))
     if size < largest:
         raise UserError(
             f"zero_optimization.sub_group_size={size:g} splits a pipeline stage's {largest:,} "

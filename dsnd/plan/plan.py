@@ -17,6 +17,7 @@ from deepspeed.pipe import TiedLayerSpec
 
 from dsnd.errors import UserError
 from dsnd.model import layer_specs, param_groups
+from dsnd.model.count import layer_table
 from dsnd.model.spec import ModelSpec
 from dsnd.plan.partition import PartitionMethod, partition
 from dsnd.plan.schedule import (
@@ -77,6 +78,12 @@ class Plan:
     def stage_layers(self, stage: int) -> list[int]:
         """Every global layer pipeline stage `stage` holds, over its chunks, ascending."""
         return [i for c in range(self.chunks) for i in self.chunk_layers(stage, c)]
+
+    def stage_parameters(self, model: ModelSpec) -> list[int]:
+        """Parameters each pipeline stage holds, over its chunks (a tied weight on its owner
+        only: `layer_table` counts a tied head 0)."""
+        counts = {index: n for index, _, n in layer_table(model)}
+        return [sum(counts[i] for i in self.stage_layers(s)) for s in range(self.pp)]
 
     def stage_of_layer(self, index: int) -> int:
         vs = next(v for v in range(len(self.parts) - 1) if index < self.parts[v + 1])
