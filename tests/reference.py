@@ -2,7 +2,9 @@
 
 It shares only the model, data and loss code with dsnd; optimizer, accumulation, clipping and the
 LR schedule are torch's (and DeepSpeed's scheduler class on a torch optimizer), so a wiring
-mistake in dsnd's DeepSpeed path cannot hide in both.
+mistake in dsnd's DeepSpeed path cannot hide in both. The optimizer is the torch class for the
+JSON's `optimizer.type` (AdamW for DeepSpeed's Adam names; Adagrad for DeepSpeed's Adagrad,
+offloaded or not); Lion, which torch lacks, is the short `Lion` below.
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ def reference_rows(res: Resolved) -> list[dict]:
     corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
     samples = SampleSet(corpus.tokens, run.model.seq_len)
     model = build_model(res.model, run.train.seed)
-    params = dict(ds["optimizer"]["params"])
-    params.pop("torch_adam", None)
-    params["betas"] = tuple(params["betas"])
-    opt = torch.optim.AdamW(param_groups(model), **params)
+    opt = reference_optimizer(param_groups(model), ds["optimizer"])
     sched = getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
     clip = ds.get("gradient_clipping", 0.0)
     rows = []
@@ -47,3 +46,40 @@ def reference_rows(res: Resolved) -> list[dict]:
         sched.step()
         rows.append({"step": step + 1, "loss": total / len(micro), "lr": lr, "grad_norm": norm})
     return rows
+
+
+def reference_optimizer(groups: list[dict], section: dict) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed's optimizer for `section` ({"type", "params"}) computes."""
+    kind, params = section["type"], dict(section.get("params") or {})
+    for key in ("torch_adam", "adam_w_mode", "fp32_optimizer_states"):  # DeepSpeed's own keys
+        params.pop(key, None)
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+    if kind.lower() in ("adam", "adamw"):
+        return torch.optim.AdamW(groups, **params)
+    if kind.lower() == "adagrad":
+        return torch.optim.Adagrad(groups, **params)
+    if kind.lower() == "lion":
+        return Lion(groups, **params)
+    return getattr(torch.optim, kind)(groups, **params)
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion as DeepSpeed's CPU Lion computes it, written out because torch has no Lion: the step
+    is -lr times the sign of beta1·m + (1 - beta1)·g, taken with copysign as DeepSpeed's kernel
+    does (a zero counts as positive: an unused embedding row still moves by -lr), after
+    decoupled weight decay p·(1 - lr·wd); then m = beta2·m + (1 - beta2)·g."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                update = torch.copysign(torch.full_like(p, lr), m * beta1 + p.grad * (1 - beta1))
+                p.mul_(1 - lr * wd).sub_(update)
+                m.mul_(beta2).add_(p.grad * (1 - beta2))

@@ -15,6 +15,7 @@ import os
 from dsnd.config.deepspeed_json import load_json
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
+from dsnd.engine.optimizers import state_bytes
 from dsnd.plan.memory import model_state_bytes
 
 NOTE_SECTIONS = ("optimizer", "scheduler")  # notes about a section missing from the file
@@ -59,22 +60,25 @@ def explain_lines(res: Resolved) -> list[str]:
     bf16 = bool((ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled"))
     offload = {key: (zero.get(key) or {}).get("device", "none")
                for key in ("offload_optimizer", "offload_param")}  # fmt: skip
+    offloaded = stage > 0 and offload["offload_optimizer"] in ("cpu", "nvme")
+    optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
     lines = [
         f"batch: train_batch_size {b.train} = micro {b.micro} x gradient_accumulation_steps "
         f"{b.gas} x dp {t.dp} (pp={t.pp}, tp={t.tp})",
         f"precision: {'bf16 parameters and gradients, fp32 master weights' if bf16 else 'fp32'}",
         f"ZeRO-{stage} over each stage's {t.dp} data-parallel ranks; offload: optimizer "
         f"{offload['offload_optimizer']}, parameters {offload['offload_param']}",
-        f"optimizer {ds['optimizer']['type']} {ds['optimizer'].get('params', {})}; scheduler "
+        f"optimizer {ds['optimizer']['type']} {ds['optimizer'].get('params', {})} (DeepSpeed "
+        f"builds {optimizer}: {per_param} B of state per parameter); scheduler "
         f"{(ds.get('scheduler') or {}).get('type', 'none')}",
-        "model-state bytes per rank (formula: parameters, gradients, fp32 master, Adam moments; "
-        "activations and buffers not included):",
+        "model-state bytes per rank (formula: parameters, gradients, fp32 master, optimizer "
+        "state; activations and buffers not included):",
     ]
     counts = res.plan.stage_parameters(res.model)
     for s, psi in enumerate(counts):
         where = model_state_bytes(stage, psi // t.tp, t.dp, bf16,
                                   offload["offload_optimizer"] == "cpu",
-                                  offload["offload_param"] == "cpu")  # fmt: skip
+                                  offload["offload_param"] == "cpu", per_param)  # fmt: skip
         device = sum(where["device"].values()) / 2**20
         cpu = sum(where["cpu"].values()) / 2**20
         lines.append(f"  stage {s}: {psi:,} parameters{f' / tp {t.tp}' * (t.tp > 1)}: "

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from dsnd.config import json_lines
 from dsnd.config.ds_auto import remaining_autos
 from dsnd.config.json_lines import MAX_DEPTH
-from dsnd.engine import deepspeed_api
+from dsnd.engine import deepspeed_api, optimizers
 from dsnd.engine.deepspeed_api import half_precision_support
 from dsnd.errors import UserError, did_you_mean, problems_of, raise_all
 
@@ -126,22 +126,70 @@ def inactive(key: str, value: Any) -> bool:
 # zero_optimization keys DeepSpeed knows and dsnd refuses.
 ZERO_REFUSED = {
     "zenflow": "ZenFlow is not supported by dsnd",
-    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not supported by dsnd",
-    "zero_quantized_weights": "ZeRO++ quantized weights are not supported by dsnd",
-    "zero_quantized_gradients": "ZeRO++ quantized gradients are not supported by dsnd",
+    "zero_quantized_weights": "ZeRO++ quantized weights (qwZ) need DeepSpeed's quantizer op "
+    "(QuantizerBuilder), which its CPU accelerator does not implement (DeepSpeed: 'This op had "
+    "not been implemented on CPU backend.'); not supported by dsnd",
+    "zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ) need DeepSpeed's quantizer op "
+    "(QuantizerBuilder), which its CPU accelerator does not implement (DeepSpeed: 'This op had "
+    "not been implemented on CPU backend.'); not supported by dsnd",
 }
 
 ZERO_OFF = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False,
             "zero_quantized_gradients": False}  # fmt: skip
 """The values at which ZeRO++'s switches turn nothing on: accepted."""
 
+
+def check_hpz(ds: dict[str, Any], dp: int, where: str) -> None:
+    """ZeRO++ hpZ (`zero_hpz_partition_size`): ZeRO-3 keeps a secondary copy of the parameters
+    partitioned over groups of that many consecutive ranks of each stage's data-parallel group
+    (`dsnd.distributed.groups.hpz_group`); a size past dp is dp, as DeepSpeed caps it at its
+    world. DeepSpeed's ZeRO 1/2 ignore it."""
+    zero = ds.get("zero_optimization") or {}
+    size = zero.get("zero_hpz_partition_size") or 1
+    if size > 1 and zero.get("stage") != 3:
+        raise UserError(f"{where}: zero_optimization.zero_hpz_partition_size={size} needs "
+                        f"zero_optimization.stage 3, got {zero.get('stage', 0)}")  # fmt: skip
+    if size > 1 and dp % min(size, dp):
+        raise UserError(f"{where}: zero_optimization.zero_hpz_partition_size={size} must divide "
+                        f"each stage's data-parallel size dp={dp}")  # fmt: skip
+
+
 OPTIMIZERS = {"adam", "adamw"}
+"""DeepSpeed's Adam names, checked against OPTIMIZER_PARAMS (the engine takes `torch_adam` and
+`adam_w_mode` out before it builds FusedAdam, DeepSpeedCPUAdam or torch's Adam(W)). Every other
+optimizer DeepSpeed builds (dsnd.engine.optimizers) is checked against its class's constructor,
+unless refused by name below or for a kernel this device lacks."""
 OPTIMIZER_PARAMS = {
     "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
     "foreach", "fused", "maximize", "capturable", "differentiable",
 }  # fmt: skip
 _NUMBER_PARAMS = {"lr", "eps", "weight_decay"}
 _BOOL_PARAMS = OPTIMIZER_PARAMS - _NUMBER_PARAMS - {"betas"}
+
+REFUSED_OPTIMIZERS = {
+    "LBFGS": "its step needs a closure that re-evaluates the loss, which DeepSpeed's engine "
+    "never passes (torch: LBFGS.step() missing 1 required positional argument: 'closure')",
+    "SparseAdam": "it needs sparse gradients (torch: SparseAdam does not support dense "
+    "gradients, please consider Adam instead)",
+    "ASGD": "its per-parameter eta and mu depend on the learning rates of past steps, and dsnd's "
+    "checkpoints keep per-element optimizer state and the step count only (a resumed run would "
+    "differ)",
+    "Adafactor": "ZeRO's flat partitions change its math (measured: a matrix's second moment is "
+    "factored into row_var and col_var at ZeRO-0, kept whole over the flat partition at ZeRO "
+    "1-3), and factored state is not per element, which dsnd's layout-free checkpoints need",
+    "muon": "it is not supported by dsnd yet: DeepSpeed's MuonWithAuxAdam keeps momentum_buffer "
+    "for matrices and Adam's state for the other parameters, which dsnd's checkpoints do not "
+    "save apart (measured at pp=2 x dp=2: ZeRO-0 trains, then saving fails with KeyError "
+    "'momentum_buffer'; ZeRO-1 never finished its first step), and tensor parallelism would "
+    "orthogonalise shards, not whole matrices",
+}
+"""Optimizers DeepSpeed builds that cannot train in dsnd, by the name DeepSpeed reads
+(`optimizers.type_name`), with the reason (measured on this CPU, DeepSpeed 0.19.8, torch 2.13)."""
+
+REFUSED_OPTIMIZER_PARAMS = {
+    "max_grad_norm": "DeepSpeed refuses it as an optimizer parameter; use the top-level "
+    "gradient_clipping",
+}
 
 
 def _is_number(value: Any) -> bool:
@@ -300,6 +348,9 @@ def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
                          "are in metrics.jsonl and checkpoints")  # fmt: skip
         if key in SUPPORTED:
             continue
+        if key == "aio" and uses_nvme(ds):
+            problems += _aio(value, path, notes)
+            continue
         if key in MONITORS:
             problems += _monitor(key, value, path, notes)
             continue
@@ -359,19 +410,61 @@ def _check_ranges(ds: dict[str, Any], path: str) -> None:
 
 
 def _check_offload(zero: dict[str, Any], stage: int, path: str) -> None:
-    """ZeRO-Offload to the CPU runs inside pipeline stages (optimizer: ZeRO 1-3; parameters:
-    ZeRO-3, as in DeepSpeed); NVMe (ZeRO-Infinity) does not yet."""
+    """ZeRO-Offload runs inside pipeline stages: to the CPU (optimizer: ZeRO 1-3; parameters:
+    ZeRO-3, as in DeepSpeed), to NVMe (ZeRO-Infinity) at ZeRO-3 only (DeepSpeed's ZeRO 1/2 would
+    offload to the CPU instead) into an existing writable directory, with DeepSpeed's async_io
+    op (built on first use; it needs libaio)."""
     for key in ("offload_optimizer", "offload_param"):
         section = zero.get(key)
         device = section.get("device", "none") if isinstance(section, dict) else "none"
+        where = f"{path}: zero_optimization.{key}"
+        if device == "nvme" and stage != 3:
+            raise UserError(f"{where}.device='nvme' needs zero_optimization.stage 3, got {stage}")
         if device == "nvme":
-            raise UserError(f"{path}: zero_optimization.{key}.device='nvme' is refused: NVMe "
-                            "offload (ZeRO-Infinity) is not supported by dsnd yet; use "
-                            "'cpu'")  # fmt: skip
+            _check_nvme_path(section.get("nvme_path"), f"{where}.nvme_path")
+            problem = deepspeed_api.async_io_problem()
+            if problem:
+                raise UserError(f"{where}.device='nvme' needs DeepSpeed's async_io op, which "
+                                f"cannot be built here: {problem}")  # fmt: skip
         if device == "cpu" and (stage == 0 or (key == "offload_param" and stage != 3)):
             needs = "3" if key == "offload_param" else "1, 2 or 3"
-            raise UserError(f"{path}: zero_optimization.{key}.device='cpu' needs "
-                            f"zero_optimization.stage {needs}, got {stage}")  # fmt: skip
+            raise UserError(f"{where}.device='cpu' needs zero_optimization.stage {needs}, "
+                            f"got {stage}")  # fmt: skip
+
+
+def _check_nvme_path(value: Any, where: str) -> None:
+    """DeepSpeed creates its swap folders under `nvme_path` only when the engine starts."""
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{where} must be the path of a directory, got {value!r}")
+    if not os.path.isdir(value) or not os.access(value, os.W_OK | os.X_OK):
+        raise UserError(f"{where}: '{value}' is not a writable directory")
+
+
+def _aio(value: Any, path: str, notes: list[str]) -> list[str]:
+    """The `aio` section with NVMe offload on: DeepSpeed reads its known keys without checking
+    them and skips the rest (such as the older `thread_count`)."""
+    if not isinstance(value, dict):
+        return [f"{path}: aio must be an object, got {value!r}"]
+    defaults = deepspeed_api.aio_defaults()
+    problems = []
+    for k, v in value.items():
+        if k not in defaults:
+            notes.append(f"aio.{k}: not a key DeepSpeed reads; ignored, as DeepSpeed does"
+                         + did_you_mean(k, defaults))  # fmt: skip
+        elif type(v) is not type(defaults[k]) and not (_is_number(v) and _is_number(defaults[k])):
+            problems.append(f"{path}: aio.{k} must be {type(defaults[k]).__name__}, got {v!r}")
+        elif k == "use_gds" and v:
+            problems.append(f"{path}: aio.use_gds needs CUDA (GPUDirect Storage); this machine's "
+                            "DeepSpeed accelerator is not CUDA")  # fmt: skip
+    return problems
+
+
+def uses_nvme(ds: dict[str, Any]) -> bool:
+    """Whether the JSON offloads anything to NVMe (then its `aio` section is used)."""
+    zero = ds.get("zero_optimization")
+    sections = [zero.get(k) for k in ("offload_optimizer", "offload_param")] \
+        if isinstance(zero, dict) else []  # fmt: skip
+    return any(isinstance(s, dict) and s.get("device") == "nvme" for s in sections)
 
 
 def _check_types(ds: dict[str, Any], path: str) -> None:
@@ -452,7 +545,7 @@ def check_keys(ds: dict[str, Any], path: str) -> list[str]:
         problems.append(f"{path}: {', '.join(autos)}: 'auto' is not a value dsnd can fill "
                         "here; set a value")  # fmt: skip
     for check in (partial(_top_level, notes=notes), _check_types, _check_sections, _check_ranges,
-                  lambda d, p: _check_optimizer(d.get("optimizer"), p),
+                  lambda d, p: _check_optimizer(d.get("optimizer"), p, d),
                   lambda d, p: _check_scheduler(d.get("scheduler"), p)):  # fmt: skip
         try:
             check(ds, path)
@@ -464,16 +557,117 @@ def check_keys(ds: dict[str, Any], path: str) -> list[str]:
     return notes
 
 
-def _check_optimizer(opt: Any, path: str) -> None:
+def _check_optimizer(opt: Any, path: str, ds: dict[str, Any] | None = None) -> None:
+    """The optimizer section of `ds`: the type DeepSpeed builds and can run here, its
+    parameters by the constructor DeepSpeed calls, and ZeRO's untested-optimizer rule."""
     section = _type_and_params(opt, "optimizer", path)
     if section is None:
         return
     kind, params = section
-    if kind.lower() not in OPTIMIZERS:
+    if kind.lower() in OPTIMIZERS:
+        _check_adam(params, path)
+        return
+    zero = (ds or {}).get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage") if zero.get("stage") in (1, 2, 3) else 0
+    offload = zero.get("offload_optimizer")
+    offload = stage > 0 and isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+    cls = _optimizer_class(kind, offload, path)
+    where = f"{path}: optimizer.params"
+    signature = inspect.signature(cls.__init__).parameters
+    known = set(signature) - {"self", "params", "model_params"}
+    _check_keys(params, known, REFUSED_OPTIMIZER_PARAMS, where)
+    for key, value in params.items():
+        _check_optimizer_param(where, key, value, signature[key])
+    if cls.__module__.startswith("torch.optim"):  # torch checks its own ranges: let it
+        problem = optimizers.trial_problem(cls, params, offload)
+        if problem:
+            raise UserError(f"{where}: {_class_name(cls)} refuses them: {problem}")
+    else:
+        _check_adam_ranges(params, path)
+    if cls.__name__ == "Adagrad" and cls.__module__.startswith("torch.optim") and stage:
         raise UserError(
-            f"{path}: optimizer.type '{kind}' is not supported by dsnd (supported: Adam, AdamW)"
+            f"{path}: optimizer.type '{kind}' (torch.optim.Adagrad) at zero_optimization.stage "
+            f"{stage} is refused: DeepSpeed's ZeRO 1-3 rebuild it as one parameter group over "
+            "their flat partitions, which fails with dsnd's two (no weight decay on norms, "
+            "biases and embeddings; measured: IndexError: list index out of range, at the first "
+            "step); use ZeRO-0, or offload_optimizer to the CPU (DeepSpeedCPUAdagrad)"
         )
-    _check_keys(params, OPTIMIZER_PARAMS, {}, f"{path}: optimizer.params")
+    allowed = (ds or {}).get("zero_allow_untested_optimizer")
+    if stage and not optimizers.zero_tested(cls) and not allowed:
+        raise UserError(
+            f"{path}: optimizer.type '{kind}' ({_class_name(cls)}) at zero_optimization.stage "
+            f'{stage} needs "zero_allow_untested_optimizer": true (DeepSpeed: You are using an '
+            'untested ZeRO Optimizer. Please add <"zero_allow_untested_optimizer": true> in the '
+            "configuration file to use it.)"
+        )
+    sched = (ds or {}).get("scheduler")
+    sched = sched if isinstance(sched, dict) else {}
+    cycles = sched.get("type") == "OneCycle" and (sched.get("params") or {}).get(
+        "cycle_momentum", True
+    )
+    if cls.__name__ == "NAdam" and cycles:
+        raise UserError(
+            f"{path}: optimizer.type '{kind}' with scheduler OneCycle needs "
+            "scheduler.params.cycle_momentum false: OneCycle changes NAdam's beta1 every step, "
+            "and a resumed NAdam replays its mu_product (beta1's schedule multiplied over the "
+            "past steps) with one beta1"
+        )
+
+
+def _class_name(cls: type) -> str:
+    return f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else \
+        cls.__name__  # fmt: skip
+
+
+def _optimizer_class(kind: str, offload: bool, path: str) -> type:
+    """The class DeepSpeed builds for `kind`, or the UserError saying why it cannot run here."""
+    name = optimizers.type_name(kind)
+    refuse = f"{path}: optimizer.type '{kind}'"
+    if name in REFUSED_OPTIMIZERS:
+        raise UserError(f"{refuse} is refused: {REFUSED_OPTIMIZERS[name]}")
+    missing = optimizers.missing_kernel(kind, offload)
+    if missing:
+        cls, error = missing
+        also = (" (with zero_optimization.offload_optimizer.device 'cpu' DeepSpeed builds "
+                "DeepSpeedCPULion, which runs here)") if name == "lion" else ""  # fmt: skip
+        raise UserError(f"{refuse} needs DeepSpeed's {cls} CUDA kernel, which this device lacks "
+                        f"(DeepSpeed: {error}){also}")  # fmt: skip
+    cls = optimizers.optimizer_class(kind, offload)
+    if name in optimizers.MUP:
+        raise UserError(
+            f"{refuse} needs mup's base shapes on every parameter (mup.set_base_shapes), which "
+            "dsnd's models do not carry" if cls else
+            f"{refuse} needs the mup package, which is not installed (DeepSpeed: cannot access "
+            f"local variable '{optimizers.MUP[name]}' where it is not associated with a value)"
+        )  # fmt: skip
+    if cls is None:
+        names = optimizers.torch_names()
+        by_case = [n for n in names if n.lower() == kind.lower()]
+        hint = f" (did you mean '{by_case[0]}'?)" if by_case else did_you_mean(kind, names)
+        raise UserError(f"{refuse} is neither one of DeepSpeed's optimizers nor a torch.optim "
+                        f"optimizer{hint}")  # fmt: skip
+    return cls
+
+
+def _check_optimizer_param(where: str, key: str, value: Any, param: inspect.Parameter) -> None:
+    """`value` by the constructor's default: a number, bool, list of numbers (for a tuple), or
+    bool or null (for a ``bool | None`` defaulting to None)."""
+    default = param.default
+    if isinstance(default, tuple):
+        if not (isinstance(value, list) and len(value) == len(default)
+                and all(map(_is_number, value))):  # fmt: skip
+            raise UserError(f"{where}.{key} must be a list of {len(default)} numbers, got "
+                            f"{value!r}")  # fmt: skip
+    elif default is None:
+        if "bool" in str(param.annotation) and value is not None and not isinstance(value, bool):
+            raise UserError(f"{where}.{key} must be bool or null, got {value!r}")
+    elif default is not inspect.Parameter.empty:
+        _check_param_type(where, key, value, default)
+
+
+def _check_adam(params: dict[str, Any], path: str) -> None:
+    _check_keys(params, OPTIMIZER_PARAMS, REFUSED_OPTIMIZER_PARAMS, f"{path}: optimizer.params")
     for key, value in params.items():
         if key in _NUMBER_PARAMS:
             _check_param_type(f"{path}: optimizer.params", key, value, 0.0)
@@ -488,7 +682,7 @@ def _check_optimizer(opt: Any, path: str) -> None:
 
 def _check_adam_ranges(params: dict[str, Any], path: str) -> None:
     """torch's Adam refuses these too, but only when the engine builds it, after the process
-    group has started."""
+    group has started (and DeepSpeed's CPU Adagrad and Lion do not check them at all)."""
     for key in sorted(_NUMBER_PARAMS & set(params)):
         if params[key] is not None and params[key] < 0:
             raise UserError(f"{path}: optimizer.params.{key} must be >= 0, got {params[key]}")

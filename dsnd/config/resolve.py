@@ -13,6 +13,7 @@ from typing import Any
 from dsnd.config.batch import GAS, MICRO, TRAIN, Batch, resolve_batch
 from dsnd.config.deepspeed_json import (
     check_blamed,
+    check_hpz,
     check_keys,
     check_with_deepspeed,
     take_monitors,
@@ -164,6 +165,7 @@ def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
         ratio = batch.train / run.train.lr_reference_batch
         scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
     check_with_deepspeed(ds, where)
+    check_hpz(ds, dp, where)
     return ds, batch, notes, monitors
 
 

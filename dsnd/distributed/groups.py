@@ -54,3 +54,12 @@ def build_groups(topology: Topology) -> ProcessGroups:
         tensor=_own_group(topology.groups("model"), rank),
         replica=_own_group(topology.model_parallel_groups(), rank),
     )
+
+
+def hpz_group(topology: Topology, rank: int, size: int) -> dist.ProcessGroup:
+    """ZeRO++ hpZ (`zero_hpz_partition_size`): this rank's group for ZeRO-3's secondary
+    parameter partition, `size` consecutive ranks of its stage's data-parallel group (DeepSpeed
+    would cut its own from the whole world, across stages). Every rank creates every group."""
+    chunks = [ranks[i : i + size] for ranks in topology.groups("data")
+              for i in range(0, len(ranks), size)]  # fmt: skip
+    return _own_group(chunks, rank)

@@ -22,7 +22,10 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   op builds (with torch's `torch.utils.cpp_extension._get_build_directory`);
   `DeepSpeedCPUAdam.ds_opt_adam` / `opt_id` (its C++ op's per-optimizer beta powers, replayed
   on resume so an offloaded run resumes bit for bit); `FP16_UnfusedOptimizer`'s `fp16_groups` /
-  `fp32_groups` and inner optimizer state (undoing the step its constructor takes).
+  `fp32_groups` and inner optimizer state (undoing the step its constructor takes); a
+  parameter's `nvme_swapper` (one NVMe swapper per stage, handed to each layer's `zero.Init`);
+  `deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP` (ZeRO++ hpZ's group, set to the
+  stage's own).
 - `loss_scale`: fp16's scaler on the optimizer, `loss_scaler` (ZeRO 1-3) or `loss_scale_config`
   (ZeRO-0's FP16 optimizers), its `cur_scale` / `cur_iter` / `last_overflow_iter` /
   `cur_hysteresis`, and the engine's `fp16_enabled`, `was_step_applied`, `skipped_steps`.
@@ -30,8 +33,16 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   parameter's `ds_id` / `_hp_mapping` (whether DeepSpeed keeps a separate fp32 master),
   `fp16_groups` / `fp32_groups` (bf16 at ZeRO-0), `fp32_partitioned_groups_flat` (ZeRO-3's flat
   masters, in the optimizer only around a step), `_lazy_init_hp_params_optimizer_state` and
-  `_hp_optimizer_states_linked` (relinking ZeRO-1/2's state views; no public method exists).
+  `_hp_optimizer_states_linked` (relinking ZeRO-1/2's state views; no public method exists);
+  ZeRO-3's `swap_optimizer`, `_swappable_optimizer_subgroup`,
+  `_optimizer_states_and_gradient_swap_in` / `_out` (NVMe: a sub-group read in while its state
+  is created for loading).
   The public `deepspeed.utils.safe_{get,set}_full_{fp32_param,optimizer_state}` do the rest.
+- `optimizers`: the class DeepSpeed's `_configure_basic_optimizer` builds for a JSON (its
+  `deepspeed.ops` optimizers: `FusedAdam`, `DeepSpeedCPUAdam`, `DeepSpeedCPUAdagrad`,
+  `DeepSpeedCPULion`, `FusedLion`, `FusedLamb`; mup's; `torch.optim`), whether the
+  accelerator has its kernel (`deepspeed_api.op_problem`), a trial step of a torch
+  optimizer on a tiny tensor (torch's own range errors before start), its state bytes.
 - `ds_checkpoint`: `deepspeed.checkpoint.ds_to_universal.main` (DeepSpeed's own conversion of a
   saved checkpoint into a universal one, driven as its command line would), with its private
   `_inject_missing_state` replaced during the call (to add the pattern of pipeline-replicated
@@ -46,5 +57,10 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   DeepSpeedConfig` (a JSON checked by the code that will read it), `deepspeed.runtime.
   lr_schedules`, `deepspeed.runtime.utils.partition_uniform` / `partition_balanced` (stage
   boundaries as DeepSpeed's PipelineModule cuts them), `deepspeed.runtime.pipe.topology.
-  PipeModelDataParallelTopology`, and a parameter's `ds_shape` (its shape before ZeRO-3).
+  PipeModelDataParallelTopology`, a parameter's `ds_shape` (its shape before ZeRO-3),
+  `deepspeed.runtime.swap_tensor.aio_config.AIO_DEFAULT_DICT` (the `aio` keys DeepSpeed reads)
+  and `AsyncIOBuilder.is_compatible` (whether NVMe offload's op can be built: libaio),
+  `deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS` (DeepSpeed's optimizer names) and
+  `deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS` (those ZeRO runs without
+  `zero_allow_untested_optimizer`).
 """

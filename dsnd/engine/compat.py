@@ -175,3 +175,21 @@ def undo_unfused_init_step(engine: Any) -> None:
         for low, masters in zip(opt.fp16_groups, opt.fp32_groups, strict=True):
             for param, master in zip(low, masters, strict=True):
                 master.copy_(param)
+
+
+def use_hpz_group(group: dist.ProcessGroup | None) -> None:
+    """Make `group` DeepSpeed's ZeRO++ hpZ group (None: none). `deepspeed.zero.Init` takes the
+    group as an argument but reads its size and this rank's place in it from the module global
+    (`deepspeed.utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP`), and ZeRO-3's optimizer builds
+    the global from the whole world when it is unset; a later engine in the process would also
+    inherit a stale one. So dsnd sets it before each stage's partitioning."""
+    from deepspeed.utils import groups
+
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group
+
+
+def nvme_param_swapper(module: torch.nn.Module) -> Any:
+    """The NVMe swapper `deepspeed.zero.Init` gave `module`'s parameters (their `nvme_swapper`),
+    or None (no NVMe parameter offload, or no parameters)."""
+    return next((p.nvme_swapper for p in module.parameters()
+                 if getattr(p, "nvme_swapper", None) is not None), None)  # fmt: skip

@@ -5,6 +5,9 @@ helpers and its pipeline topology. Each is a thin accessor, so the rest of dsnd 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -78,3 +81,56 @@ def half_precision_support() -> tuple[bool, bool]:
 
     accelerator = get_accelerator()
     return bool(accelerator.is_bf16_supported()), bool(accelerator.is_fp16_supported())
+
+
+def aio_defaults() -> dict[str, Any]:
+    """The `aio` section's keys DeepSpeed reads, with their defaults."""
+    from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT
+
+    return dict(AIO_DEFAULT_DICT)
+
+
+def async_io_problem() -> str | None:
+    """Why DeepSpeed's async_io op (NVMe offload's file I/O) cannot be built here, in DeepSpeed's
+    words (its builder compiles a call of libaio's `io_submit`); None when it can."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # the builder prints its reasons
+        if AsyncIOBuilder().is_compatible(verbose=True):
+            return None
+    text = re.sub(r"\x1b\[[0-9;]*m|\[WARNING\]", "", said.getvalue())
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or "unknown"
+
+
+def deepspeed_optimizer_names() -> list[str]:
+    """DeepSpeed's own `optimizer.type` names (`DEEPSPEED_OPTIMIZERS`, lower case; the engine
+    matches them in any case, and builds any other name from torch.optim)."""
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return list(DEEPSPEED_OPTIMIZERS)
+
+
+def zero_supported_optimizers() -> tuple[type, ...]:
+    """The optimizer classes DeepSpeed runs under ZeRO without `zero_allow_untested_optimizer`
+    (`ZERO_SUPPORTED_OPTIMIZERS`; Muon's is added when it is built)."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    return tuple(ZERO_SUPPORTED_OPTIMIZERS)
+
+
+def op_problem(builder: str) -> str | None:
+    """Why DeepSpeed's op `builder` (a name in `deepspeed.ops.op_builder`, e.g.
+    "FusedLambBuilder") cannot load on this machine's accelerator, in DeepSpeed's words: the
+    accelerator gives a "not implemented" builder for an op it lacks, whose `load` raises at once
+    (nothing is compiled); None otherwise."""
+    from deepspeed.ops import op_builder
+
+    instance = getattr(op_builder, builder)()
+    if type(instance).__name__ != "NotImplementedBuilder":
+        return None
+    try:
+        instance.load(verbose=False)
+    except Exception as e:  # DeepSpeed raises ValueError
+        return " ".join(str(e).split())
+    return None

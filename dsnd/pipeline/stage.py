@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import deepspeed
 import torch
+import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
-from dsnd.distributed.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups, hpz_group
 from dsnd.distributed.mpu import Mpu
+from dsnd.engine.compat import nvme_param_swapper, use_hpz_group
 from dsnd.model import LayerStack, layer_specs
 from dsnd.tp.context import TensorParallel
+
+log = logging.getLogger(__name__)
 
 
 def tensor_parallel(res: Resolved, groups: ProcessGroups) -> TensorParallel:
@@ -38,8 +44,16 @@ def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
     """
     plan, stage = res.plan, groups.coord.pp
     zero3 = plan.zero_stage == 3
+    swapper = None  # NVMe parameter offload: the stage's one swapper (see below)
+    hpz = (res.ds.get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1
+    hpz_ranks = hpz_group(res.topology, groups.rank, hpz) if zero3 and hpz > 1 else None
+    use_hpz_group(hpz_ranks)
+    if hpz_ranks is not None:
+        log.info("ZeRO++ hpZ: parameters' secondary partition over ranks %s",
+                 dist.get_process_group_ranks(hpz_ranks))  # fmt: skip
 
     def partition(layer: torch.nn.Module) -> None:
+        nonlocal swapper
         # zero.Init as a context creates parameters in the run's dtype; handed a built module it
         # keeps their dtype, and a bf16 engine would then send fp32 activations between stages
         layer.to(zero3_dtype(res.ds))
@@ -48,7 +62,13 @@ def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
             data_parallel_group=groups.data,
             config_dict_or_path=res.ds,
             mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
+            param_swapper=swapper,
+            zero_param_parallel_group=hpz_ranks,
         )
+        # every layer shares the first layer's NVMe swapper: a new one empties the swap folder
+        # (measured: the next read of an earlier layer's parameter failed), and the ZeRO-3
+        # optimizer reaches every parameter's NVMe copy through the first parameter's swapper
+        swapper = swapper or nvme_param_swapper(layer)
 
     return LayerStack(
         layer_specs(res.model, tensor_parallel(res, groups)),

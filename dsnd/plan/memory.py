@@ -5,9 +5,11 @@ accounting with what DeepSpeed 0.19.8 keeps (measured by `dsnd bench pipeline`'s
 - gradients: as the parameters; split at ZeRO 2-3;
 - fp32 master weights: 4 bytes, split at ZeRO 1-3 — DeepSpeed keeps a separate master even for
   fp32 parameters there; none at ZeRO-0 fp32 (the parameters are the masters);
-- Adam moments: 8 bytes, split at ZeRO 1-3.
+- optimizer state: `state_bytes` per parameter (Adam's two fp32 moments: 8; SGD with momentum:
+  4, without: 0; see `dsnd.engine.optimizers.state_bytes`), split at ZeRO 1-3. The part keeps
+  Adam's name, "adam", which the bench's measured parts share.
 
-CPU offload moves the optimizer's part (master weights and moments) to CPU memory, and at
+CPU offload moves the optimizer's part (master weights and optimizer state) to CPU memory, and at
 ZeRO-3 parameter offload the parameter partition too. Pure arithmetic; activations and
 communication buckets are not model state.
 """
@@ -22,9 +24,10 @@ def model_state_bytes(
     bf16: bool,
     offload_optimizer: bool = False,
     offload_param: bool = False,
+    state_bytes: int = 8,
 ) -> dict[str, dict[str, float]]:
     """{"device": {part: bytes}, "cpu": {part: bytes}} for `psi` parameters on one rank of
-    `nd` data-parallel ranks."""
+    `nd` data-parallel ranks, with `state_bytes` of optimizer state per parameter."""
     if stage not in (0, 1, 2, 3) or psi < 0 or nd < 1:
         raise ValueError(f"need ZeRO stage 0-3, psi >= 0, nd >= 1; got {stage}, {psi}, {nd}")
     low = 2 if bf16 else 4
@@ -36,7 +39,7 @@ def model_state_bytes(
         "params": low * psi / split(3),
         "grads": low * psi / split(2),
         "master": (0 if stage == 0 and not bf16 else 4) * psi / split(1),
-        "adam": 8 * psi / split(1),
+        "adam": state_bytes * psi / split(1),
     }
     on_cpu = set()
     if offload_optimizer and stage > 0:

@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 
+from dsnd.config.deepspeed_json import load_json
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.errors import UserError, problems_of
@@ -28,8 +29,7 @@ LAYOUT = ("parallel.pp=2", "train.steps=2", "checkpoint.every=0", "checkpoint.re
 REFUSED = {
     "fp16 is not supported on this device (DeepSpeed: Type fp16": "fp16 enabled on a CPU",
     "DeepSpeed rejects the config": "DeepSpeed's own config check",
-    "NVMe offload (ZeRO-Infinity) is not supported by dsnd yet": "NVMe offload: not in dsnd yet",
-    "ZeRO++": "ZeRO++: not in dsnd yet",
+    "ZeRO++ quantized": "ZeRO++ qwZ/qgZ: no quantizer op on this CPU",
     "the comet monitor is not supported": "comet: not in dsnd",
     "unknown key '": "a key DeepSpeed's config refuses too",
     "sub_group_size=0 splits a pipeline stage": "ZeRO-3 sub-groups that hang a pipeline",
@@ -40,7 +40,20 @@ REFUSED = {
 
 
 def sets_for(path: pathlib.Path, log_dir: pathlib.Path) -> list[str]:
-    return [f"deepspeed={path}", *LAYOUT, *BATCH, f"log.dir={log_dir / path.stem}"]
+    run_dir = log_dir / path.stem
+    return [f"deepspeed={path}", *LAYOUT, *BATCH, f"log.dir={run_dir}",
+            *nvme_paths(path, run_dir / "nvme")]  # fmt: skip
+
+
+def nvme_paths(path: pathlib.Path, directory: pathlib.Path) -> list[str]:
+    """The JSON's NVMe offload sections pointed at `directory` (made here), not at the disk its
+    authors named."""
+    zero = load_json(str(path)).get("zero_optimization")
+    keys = [k for k in ("offload_param", "offload_optimizer")
+            if isinstance(zero, dict) and (zero.get(k) or {}).get("device") == "nvme"]  # fmt: skip
+    if keys:
+        directory.mkdir(parents=True, exist_ok=True)
+    return [f"ds.zero_optimization.{key}.nvme_path={directory}" for key in keys]
 
 
 def outcome(path: pathlib.Path, log_dir: pathlib.Path) -> tuple[str, list[str]]:

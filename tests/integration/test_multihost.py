@@ -91,9 +91,11 @@ def _wait_no_tagged(tag: str, within_s: float = 15) -> list[int]:
     return left
 
 
-def launch_on_cluster(cluster: Cluster, tmp_path, launcher: str) -> tuple[RankWatcher, str]:
-    """`dsnd launch --hostfile --launcher LAUNCHER`, pp=2 x dp=2 over both hosts, from a working
-    directory holding the `.deepspeed_env`; (the rank watcher, log.dir). Asserts exit 0."""
+def launch_on_cluster(cluster: Cluster, tmp_path, launcher: str,
+                      sets: tuple[str, ...] = ()) -> tuple[RankWatcher, str]:  # fmt: skip
+    """`dsnd launch --hostfile --launcher LAUNCHER`, pp=2 x dp=2 over both hosts (then `sets`),
+    from a working directory holding the `.deepspeed_env`; (the rank watcher, log.dir). Asserts
+    exit 0."""
     work = tmp_path / "work"
     work.mkdir()
     tag = uuid.uuid4().hex
@@ -105,7 +107,8 @@ def launch_on_cluster(cluster: Cluster, tmp_path, launcher: str) -> tuple[RankWa
     argv = [sys.executable, "-m", "dsnd", "launch", "--hostfile", hostfile,
             "--launcher", launcher, "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), "--set", f"train.steps={STEPS}",
-            "--set", "parallel.pp=2", "--set", f"log.dir={log_dir}"]  # fmt: skip
+            "--set", "parallel.pp=2", "--set", f"log.dir={log_dir}",
+            *[a for item in sets for a in ("--set", item)]]  # fmt: skip
     env = {k: v for k, v in rank_env(cluster.env).items() if k not in VIA_ENV_FILE}
     # the launching `python -m dsnd` itself must import this checkout, not an installed dsnd
     env["PYTHONPATH"] = ROOT

@@ -570,11 +570,15 @@ FP16_HERE = "fp16 is not supported on this device (DeepSpeed: Type fp16 is not s
         ("ds.checkpoint.load_universal=true", "'checkpoint' is refused: dsnd writes its own"),
         ("ds.sequence_parallel_size=2", "'sequence_parallel_size' is refused"),
         ('ds.zero_optimization.offload_optimizer={"device": "nvme"}',
-         "zero_optimization.offload_optimizer.device='nvme' is refused: NVMe offload"),
+         "zero_optimization.offload_optimizer.device='nvme' needs zero_optimization.stage 3, "
+         "got 0"),
         ('ds.zero_optimization.offload_param={"device": "cpu"}',
          "zero_optimization.offload_param.device='cpu' needs zero_optimization.stage 3, got 0"),
-        ("ds.zero_optimization.zero_quantized_weights=true", "'zero_quantized_weights' is refused"),
-        ("ds.zero_optimization.zero_hpz_partition_size=2", "'zero_hpz_partition_size' is refused"),
+        ("ds.zero_optimization.zero_quantized_weights=true",
+         "'zero_quantized_weights' is refused: ZeRO++ quantized weights (qwZ) need DeepSpeed's "
+         "quantizer op (QuantizerBuilder), which its CPU accelerator does not implement"),
+        ("ds.zero_optimization.zero_quantized_gradients=true",
+         "'zero_quantized_gradients' is refused: ZeRO++ quantized gradients (qgZ)"),
         ("ds.train_batch_szie=16",
          "unknown key 'train_batch_szie' (did you mean 'train_batch_size'?)"),
     ],
@@ -583,6 +587,60 @@ def test_refused_deepspeed_features_by_name(item, message):
     msg = error(load, None, [item])
     assert msg.startswith(f"--set {item}: ")  # the --set, not the packaged JSON
     assert message in msg
+
+
+def _nvme(path, key: str = "offload_param") -> list[str]:
+    return ["deepspeed=ds_configs/zero3.json",
+            f'ds.zero_optimization.{key}={{"device": "nvme", "nvme_path": "{path}"}}']  # fmt: skip
+
+
+def test_nvme_offload_needs_a_writable_directory(tmp_path):
+    missing = tmp_path / "missing"
+    msg = error(load, None, _nvme(missing))
+    assert msg.endswith(f"zero_optimization.offload_param.nvme_path: '{missing}' is not a "
+                        "writable directory")  # fmt: skip
+    (tmp_path / "file").write_text("")
+    assert "is not a writable directory" in error(load, None, _nvme(tmp_path / "file"))
+    msg = error(load, None, [*_nvme(tmp_path, "offload_optimizer"),
+                             "ds.zero_optimization.offload_optimizer.nvme_path=null"])  # fmt: skip
+    assert "offload_optimizer.nvme_path must be the path of a directory, got None" in msg
+
+
+def test_nvme_offload_is_accepted_and_its_aio_section_read(tmp_path):
+    res = resolve(load(None, [*_nvme(tmp_path), *_nvme(tmp_path, "offload_optimizer"),
+                              'ds.aio={"block_size": 262144, "thread_count": 1}']), 1)  # fmt: skip
+    assert res.ds["aio"] == {"block_size": 262144, "thread_count": 1}
+    assert "aio.thread_count: not a key DeepSpeed reads; ignored, as DeepSpeed does" in res.ds_notes
+    assert not [n for n in res.ds_notes if n.startswith("aio: ignored")]
+    msg = error(load, None, [*_nvme(tmp_path), 'ds.aio={"single_submit": 1}'])
+    assert msg.endswith("aio.single_submit must be bool, got 1")
+    msg = error(load, None, [*_nvme(tmp_path), 'ds.aio={"use_gds": true}'])
+    assert "aio.use_gds needs CUDA (GPUDirect Storage)" in msg
+
+
+@pytest.mark.parametrize(
+    "sets, world, message",
+    [
+        (["ds.zero_optimization.zero_hpz_partition_size=2"], 2,
+         "zero_hpz_partition_size=2 needs zero_optimization.stage 3, got 0"),
+        (["deepspeed=ds_configs/zero3.json", "ds.zero_optimization.zero_hpz_partition_size=3"], 4,
+         "zero_hpz_partition_size=3 must divide each stage's data-parallel size dp=4"),
+        (["deepspeed=ds_configs/zero3.json", "parallel.pp=2", "ds.train_batch_size=24",
+          "ds.zero_optimization.zero_hpz_partition_size=2"], 6,
+         "zero_hpz_partition_size=2 must divide each stage's data-parallel size dp=3"),
+    ],
+)  # fmt: skip
+def test_hpz_needs_zero3_and_a_size_that_divides_dp(sets, world, message):
+    msg = error(resolve, load(None, sets), world)
+    assert msg.startswith(f"--set {sets[-1]}: ") and msg.endswith(message)
+
+
+def test_hpz_is_accepted_at_zero3():
+    sets = ["deepspeed=ds_configs/zero3.json", "ds.zero_optimization.zero_hpz_partition_size=8"]
+    for world in (2, 4, 8):  # a size past dp is dp, as DeepSpeed caps it at its world
+        assert (
+            resolve(load(None, sets), world).ds["zero_optimization"]["zero_hpz_partition_size"] == 8
+        )
 
 
 def test_refused_feature_in_the_json_file(tmp_path):
@@ -630,8 +688,9 @@ def test_refused_feature_in_the_json_file(tmp_path):
             "scheduler.type 'WarmupLr' is not a DeepSpeed scheduler (did you mean 'WarmupLR'?)",
         ),
         (
-            "ds.optimizer.type=SGD",
-            "optimizer.type 'SGD' is not supported by dsnd (supported: Adam, AdamW)",
+            "ds.optimizer.type=SDG",
+            "optimizer.type 'SDG' is neither one of DeepSpeed's optimizers nor a torch.optim "
+            "optimizer (did you mean 'SGD'?)",
         ),
     ],
 )
