@@ -88,6 +88,25 @@ def _differences(keys: tuple[str, ...], now: dict, then: dict) -> list[str]:
             for k in keys if _dotted(now, k) != _dotted(then, k)]  # fmt: skip
 
 
+SAME_STATE = {"adam": "adam", "adamw": "adam"}
+"""Optimizer types (lower case) whose saved state another type of the same value reads as its
+own: Adam and AdamW keep exp_avg and exp_avg_sq alike (AdamW differs only in the decay)."""
+
+
+def _check_same_optimizer(then_ds: dict, ds: dict, manifest: dict, step_dir: str) -> None:
+    """Refuse continuing a checkpoint's optimizer state with another kind of optimizer: the
+    state would be read as something it is not (SGD's momentum as Adam's first moment)."""
+    then, now = _dotted(then_ds, "optimizer.type"), _dotted(ds, "optimizer.type")
+    if not isinstance(then, str) or not isinstance(now, str):
+        return
+    if SAME_STATE.get(then.lower(), then.lower()) != SAME_STATE.get(now.lower(), now.lower()):
+        keys = ", ".join(manifest.get("optim_keys") or []) or "none"
+        raise CheckpointError(f"{step_dir}: written with optimizer {then} (state: {keys}); this "
+                              f"run's is {now}, which cannot continue that state: use {then}, "
+                              "or start fresh with checkpoint.resume=never or another "
+                              "checkpoint.dir")  # fmt: skip
+
+
 def compare_with_checkpoint(run: RunConfig, ds: dict, model: ModelSpec, manifest: dict,
                             step_dir: str, explicit: bool) -> list[str]:  # fmt: skip
     """Refuse (CheckpointError) a resume that would be meaningless; return warnings for the rest.
@@ -106,6 +125,7 @@ def compare_with_checkpoint(run: RunConfig, ds: dict, model: ModelSpec, manifest
         raise CheckpointError(f"{step_dir}: written for another model ({', '.join(changed)}); "
                               "resume it with the same model, or start fresh with "
                               "checkpoint.resume=never or another checkpoint.dir")  # fmt: skip
+    _check_same_optimizer(then_ds, ds, manifest, step_dir)
     strict = _differences(MUST_MATCH_IMPLICITLY, now_run, then_run)
     if strict and not explicit:
         raise CheckpointError(

@@ -95,6 +95,27 @@ def test_compare_refuses_another_model_and_another_runs_seed_and_data(tmp_path):
                                    explicit=True) == warnings  # fmt: skip
 
 
+def test_compare_refuses_continuing_one_optimizers_state_with_another(tmp_path):
+    run = RunConfig()
+    manifest = {"model": MODEL.manifest(), "optim_keys": ["momentum_buffer"],
+                "config": {"run": dataclasses.asdict(run),
+                           "deepspeed": {"optimizer": {"type": "SGD"}}}}  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"^S: written with optimizer SGD \(state: "
+                                              r"momentum_buffer\); this run's is AdamW, which "
+                                              r"cannot continue that state"):  # fmt: skip
+        compare_with_checkpoint(run, {"optimizer": {"type": "AdamW"}}, MODEL, manifest, "S",
+                                explicit=True)  # fmt: skip
+    assert compare_with_checkpoint(run, {"optimizer": {"type": "sgd"}}, MODEL, manifest, "S",
+                                   explicit=True) == ["ds.optimizer {'type': 'SGD'} -> "
+                                                      "{'type': 'sgd'}"]  # fmt: skip
+    adam = {"model": MODEL.manifest(), "optim_keys": ["exp_avg", "exp_avg_sq"],
+            "config": {"run": dataclasses.asdict(run),
+                       "deepspeed": {"optimizer": {"type": "Adam"}}}}  # fmt: skip
+    assert compare_with_checkpoint(run, {"optimizer": {"type": "AdamW"}}, MODEL, adam, "S",
+                                   explicit=True) == ["ds.optimizer {'type': 'Adam'} -> "
+                                                      "{'type': 'AdamW'}"]  # fmt: skip
+
+
 @pytest.mark.parametrize("preset", sorted(LEGACY_MODEL))
 def test_compare_accepts_the_same_model_from_a_checkpoint_before_configs(preset):
     run = RunConfig()
