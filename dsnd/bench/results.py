@@ -48,7 +48,7 @@ def bubble_fraction(wait_s: Sequence[float], busy_s: Sequence[float]) -> float:
 
 # --- ZeRO model-state bytes ------------------------------------------------------------------
 
-STATE_PARTS = ("params", "grads", "master", "adam")
+STATE_PARTS = ("params", "grads", "master", "optimizer")
 
 # fp32 bytes per parameter of each part, and whether the part is split over the Nd
 # data-parallel ranks, as DeepSpeed 0.19.8 holds them in fp32 training with Adam (m and v).
@@ -61,15 +61,15 @@ STATE_PARTS = ("params", "grads", "master", "adam")
 # whole gradients until the boundary reduction; ZeRO-3 reduce-scatters each backward into a
 # 1/Nd flat partition buffer.
 DEEPSPEED_FP32: dict[int, dict[str, tuple[int, bool]]] = {
-    1: {"params": (4, False), "grads": (4, False), "master": (4, True), "adam": (8, True)},
-    3: {"params": (4, True), "grads": (4, True), "master": (4, True), "adam": (8, True)},
+    1: {"params": (4, False), "grads": (4, False), "master": (4, True), "optimizer": (8, True)},
+    3: {"params": (4, True), "grads": (4, True), "master": (4, True), "optimizer": (8, True)},
 }
 # The same accounting with the fp32 parameters serving as the master (K = 8: m and v only):
 # ZeRO-1 = 4Psi + 4Psi + 8Psi/Nd, ZeRO-3 = (4 + 4 + 8)Psi/Nd. What an fp32 optimizer that steps
 # the parameters in place would hold.
 TEXTBOOK_FP32: dict[int, dict[str, tuple[int, bool]]] = {
-    1: {"params": (4, False), "grads": (4, False), "master": (0, True), "adam": (8, True)},
-    3: {"params": (4, True), "grads": (4, True), "master": (0, True), "adam": (8, True)},
+    1: {"params": (4, False), "grads": (4, False), "master": (0, True), "optimizer": (8, True)},
+    3: {"params": (4, True), "grads": (4, True), "master": (0, True), "optimizer": (8, True)},
 }
 
 

@@ -9,7 +9,8 @@ Counted from the tensors DeepSpeed 0.19.8 keeps (its attribute names, read, neve
 - master: the fp32 partitions the optimizer steps (ZeRO-1/2 `single_partition_of_fp32_groups`,
   ZeRO-3 `fp32_partitioned_groups_flat`, bf16 at ZeRO-0 `fp32_groups`; none at ZeRO-0 fp32, where
   the parameters are the masters) and their gradients;
-- adam: the inner optimizer's `exp_avg` / `exp_avg_sq` state.
+- optimizer: the inner optimizer's per-element state tensors (Adam's `exp_avg` / `exp_avg_sq`,
+  SGD's `momentum_buffer`, ...; its scalar step counters are left out).
 
 Memory shared between parts (ZeRO-3's master *is* its parameter shard) is counted once, for the
 first part listed. Communication buckets are not model state and are left out.
@@ -20,8 +21,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-
-ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _ranges(tensors: Iterable[torch.Tensor | None]) -> Iterator[tuple[int, int]]:
@@ -51,12 +50,12 @@ def _masters(engine) -> list[torch.Tensor]:
     return [m for group in getattr(opt, "fp32_groups", []) for m in group]
 
 
-def _adam(engine) -> Iterator[torch.Tensor]:
+def _optimizer_state(engine) -> Iterator[torch.Tensor]:
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for state in inner.state.values():
-        for key in ADAM_KEYS:
-            if key in state:
-                yield state[key]
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                yield value
 
 
 def claim_bytes(categories: Sequence[tuple[str, Iterable[tuple[int, int]]]]) -> dict[str, int]:
@@ -96,13 +95,13 @@ def _claim(claimed: list[tuple[int, int]], start: int, end: int) -> int:
 
 
 def state_bytes(engine) -> dict[str, int]:
-    """{"params", "grads", "master", "adam"} -> bytes this rank holds (see the module doc)."""
+    """{"params", "grads", "master", "optimizer"} -> bytes this rank holds (see the module doc)."""
     masters = _masters(engine)
     return claim_bytes(
         [
             ("params", _ranges(_params(engine))),
             ("grads", _ranges(_grads(engine))),
             ("master", _ranges([*masters, *(m.grad for m in masters)])),
-            ("adam", _ranges(_adam(engine))),
+            ("optimizer", _ranges(_optimizer_state(engine))),
         ]
     )

@@ -6,8 +6,8 @@ accounting with what DeepSpeed 0.19.8 keeps (measured by `dsnd bench pipeline`'s
 - fp32 master weights: 4 bytes, split at ZeRO 1-3 — DeepSpeed keeps a separate master even for
   fp32 parameters there; none at ZeRO-0 fp32 (the parameters are the masters);
 - optimizer state: `state_bytes` per parameter (Adam's two fp32 moments: 8; SGD with momentum:
-  4, without: 0; see `dsnd.engine.optimizers.state_bytes`), split at ZeRO 1-3. The part keeps
-  Adam's name, "adam", which the bench's measured parts share.
+  4, without: 0; see `dsnd.engine.optimizers.state_bytes`), split at ZeRO 1-3; the part
+  "optimizer", as `dsnd.engine.memory` measures it.
 
 CPU offload moves the optimizer's part (master weights and optimizer state) to CPU memory, and at
 ZeRO-3 parameter offload the parameter partition too. Pure arithmetic; activations and
@@ -39,11 +39,11 @@ def model_state_bytes(
         "params": low * psi / split(3),
         "grads": low * psi / split(2),
         "master": (0 if stage == 0 and not bf16 else 4) * psi / split(1),
-        "adam": state_bytes * psi / split(1),
+        "optimizer": state_bytes * psi / split(1),
     }
     on_cpu = set()
     if offload_optimizer and stage > 0:
-        on_cpu |= {"master", "adam"}
+        on_cpu |= {"master", "optimizer"}
     if offload_param and stage == 3:
         on_cpu.add("params")
     return {

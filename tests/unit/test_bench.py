@@ -114,8 +114,8 @@ def test_zero_formulas_in_fp32():
     psi, nd = 1000, 2
     z1 = r.zero_state_bytes(1, psi, nd)
     z3 = r.zero_state_bytes(3, psi, nd)
-    assert z1 == {"params": 4000, "grads": 4000, "master": 2000, "adam": 4000}  # 4+4+12/Nd
-    assert z3 == {"params": 2000, "grads": 2000, "master": 2000, "adam": 4000}  # 20/Nd
+    assert z1 == {"params": 4000, "grads": 4000, "master": 2000, "optimizer": 4000}  # 4+4+12/Nd
+    assert z3 == {"params": 2000, "grads": 2000, "master": 2000, "optimizer": 4000}  # 20/Nd
     assert sum(z3.values()) / sum(z1.values()) == pytest.approx(10 / 14)
     t1 = sum(r.zero_state_bytes(1, psi, nd, r.TEXTBOOK_FP32).values())
     t3 = sum(r.zero_state_bytes(3, psi, nd, r.TEXTBOOK_FP32).values())
@@ -141,11 +141,11 @@ def test_claim_bytes_counts_shared_memory_once_for_the_first_category():
             ("params", [(100, 40), (140, 20)]),  # adjacent views of one flat buffer
             ("grads", [(300, 10), (300, 10)]),  # the same tensor listed twice
             ("master", [(120, 40), (0, 0)]),  # half inside params' range; an empty tensor
-            ("adam", [(500, 8)]),
+            ("optimizer", [(500, 8)]),
             ("grads", [(305, 10)]),  # a category may come back; overlaps count once
         ]
     )
-    assert got == {"params": 60, "grads": 15, "master": 0, "adam": 8}
+    assert got == {"params": 60, "grads": 15, "master": 0, "optimizer": 8}
 
 
 def test_claim_bytes_partial_overlap_counts_only_new_bytes():
@@ -207,8 +207,8 @@ def _raw(ours: list[float], theirs: list[float]) -> dict:
             "deepspeed": {"step_s": [t - 0.01, t], "loss": 5.0 + i + 1e-6 * i},
         })  # fmt: skip
     psi = 1000
-    z1 = {"params": 4000, "grads": 4000, "master": 2000, "adam": 4000}
-    z3 = {"params": 2000, "grads": 2000, "master": 2000, "adam": 4000}
+    z1 = {"params": 4000, "grads": 4000, "master": 2000, "optimizer": 4000}
+    z3 = {"params": 2000, "grads": 2000, "master": 2000, "optimizer": 4000}
     return {
         "layout": {
             "pp": 2,

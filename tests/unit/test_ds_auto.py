@@ -149,13 +149,13 @@ def test_model_state_formula_matches_what_deepspeed_was_measured_to_keep():
 
     psi = 217664  # dsnd bench pipeline's memory phase measured these bytes at dp=2
     assert model_state_bytes(1, psi, 2, bf16=False)["device"] == {
-        "params": 870656, "grads": 870656, "master": 435328, "adam": 870656}  # fmt: skip
+        "params": 870656, "grads": 870656, "master": 435328, "optimizer": 870656}  # fmt: skip
     assert model_state_bytes(3, psi, 2, bf16=False)["device"] == {
-        "params": 435328, "grads": 435328, "master": 435328, "adam": 870656}  # fmt: skip
+        "params": 435328, "grads": 435328, "master": 435328, "optimizer": 870656}  # fmt: skip
     assert model_state_bytes(0, 10, 4, bf16=False)["device"]["master"] == 0
     off = model_state_bytes(3, 100, 2, bf16=True, offload_optimizer=True, offload_param=True)
     assert off == {"device": {"grads": 100.0},
-                   "cpu": {"params": 100.0, "master": 200.0, "adam": 400.0}}  # fmt: skip
+                   "cpu": {"params": 100.0, "master": 200.0, "optimizer": 400.0}}  # fmt: skip
     # parameter offload needs ZeRO-3, optimizer offload ZeRO 1-3: elsewhere nothing moves
     assert model_state_bytes(0, 100, 2, False, True, True)["cpu"] == {}
 

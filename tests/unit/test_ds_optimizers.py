@@ -192,12 +192,12 @@ def test_optimizer_state_bytes_per_parameter(section, offload, built, nbytes):
 def test_the_memory_formula_takes_the_optimizers_state():
     adam = model_state_bytes(1, 100, 2, bf16=False)
     sgd = model_state_bytes(1, 100, 2, bf16=False, state_bytes=0)
-    assert adam["device"]["adam"] == 400 and sgd["device"]["adam"] == 0
-    assert {k: v for k, v in sgd["device"].items() if k != "adam"} == {
-        k: v for k, v in adam["device"].items() if k != "adam"
+    assert adam["device"]["optimizer"] == 400 and sgd["device"]["optimizer"] == 0
+    assert {k: v for k, v in sgd["device"].items() if k != "optimizer"} == {
+        k: v for k, v in adam["device"].items() if k != "optimizer"
     }  # fmt: skip
     lion = model_state_bytes(3, 100, 2, bf16=True, offload_optimizer=True, state_bytes=8)
-    assert lion["cpu"] == {"master": 200.0, "adam": 400.0}
+    assert lion["cpu"] == {"master": 200.0, "optimizer": 400.0}
 
 
 SCHEDULERS = {
