@@ -697,6 +697,13 @@ def _check_scheduler(sched: Any, path: str) -> None:
         return
     kind, params = section
     lr_schedules = deepspeed_api.lr_schedules()
+    if kind not in lr_schedules.VALID_LR_SCHEDULES and _is_torch_scheduler(kind):
+        raise UserError(
+            f"{path}: scheduler.type '{kind}' (a torch.optim.lr_scheduler class, which DeepSpeed "
+            "also builds by name) is not supported by dsnd yet: train.lr_scaling and the "
+            "checkpointed schedule are wired for DeepSpeed's schedulers; use one of "
+            f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}"
+        )
     if kind not in lr_schedules.VALID_LR_SCHEDULES:
         raise UserError(
             f"{path}: scheduler.type '{kind}' is not a DeepSpeed scheduler"
@@ -719,6 +726,13 @@ def _check_scheduler(sched: Any, path: str) -> None:
             like = 0.0  # every required parameter of DeepSpeed's schedules is a number
         if like is not None:
             _check_param_type(f"{path}: scheduler.params", key, params[key], like)
+
+
+def _is_torch_scheduler(kind: str) -> bool:
+    import torch
+
+    cls = getattr(torch.optim.lr_scheduler, kind, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)
 
 
 def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:

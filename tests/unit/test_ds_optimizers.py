@@ -252,3 +252,13 @@ def test_every_deepspeed_scheduler_passes_the_check_and_steps(kind, optimizer):
     assert lrs == pytest.approx(LRS[kind], abs=1e-6), kind
     if kind == "OneCycle" and optimizer == "AdamW":  # it cycles beta1 where there are betas
         assert opt.param_groups[0]["betas"][0] != ds["optimizer"]["params"]["betas"][0]
+
+
+def test_a_torch_scheduler_deepspeed_would_build_is_refused_by_name():
+    with pytest.raises(UserError, match=r"scheduler.type 'StepLR' \(a torch.optim.lr_scheduler "
+                                        r"class, which DeepSpeed also builds by name\) is not "
+                                        r"supported by dsnd yet"):  # fmt: skip
+        load(None, ['ds.scheduler={"type": "StepLR", "params": {"step_size": 2}}'])
+    with pytest.raises(UserError, match=r"'WarmupLr' is not a DeepSpeed scheduler \(did you "
+                                        r"mean 'WarmupLR'\?\)"):  # fmt: skip
+        load(None, ['ds.scheduler={"type": "WarmupLr", "params": {}}'])
