@@ -4,6 +4,9 @@ DeepSpeed itself ignores unknown top-level keys (``train_batch_szie`` silently t
 default) and reports nested errors as pydantic tracebacks. dsnd checks every key first and refuses,
 by name, the DeepSpeed features it does not run. An error that a ``--set ds.*`` item causes names
 that item, not the JSON file (which may be the packaged one the user never opened).
+
+The `optimizer` and `scheduler` sections are checked by `dsnd.config.ds_optimizer`, "auto" values
+filled by `dsnd.config.ds_auto`; `dsnd.config.ds_checks` holds the checks all sections share.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -21,8 +23,10 @@ from typing import Any, TypeVar
 
 from dsnd.config import json_lines
 from dsnd.config.ds_auto import remaining_autos
+from dsnd.config.ds_checks import check_section_keys, is_number
+from dsnd.config.ds_optimizer import check_optimizer, check_scheduler
 from dsnd.config.json_lines import MAX_DEPTH
-from dsnd.engine import deepspeed_api, optimizers
+from dsnd.engine import deepspeed_api
 from dsnd.engine.deepspeed_api import half_precision_support
 from dsnd.errors import UserError, did_you_mean, problems_of, raise_all
 
@@ -154,70 +158,6 @@ def check_hpz(ds: dict[str, Any], dp: int, where: str) -> None:
                         f"each stage's data-parallel size dp={dp}")  # fmt: skip
 
 
-OPTIMIZERS = {"adam", "adamw"}
-"""DeepSpeed's Adam names, checked against OPTIMIZER_PARAMS (the engine takes `torch_adam` and
-`adam_w_mode` out before it builds FusedAdam, DeepSpeedCPUAdam or torch's Adam(W)). Every other
-optimizer DeepSpeed builds (dsnd.engine.optimizers) is checked against its class's constructor,
-unless refused by name below or for a kernel this device lacks."""
-OPTIMIZER_PARAMS = {
-    "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
-    "foreach", "fused", "maximize", "capturable", "differentiable",
-}  # fmt: skip
-_NUMBER_PARAMS = {"lr", "eps", "weight_decay"}
-_BOOL_PARAMS = OPTIMIZER_PARAMS - _NUMBER_PARAMS - {"betas"}
-
-REFUSED_OPTIMIZERS = {
-    "LBFGS": "its step needs a closure that re-evaluates the loss, which DeepSpeed's engine "
-    "never passes (torch: LBFGS.step() missing 1 required positional argument: 'closure')",
-    "SparseAdam": "it needs sparse gradients (torch: SparseAdam does not support dense "
-    "gradients, please consider Adam instead)",
-    "ASGD": "its per-parameter eta and mu depend on the learning rates of past steps, and dsnd's "
-    "checkpoints keep per-element optimizer state and the step count only (a resumed run would "
-    "differ)",
-    "Adafactor": "ZeRO's flat partitions change its math (measured: a matrix's second moment is "
-    "factored into row_var and col_var at ZeRO-0, kept whole over the flat partition at ZeRO "
-    "1-3), and factored state is not per element, which dsnd's layout-free checkpoints need",
-    "muon": "it is not supported by dsnd yet: DeepSpeed's MuonWithAuxAdam keeps momentum_buffer "
-    "for matrices and Adam's state for the other parameters, which dsnd's checkpoints do not "
-    "save apart (measured at pp=2 x dp=2: ZeRO-0 trains, then saving fails with KeyError "
-    "'momentum_buffer'; ZeRO-1 never finished its first step), and tensor parallelism would "
-    "orthogonalise shards, not whole matrices",
-}
-"""Optimizers DeepSpeed builds that cannot train in dsnd, by the name DeepSpeed reads
-(`optimizers.type_name`), with the reason (measured on this CPU, DeepSpeed 0.19.8, torch 2.13)."""
-
-REFUSED_OPTIMIZER_PARAMS = {
-    "max_grad_norm": "DeepSpeed refuses it as an optimizer parameter; use the top-level "
-    "gradient_clipping",
-}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _type_and_params(section: Any, name: str, path: str) -> tuple[str, dict[str, Any]] | None:
-    """An ``{"type": ..., "params": {...}}`` section (optimizer, scheduler) as (type, params),
-    None when absent, or a UserError."""
-    if not isinstance(section, dict):  # absent, or the wrong type (reported by _check_types)
-        return None
-    _check_keys(section, {"type", "params"}, {}, f"{path}: {name}")
-    params = section.get("params")
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise UserError(f"{path}: {name}.params must be an object, got {params!r}")
-    return str(section.get("type", "")), params
-
-
-def _check_param_type(where: str, key: str, value: Any, like: Any) -> None:
-    """Refuse `value` unless it has the type of `like` (a default: number, bool or string)."""
-    if _is_number(like) and not _is_number(value):
-        raise UserError(f"{where}.{key} must be a number, got {value!r}")
-    if isinstance(like, (bool, str)) and not isinstance(value, type(like)):
-        raise UserError(f"{where}.{key} must be {type(like).__name__}, got {value!r}")
-
-
 def load_json(path: str) -> dict[str, Any]:
     """The JSON object in `path`, or a UserError naming the file and line (also for a duplicate
     key, NaN or Infinity, or nesting deeper than MAX_DEPTH, which Python's json lets through)."""
@@ -320,15 +260,6 @@ def check_blamed(
 def _bare(problem: str) -> str:
     """A problem checked with an empty `where`, without the ': ' that was its place."""
     return problem[2:] if problem.startswith(": ") else problem
-
-
-def _check_keys(section: dict, known: set[str], refused: dict[str, str], where: str) -> None:
-    """Every unknown or refused key of a section DeepSpeed checks strictly, all at once."""
-    raise_all([
-        f"{where}: '{key}' is refused: {refused[key]}" if key in refused
-        else f"{where}: unknown key '{key}'" + did_you_mean(key, known | set(refused))
-        for key in section if key in refused or key not in known
-    ])  # fmt: skip
 
 
 def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
@@ -451,7 +382,7 @@ def _aio(value: Any, path: str, notes: list[str]) -> list[str]:
         if k not in defaults:
             notes.append(f"aio.{k}: not a key DeepSpeed reads; ignored, as DeepSpeed does"
                          + did_you_mean(k, defaults))  # fmt: skip
-        elif type(v) is not type(defaults[k]) and not (_is_number(v) and _is_number(defaults[k])):
+        elif type(v) is not type(defaults[k]) and not (is_number(v) and is_number(defaults[k])):
             problems.append(f"{path}: aio.{k} must be {type(defaults[k]).__name__}, got {v!r}")
         elif k == "use_gds" and v:
             problems.append(f"{path}: aio.use_gds needs CUDA (GPUDirect Storage); this machine's "
@@ -483,12 +414,12 @@ def _check_sections(ds: dict[str, Any], path: str) -> None:
     if isinstance(zero, dict):
         known = _pydantic_keys(deepspeed_api.zero_config_model()) - set(ZERO_REFUSED)
         active = {k: v for k, v in zero.items() if k not in ZERO_OFF or v != ZERO_OFF[k]}
-        _check_keys(active, known, ZERO_REFUSED, f"{path}: zero_optimization")
+        check_section_keys(active, known, ZERO_REFUSED, f"{path}: zero_optimization")
     for name in ("bf16", "bfloat16", "fp16"):
         if isinstance(ds.get(name), dict):
             model = deepspeed_api.fp16_config_model() if name == "fp16" else \
                 deepspeed_api.bf16_config_model()  # fmt: skip
-            _check_keys(ds[name], _pydantic_keys(model), {}, f"{path}: {name}")
+            check_section_keys(ds[name], _pydantic_keys(model), {}, f"{path}: {name}")
 
 
 def fp16_enabled(ds: dict[str, Any]) -> bool:
@@ -545,8 +476,8 @@ def check_keys(ds: dict[str, Any], path: str) -> list[str]:
         problems.append(f"{path}: {', '.join(autos)}: 'auto' is not a value dsnd can fill "
                         "here; set a value")  # fmt: skip
     for check in (partial(_top_level, notes=notes), _check_types, _check_sections, _check_ranges,
-                  lambda d, p: _check_optimizer(d.get("optimizer"), p, d),
-                  lambda d, p: _check_scheduler(d.get("scheduler"), p)):  # fmt: skip
+                  lambda d, p: check_optimizer(d.get("optimizer"), p, d),
+                  lambda d, p: check_scheduler(d.get("scheduler"), p)):  # fmt: skip
         try:
             check(ds, path)
         except UserError as e:
@@ -555,184 +486,6 @@ def check_keys(ds: dict[str, Any], path: str) -> list[str]:
             continue
     raise_all(problems)
     return notes
-
-
-def _check_optimizer(opt: Any, path: str, ds: dict[str, Any] | None = None) -> None:
-    """The optimizer section of `ds`: the type DeepSpeed builds and can run here, its
-    parameters by the constructor DeepSpeed calls, and ZeRO's untested-optimizer rule."""
-    section = _type_and_params(opt, "optimizer", path)
-    if section is None:
-        return
-    kind, params = section
-    if kind.lower() in OPTIMIZERS:
-        _check_adam(params, path)
-        return
-    zero = (ds or {}).get("zero_optimization")
-    zero = zero if isinstance(zero, dict) else {}
-    stage = zero.get("stage") if zero.get("stage") in (1, 2, 3) else 0
-    offload = zero.get("offload_optimizer")
-    offload = stage > 0 and isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
-    cls = _optimizer_class(kind, offload, path)
-    where = f"{path}: optimizer.params"
-    signature = inspect.signature(cls.__init__).parameters
-    known = set(signature) - {"self", "params", "model_params"}
-    _check_keys(params, known, REFUSED_OPTIMIZER_PARAMS, where)
-    for key, value in params.items():
-        _check_optimizer_param(where, key, value, signature[key])
-    if cls.__module__.startswith("torch.optim"):  # torch checks its own ranges: let it
-        problem = optimizers.trial_problem(cls, params, offload)
-        if problem:
-            raise UserError(f"{where}: {_class_name(cls)} refuses them: {problem}")
-    else:
-        _check_adam_ranges(params, path)
-    if cls.__name__ == "Adagrad" and cls.__module__.startswith("torch.optim") and stage:
-        raise UserError(
-            f"{path}: optimizer.type '{kind}' (torch.optim.Adagrad) at zero_optimization.stage "
-            f"{stage} is refused: DeepSpeed's ZeRO 1-3 rebuild it as one parameter group over "
-            "their flat partitions, which fails with dsnd's two (no weight decay on norms, "
-            "biases and embeddings; measured: IndexError: list index out of range, at the first "
-            "step); use ZeRO-0, or offload_optimizer to the CPU (DeepSpeedCPUAdagrad)"
-        )
-    allowed = (ds or {}).get("zero_allow_untested_optimizer")
-    if stage and not optimizers.zero_tested(cls) and not allowed:
-        raise UserError(
-            f"{path}: optimizer.type '{kind}' ({_class_name(cls)}) at zero_optimization.stage "
-            f'{stage} needs "zero_allow_untested_optimizer": true (DeepSpeed: You are using an '
-            'untested ZeRO Optimizer. Please add <"zero_allow_untested_optimizer": true> in the '
-            "configuration file to use it.)"
-        )
-    sched = (ds or {}).get("scheduler")
-    sched = sched if isinstance(sched, dict) else {}
-    cycles = sched.get("type") == "OneCycle" and (sched.get("params") or {}).get(
-        "cycle_momentum", True
-    )
-    if cls.__name__ == "NAdam" and cycles:
-        raise UserError(
-            f"{path}: optimizer.type '{kind}' with scheduler OneCycle needs "
-            "scheduler.params.cycle_momentum false: OneCycle changes NAdam's beta1 every step, "
-            "and a resumed NAdam replays its mu_product (beta1's schedule multiplied over the "
-            "past steps) with one beta1"
-        )
-
-
-def _class_name(cls: type) -> str:
-    return f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else \
-        cls.__name__  # fmt: skip
-
-
-def _optimizer_class(kind: str, offload: bool, path: str) -> type:
-    """The class DeepSpeed builds for `kind`, or the UserError saying why it cannot run here."""
-    name = optimizers.type_name(kind)
-    refuse = f"{path}: optimizer.type '{kind}'"
-    if name in REFUSED_OPTIMIZERS:
-        raise UserError(f"{refuse} is refused: {REFUSED_OPTIMIZERS[name]}")
-    missing = optimizers.missing_kernel(kind, offload)
-    if missing:
-        cls, error = missing
-        also = (" (with zero_optimization.offload_optimizer.device 'cpu' DeepSpeed builds "
-                "DeepSpeedCPULion, which runs here)") if name == "lion" else ""  # fmt: skip
-        raise UserError(f"{refuse} needs DeepSpeed's {cls} CUDA kernel, which this device lacks "
-                        f"(DeepSpeed: {error}){also}")  # fmt: skip
-    cls = optimizers.optimizer_class(kind, offload)
-    if name in optimizers.MUP:
-        raise UserError(
-            f"{refuse} needs mup's base shapes on every parameter (mup.set_base_shapes), which "
-            "dsnd's models do not carry" if cls else
-            f"{refuse} needs the mup package, which is not installed (DeepSpeed: cannot access "
-            f"local variable '{optimizers.MUP[name]}' where it is not associated with a value)"
-        )  # fmt: skip
-    if cls is None:
-        names = optimizers.torch_names()
-        by_case = [n for n in names if n.lower() == kind.lower()]
-        hint = f" (did you mean '{by_case[0]}'?)" if by_case else did_you_mean(kind, names)
-        raise UserError(f"{refuse} is neither one of DeepSpeed's optimizers nor a torch.optim "
-                        f"optimizer{hint}")  # fmt: skip
-    return cls
-
-
-def _check_optimizer_param(where: str, key: str, value: Any, param: inspect.Parameter) -> None:
-    """`value` by the constructor's default: a number, bool, list of numbers (for a tuple), or
-    bool or null (for a ``bool | None`` defaulting to None)."""
-    default = param.default
-    if isinstance(default, tuple):
-        if not (isinstance(value, list) and len(value) == len(default)
-                and all(map(_is_number, value))):  # fmt: skip
-            raise UserError(f"{where}.{key} must be a list of {len(default)} numbers, got "
-                            f"{value!r}")  # fmt: skip
-    elif default is None:
-        if "bool" in str(param.annotation) and value is not None and not isinstance(value, bool):
-            raise UserError(f"{where}.{key} must be bool or null, got {value!r}")
-    elif default is not inspect.Parameter.empty:
-        _check_param_type(where, key, value, default)
-
-
-def _check_adam(params: dict[str, Any], path: str) -> None:
-    _check_keys(params, OPTIMIZER_PARAMS, REFUSED_OPTIMIZER_PARAMS, f"{path}: optimizer.params")
-    for key, value in params.items():
-        if key in _NUMBER_PARAMS:
-            _check_param_type(f"{path}: optimizer.params", key, value, 0.0)
-        elif key in _BOOL_PARAMS and value is not None and not isinstance(value, bool):
-            raise UserError(f"{path}: optimizer.params.{key} must be bool, got {value!r}")
-        elif key == "betas" and not (
-            isinstance(value, list) and len(value) == 2 and all(map(_is_number, value))
-        ):
-            raise UserError(f"{path}: optimizer.params.betas must be [beta1, beta2], got {value!r}")
-    _check_adam_ranges(params, path)
-
-
-def _check_adam_ranges(params: dict[str, Any], path: str) -> None:
-    """torch's Adam refuses these too, but only when the engine builds it, after the process
-    group has started (and DeepSpeed's CPU Adagrad and Lion do not check them at all)."""
-    for key in sorted(_NUMBER_PARAMS & set(params)):
-        if params[key] is not None and params[key] < 0:
-            raise UserError(f"{path}: optimizer.params.{key} must be >= 0, got {params[key]}")
-    betas = params.get("betas") or []
-    if any(not 0 <= beta < 1 for beta in betas):
-        raise UserError(f"{path}: optimizer.params.betas must each be in [0, 1), got {betas}")
-
-
-def _check_scheduler(sched: Any, path: str) -> None:
-    section = _type_and_params(sched, "scheduler", path)
-    if section is None:
-        return
-    kind, params = section
-    lr_schedules = deepspeed_api.lr_schedules()
-    if kind not in lr_schedules.VALID_LR_SCHEDULES and _is_torch_scheduler(kind):
-        raise UserError(
-            f"{path}: scheduler.type '{kind}' (a torch.optim.lr_scheduler class, which DeepSpeed "
-            "also builds by name) is not supported by dsnd yet: train.lr_scaling and the "
-            "checkpointed schedule are wired for DeepSpeed's schedulers; use one of "
-            f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}"
-        )
-    if kind not in lr_schedules.VALID_LR_SCHEDULES:
-        raise UserError(
-            f"{path}: scheduler.type '{kind}' is not a DeepSpeed scheduler"
-            + did_you_mean(kind, lr_schedules.VALID_LR_SCHEDULES)
-            + f" (one of {', '.join(lr_schedules.VALID_LR_SCHEDULES)})"
-        )
-    signature = inspect.signature(getattr(lr_schedules, kind).__init__).parameters
-    known = set(signature) - {"self", "optimizer", "last_batch_iteration"}
-    _check_keys(params, known, {}, f"{path}: scheduler.params")
-    for key in sorted(known):
-        default = signature[key].default
-        if key not in params:
-            if default is inspect.Parameter.empty:
-                raise UserError(f"{path}: scheduler.params.{key} is required by {kind}")
-            continue
-        # the default's type; a `*_lr` without one (required, or None = "the optimizer's") is a
-        # number too, and train.lr_scaling multiplies it
-        like = default if default not in (inspect.Parameter.empty, None) else None
-        if like is None and (key.endswith("_lr") or default is inspect.Parameter.empty):
-            like = 0.0  # every required parameter of DeepSpeed's schedules is a number
-        if like is not None:
-            _check_param_type(f"{path}: scheduler.params", key, params[key], like)
-
-
-def _is_torch_scheduler(kind: str) -> bool:
-    import torch
-
-    cls = getattr(torch.optim.lr_scheduler, kind, None)
-    return isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)
 
 
 def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:
