@@ -3,9 +3,11 @@ layouts, equal the uninterrupted DeepSpeed runs.
 
 1. One 4-rank job (`ds_native_worker.py`) trains with DeepSpeed alone, from the same JSONs,
    initial weights and samples dsnd uses: a plain `DeepSpeedEngine` over the whole model at
-   ZeRO-2 and at ZeRO-3 (dp=4, llama-tiny), and a `PipelineEngine` (`PipelineModule` over
-   dsnd's layer specs) at ZeRO-1, pp=2 x dp=2 (gpt2-tiny: its tied embedding lives on both
-   stages). Each saves with `save_checkpoint` after SAVE_AT steps and runs on to STEPS.
+   ZeRO-3 (dp=4, llama-tiny), and a `PipelineEngine` (`PipelineModule` over dsnd's layer specs)
+   at ZeRO-1, pp=2 x dp=2 (gpt2-tiny: its tied embedding lives on both stages). ZeRO-2 writes
+   the files ZeRO-1 does (measured: a ZeRO-2 plain engine imported and continued alike), so it
+   is left out to keep the test short. Each saves with `save_checkpoint` after SAVE_AT steps
+   and runs on to STEPS.
 2. `dsnd ckpt import` (the CLI's entry point) converts each; the result passes `verify`. The
    pipeline's checkpoint imported for another model is refused in one line, nothing written.
 3. One 4-rank dsnd job continues each import at pp=2 x dp=2 ZeRO-3 and at tp=2 x dp=2 ZeRO-1:
@@ -27,7 +29,6 @@ from tests.distributed.parity import RTOL, case, run_cases
 
 STEPS, SAVE_AT = 6, 3
 SOURCES = {  # name: (engine, JSON, preset)
-    "plain-z2": ("plain", "ds_configs/zero2.json", "llama-tiny"),
     "plain-z3": ("plain", "ds_configs/zero3.json", "llama-tiny"),
     "pipe-z1": ("pipe", "ds_configs/zero1.json", "gpt2-tiny"),  # last: it sets DeepSpeed's mpu
 }
