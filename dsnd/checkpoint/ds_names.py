@@ -20,6 +20,7 @@ anything else is refused in one line naming the first difference.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from dsnd.errors import UserError
 from dsnd.model.count import full_shapes, meta_layers
@@ -91,9 +92,15 @@ def _same_layer(theirs: Shapes, ours: Shapes, where: str, our: str, model: Model
         if rest not in theirs:
             raise UserError(f"{where} has no {rest} (shape {list(ours[rest])}), which "
                             f"{model.source}'s {our}* has")  # fmt: skip
-        if tuple(theirs[rest]) != ours[rest]:
-            raise UserError(f"{where}: {rest} has shape {list(theirs[rest])}, {model.source}'s "
-                            f"{our}{rest} has {list(ours[rest])}")  # fmt: skip
+        _check_shape(where, rest, theirs[rest], f"{our}{rest}", ours[rest], model)
+
+
+def _check_shape(where: str, theirs: str, shape: Sequence[int], ours: str,
+                 want: tuple[int, ...], model: ModelSpec) -> None:  # fmt: skip
+    """UserError when the checkpoint's `theirs` and the model's `ours` differ in shape."""
+    if tuple(shape) != want:
+        raise UserError(f"{where}: {theirs} has shape {list(shape)}, {model.source}'s {ours} "
+                        f"has {list(want)}")  # fmt: skip
 
 
 def _hf_names(shapes: Shapes, model: ModelSpec, where: str) -> dict[str, str]:
@@ -129,9 +136,7 @@ def dsnd_names(shapes: Shapes, model: ModelSpec, where: str) -> dict[str, str]:
         if ours not in want:
             raise UserError(f"{where}: parameter {theirs} is not one of {model.source}'s "
                             f"({model.describe()})")  # fmt: skip
-        if tuple(shapes[theirs]) != want[ours]:
-            raise UserError(f"{where}: {theirs} has shape {list(shapes[theirs])}, "
-                            f"{model.source}'s {ours} has {list(want[ours])}")  # fmt: skip
+        _check_shape(where, theirs, shapes[theirs], ours, want[ours], model)
     missing = sorted(set(want) - set(seen))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
