@@ -173,8 +173,10 @@ def _nvme_swapped_in(zero, flat: torch.Tensor) -> Iterator[None]:
         yield
         return
     zero._optimizer_states_and_gradient_swap_in(i)
-    yield
-    zero._optimizer_states_and_gradient_swap_out(i)
+    try:
+        yield
+    finally:  # written back even when the block fails, as DeepSpeed's step would leave it
+        zero._optimizer_states_and_gradient_swap_out(i)
 
 
 def _params_and_groups(engine, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
