@@ -1,4 +1,4 @@
-"""``dsnd``: train | launch | bench | env | ckpt | plot | data | model | generate | ds-config.
+"""``dsnd``: train | launch | bench | env | ops | ckpt | plot | data | model | generate | ds-config.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("env", help="versions, accelerator and backend")
+
+    ops = sub.add_parser("ops", help="DeepSpeed's compiled ops")
+    ops_what = ops.add_subparsers(dest="ops_command", required=True)
+    build = ops_what.add_parser("build", help="compile the ops dsnd uses now, not at first launch")
+    build.add_argument("names", nargs="*", metavar="BUILDER",
+                       help="DeepSpeed builder class names (default: all dsnd uses)")  # fmt: skip
 
     train = sub.add_parser("train", help="train in the world this process's launcher describes")
     _add_config_args(train)
@@ -221,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             from dsnd.commands.env import run_env
 
             return run_env()
+        if args.command == "ops":
+            from dsnd.commands.ops import run_build
+
+            return run_build(args.names)
         if args.command == "train":
             from dsnd.commands.train import run_train
 
