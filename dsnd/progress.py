@@ -18,8 +18,10 @@ from dsnd.topology import Coord
 log = logging.getLogger("dsnd.progress")
 
 
-def rank_prefix(rank: int, coord: Coord) -> str:
-    return f"[r{rank} pp{coord.pp} dp{coord.dp} tp{coord.tp}]"
+def rank_prefix(rank: int, coord: Coord, cp: int = 1) -> str:
+    """``[r<rank> pp<i> dp<i> tp<i>]``, with ``cp<i>`` before tp when the run has cp > 1."""
+    cp = f" cp{coord.cp}" if cp > 1 else ""
+    return f"[r{rank} pp{coord.pp} dp{coord.dp}{cp} tp{coord.tp}]"
 
 
 def _clock(seconds: float) -> str:

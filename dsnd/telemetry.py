@@ -5,7 +5,9 @@ and `step_numbers` (pure) turns them into TensorBoard tags.
 Memory per rank: on CUDA, allocated and peak-allocated bytes; on CPU, the bytes of the model
 states the rank holds (parameters, gradients, fp32 masters, optimizer state;
 `dsnd.engine.memory`) as "live", and the process's peak resident set as "peak" (all of Python
-and torch, an upper bound).
+and torch, an upper bound). On every device, "activation_peak": the most bytes of activations the
+rank held for backward at once in the step (`dsnd.pipeline.activations`), which the schedule's
+micro-batches in flight, the sequence length and context parallelism set.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dsnd.engine.memory import state_bytes
 from dsnd.pipeline.executor import PHASES
 from dsnd.topology import Topology
 
-STATS = (*PHASES, "live_bytes", "peak_bytes", "stop_requested", "step_skipped")
+STATS = (*PHASES, "live_bytes", "peak_bytes", "activation_peak_bytes", "stop_requested",
+         "step_skipped")  # fmt: skip
+MEMORY = ("live_bytes", "peak_bytes", "activation_peak_bytes")
 
 
 def rank_memory(engine) -> tuple[float, float]:
@@ -30,13 +34,16 @@ def rank_memory(engine) -> tuple[float, float]:
     return float(sum(state_bytes(engine).values())), float(peak_kib * 1024)
 
 
-def gather_stats(times: dict[str, float], engine, stop_requested: bool = False) -> torch.Tensor:
-    """(world, len(STATS)) float64: every rank's phase times, memory, stop request and whether
-    DeepSpeed skipped its optimizer step (collective). The stop request rides along so that all
-    ranks agree on the step to stop at without a collective of its own; the skip so that
-    `check_skips_agree` can see every rank's."""
+def gather_stats(times: dict[str, float], engine, stop_requested: bool = False,
+                 activation_bytes: int = 0) -> torch.Tensor:  # fmt: skip
+    """(world, len(STATS)) float64: every rank's phase times, memory (`activation_bytes`: the
+    step's `StepResult.activation_peak_bytes`), stop request and whether DeepSpeed skipped its
+    optimizer step (collective). The stop request rides along so that all ranks agree on the
+    step to stop at without a collective of its own; the skip so that `check_skips_agree` can
+    see every rank's."""
     mine = torch.tensor([times[p] for p in PHASES] + list(rank_memory(engine))
-                        + [float(stop_requested), float(not engine.was_step_applied())],
+                        + [float(activation_bytes), float(stop_requested),
+                           float(not engine.was_step_applied())],
                         dtype=torch.float64, device=engine.device)  # fmt: skip
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
@@ -81,6 +88,6 @@ def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens
         out[f"time/{phase}_s"] = float(mean[col[phase]])
     for stage in range(topology.pp):
         ranks = [r for r in range(world) if topology.coord(r).pp == stage]
-        for kind in ("live_bytes", "peak_bytes"):
+        for kind in MEMORY:
             out[f"memory/stage{stage}_{kind}"] = float(stats[ranks, col[kind]].max())
     return out

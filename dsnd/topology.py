@@ -1,88 +1,110 @@
-"""Pure rank math for the (pipe, data, model) axes; no torch.distributed here.
+"""Pure rank math for the (pipe, data, context, model) axes; no torch.distributed here.
 
 Ranks are laid out as in DeepSpeed's `PipeModelDataParallelTopology` (axes ``pipe, data, model``,
-the last varying fastest), so tensor-parallel peers are neighbouring ranks (same host, fastest
-links) and pipeline stages are the outermost blocks::
+the last varying fastest) with Megatron's context axis between data and model, so
+tensor-parallel peers are neighbouring ranks (same host, fastest links), context-parallel peers
+(which exchange keys and values every layer) come next, and pipeline stages are the outermost
+blocks::
 
-    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 `Topology.groups(axis)` lists the rank groups along one axis — the ranks that differ only in that
-coordinate. `dist.groups` turns exactly these lists into process groups.
+coordinate; `Topology.groups_across(axes)` those that differ only in several (ZeRO's group is
+data x context: every rank that holds the same parameters). `dist.groups` turns exactly these
+lists into process groups.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from dsnd.errors import UserError
 
-AXES = ("pipe", "data", "model")
+AXES = ("pipe", "data", "context", "model")
 
 
 class Coord(NamedTuple):
-    """A rank's position: pipeline stage, data-parallel index, tensor-parallel index."""
+    """A rank's position: pipeline stage, data-parallel index, tensor-parallel index and
+    context-parallel index (last, so a layout without context parallelism reads as before)."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class Topology:
-    """A world of ``pp * dp * tp`` ranks."""
+    """A world of ``pp * dp * cp * tp`` ranks."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp"):
+        for name in ("pp", "dp", "tp", "cp"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def from_world(cls, world_size: int, pp: int, tp: int) -> Topology:
+    def from_world(cls, world_size: int, pp: int, tp: int, cp: int = 1) -> Topology:
         """The topology whose data-parallel size fills `world_size` ranks."""
         if pp < 1 or tp < 1:
             raise UserError(f"parallel.pp and parallel.tp must be >= 1, got pp={pp} tp={tp}")
-        if world_size % (pp * tp):
-            raise UserError(
-                f"world size {world_size} is not divisible by parallel.pp * parallel.tp = "
-                f"{pp} * {tp} = {pp * tp}"
-            )
-        return cls(pp=pp, dp=world_size // (pp * tp), tp=tp)
+        if cp < 1:
+            raise UserError(f"parallel.cp must be >= 1, got {cp}")
+        if world_size % (pp * tp * cp):
+            names = "parallel.pp * parallel.tp" + " * parallel.cp" * (cp > 1)
+            sizes = f"{pp} * {tp}" + f" * {cp}" * (cp > 1)
+            raise UserError(f"world size {world_size} is not divisible by {names} = {sizes} = "
+                            f"{pp * tp * cp}")  # fmt: skip
+        return cls(pp=pp, dp=world_size // (pp * tp * cp), tp=tp, cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    def _sizes(self) -> dict[str, int]:
+        return {"pipe": self.pp, "data": self.dp, "context": self.cp, "model": self.tp}
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
-        return Coord(pp, dp, tp)
+        rest, tp = divmod(rank, self.tp)
+        rest, cp = divmod(rest, self.cp)
+        pp, dp = divmod(rest, self.dp)
+        return Coord(pp, dp, tp, cp)
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return pp * self.dp * self.tp + dp * self.tp + tp
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def _rank_at(self, c: dict[str, int]) -> int:
+        return self.rank(c["pipe"], c["data"], c["model"], c["context"])
+
+    def groups_across(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Rank lists that differ only in `axes` (each list ordered by rank), in a deterministic
+        order."""
+        unknown = [a for a in axes if a not in AXES]
+        if unknown or not axes:
+            raise ValueError(f"unknown axes {unknown or axes!r}; expected some of {AXES}")
+        sizes = self._sizes()
+        fixed_axes = [a for a in AXES if a not in axes]
+        out = []
+        for fixed in itertools.product(*(range(sizes[a]) for a in fixed_axes)):
+            ranks = [self._rank_at(dict(zip(fixed_axes, fixed, strict=True))
+                                   | dict(zip(axes, varied, strict=True)))
+                     for varied in itertools.product(*(range(sizes[a]) for a in axes))]  # fmt: skip
+            out.append(sorted(ranks))
+        return out
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Rank lists along `axis` ("pipe", "data" or "model"), in a deterministic order."""
+        """Rank lists along `axis` ("pipe", "data", "context" or "model")."""
         if axis not in AXES:
             raise ValueError(f"unknown axis {axis!r}; expected one of {AXES}")
-        sizes = {"pipe": self.pp, "data": self.dp, "model": self.tp}
-        others = [a for a in AXES if a != axis]
-        out = []
-        for i in range(sizes[others[0]]):
-            for j in range(sizes[others[1]]):
-                fixed = {others[0]: i, others[1]: j}
-                ranks = []
-                for k in range(sizes[axis]):
-                    c = {**fixed, axis: k}
-                    ranks.append(self.rank(c["pipe"], c["data"], c["model"]))
-                out.append(ranks)
-        return out
+        return self.groups_across((axis,))
 
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ranks that share every coordinate with `rank` except `axis`."""
@@ -92,15 +114,13 @@ class Topology:
         raise AssertionError("unreachable: every rank is in one group per axis")
 
     def model_parallel_groups(self) -> list[list[int]]:
-        """Ranks that hold one full model replica (all pipe x model coordinates of one dp index).
+        """Ranks that hold one full model replica (all pipe x model coordinates of one data and
+        context index).
 
         DeepSpeed's mpu calls this the model-parallel group: gradient norms of replicated
         parameters are summed over it.
         """
-        return [
-            [self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)]
-            for d in range(self.dp)
-        ]
+        return self.groups_across(("pipe", "model"))
 
     def to_deepspeed(self):  # -> DeepSpeed's PipeModelDataParallelTopology
         """The equivalent DeepSpeed topology object (imports DeepSpeed lazily)."""

@@ -196,7 +196,8 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
         norm = None
     check_finite(step + 1, loss, norm)
     elapsed = time.perf_counter() - t0
-    stats = gather_stats(result.times, engine, stop is not None and stop.requested)
+    stats = gather_stats(result.times, engine, stop is not None and stop.requested,
+                         result.activation_peak_bytes)  # fmt: skip
     check_skips_agree(stats)
     numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step, res.batch.train,
                            *flops)  # fmt: skip

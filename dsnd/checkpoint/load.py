@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 def _same_layout(manifest: dict, res: Resolved) -> bool:
     t = manifest["topology"]
-    return (t["pp"], t["tp"], t["dp"]) == (res.topology.pp, res.topology.tp, res.topology.dp)
+    mine = res.topology
+    return (t["pp"], t["tp"], t["dp"], t.get("cp", 1)) == (mine.pp, mine.tp, mine.dp, mine.cp)
 
 
 def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:

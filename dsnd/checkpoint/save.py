@@ -82,6 +82,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus, params: dict, ke
             "pp": res.topology.pp,
             "tp": res.topology.tp,
             "dp": res.topology.dp,
+            "cp": res.topology.cp,
             "world_size": res.topology.world_size,
         },  # fmt: skip
         "zero_stage": res.plan.zero_stage,
@@ -126,7 +127,8 @@ def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, roo
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    writer = groups.coord.dp == 0 and groups.coord.tp == 0
+    # one rank per stage writes; the others hold the same (gathered) tensors
+    writer = groups.coord.dp == 0 and groups.coord.tp == 0 and groups.coord.cp == 0
     keys = optim_keys(engine)
     layers: dict[int, tuple[dict, dict]] = {}
     params: dict[str, dict] = {}

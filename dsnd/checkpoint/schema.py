@@ -60,6 +60,8 @@ NESTED: dict[str, dict[str, Rule]] = {
 NESTED_OPTIONAL: dict[str, dict[str, Rule]] = {
     # fp16's loss scaler (dsnd.engine.loss_scale.scaler_state); absent before fp16 was supported
     "trainer": {"loss_scaler": TABLE_OR_NULL},
+    # context-parallel ranks (absent before context parallelism: 1)
+    "topology": {"cp": SIZE},
 }
 FILE_ENTRY: dict[str, Rule] = {"bytes": COUNT, "sha256": SHA256}
 PARAM_ENTRY: dict[str, Rule] = {"file": TEXT, "shape": COUNTS}

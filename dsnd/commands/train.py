@@ -70,7 +70,7 @@ def _run_train(config: str | None, sets: list[str], setup_logging: Callable[[int
     setup_logging(info.rank)
     res = resolve(load(config, sets), info.world_size)
     coord = res.topology.coord(info.rank)
-    use_console_prefix(rank_prefix(info.rank, coord),
+    use_console_prefix(rank_prefix(info.rank, coord, res.topology.cp),
                        logging.INFO if info.rank == 0 else logging.WARNING)  # fmt: skip
     job_id = job_id or job_id_from_env(env)
     resume = check_before_start(res, job_id)  # a checksum failure of a given path ends here

@@ -136,6 +136,12 @@ ZERO_REFUSED = {
     "zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ) need DeepSpeed's quantizer op "
     "(QuantizerBuilder), which its CPU accelerator does not implement (DeepSpeed: 'This op had "
     "not been implemented on CPU backend.'); not supported by dsnd",
+    "mics_shard_size": "DeepSpeed 0.19.8 removed MiCS ('MiCS ZeRO-3 sharding has been "
+    "removed'); set parallel.dp_shard in the run config instead: ZeRO-3 shards within groups "
+    "of that many data-parallel ranks and replicates across them, as MiCS did",
+    "mics_hierarchical_params_gather": "DeepSpeed 0.19.8 removed MiCS ('MiCS ZeRO-3 sharding "
+    "has been removed'); with parallel.dp_shard ZeRO-3's parameter all-gathers stay inside "
+    "each shard group",
 }
 
 ZERO_OFF = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False,

@@ -20,7 +20,8 @@ from dsnd.config.deepspeed_json import (
 )
 from dsnd.config.ds_auto import fill_auto
 from dsnd.config.load import LoadedConfig
-from dsnd.config.schema import ModelConfig, RunConfig
+from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
+from dsnd.cp.slices import IMPLS, divisor
 from dsnd.engine.deepspeed_api import half_precision_support
 from dsnd.errors import UserError
 from dsnd.model.spec import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
@@ -97,6 +98,32 @@ def check_tp(model: ModelSpec, tp: int, seq_len: int, sequence_parallel: bool) -
             f"parallel.sequence_parallel: model.seq_len={seq_len} is not divisible by "
             f"parallel.tp={tp}"
         )
+
+
+def check_cp(model: ModelSpec, par: ParallelConfig, seq_len: int) -> None:
+    """Context parallelism cuts each sequence into cp slices (ring: 2*cp chunks), which
+    sequence parallelism cuts again into tp; Ulysses hands each rank whole sequences of
+    heads/cp of its tensor-parallel heads, query and key/value heads alike."""
+    cp, impl, tp = par.cp, par.cp_impl, par.tp
+    if impl not in IMPLS:
+        raise UserError(f"parallel.cp_impl={impl!r}: expected one of {', '.join(IMPLS)}")
+    if cp == 1:
+        return
+    parts = divisor(cp, impl) * (tp if par.sequence_parallel and tp > 1 else 1)
+    if seq_len % parts:
+        how = f"2 * parallel.cp = {2 * cp}" if impl == "ring" else f"parallel.cp = {cp}"
+        if parts != divisor(cp, impl):
+            how += f" times parallel.tp = {tp} (sequence parallelism)"
+        raise UserError(f"parallel.cp={cp} ({impl}): model.seq_len={seq_len} is not divisible "
+                        f"by {how}")  # fmt: skip
+    if impl == "ulysses":
+        for name, heads in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
+            if (heads // tp) % cp:
+                raise UserError(
+                    f"parallel.cp_impl=ulysses: {model.source}: {name}={heads} gives "
+                    f"{heads // tp} heads per tensor-parallel rank, not divisible by "
+                    f"parallel.cp={cp} (use cp_impl: ring, which splits the sequence only)"
+                )
 
 
 def scale_lr(ds: dict[str, Any], factor: float) -> None:
@@ -223,6 +250,29 @@ def check_zero3_sub_groups(ds: dict[str, Any], plan: Plan, model: ModelSpec) -> 
         )
 
 
+def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
+    """Hybrid sharding (`parallel.dp_shard`, `dsnd.engine.hsdp`): ZeRO-3 over groups of dp_shard
+    data-parallel ranks, replicated across them. null, 0 or dp = plain ZeRO-3."""
+    size = par.dp_shard
+    if size is None or size == 0 or size == dp:
+        return
+    if size < 0 or dp % size:
+        raise UserError(f"parallel.dp_shard={size} must divide the data-parallel size dp={dp} "
+                        "(or be null or 0: shard over all of dp)")  # fmt: skip
+    zero = ds.get("zero_optimization") or {}
+    if zero_stage(ds) != 3:
+        raise UserError(f"parallel.dp_shard={size} needs ZeRO stage 3 (shards parameters within "
+                        f"groups of {size} ranks); {ds_path} sets zero_optimization.stage="
+                        f"{zero_stage(ds)}")  # fmt: skip
+    if (zero.get("zero_hpz_partition_size") or 1) > 1:
+        raise UserError(f"parallel.dp_shard={size} and {ds_path}'s zero_optimization."
+                        "zero_hpz_partition_size both choose where ZeRO-3's parameters are "
+                        "gathered from; set one of them")  # fmt: skip
+    if par.cp > 1:
+        raise UserError(f"parallel.dp_shard={size} with parallel.cp={par.cp} is not supported: "
+                        "hybrid sharding runs without context parallelism")  # fmt: skip
+
+
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")  # fmt: skip
 """Set per rank by every launcher; never copied from the launching environment."""
@@ -232,9 +282,10 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     """Check composition rules and derive the DeepSpeed dict for `world_size` ranks."""
     run = loaded.run
     par = run.parallel
-    topology = Topology.from_world(world_size, par.pp, par.tp)
+    topology = Topology.from_world(world_size, par.pp, par.tp, par.cp)
     model = run_model(run)
     check_tp(model, par.tp, run.model.seq_len, par.sequence_parallel)
+    check_cp(model, par, run.model.seq_len)
     if par.pp > model.num_layers:
         raise UserError(f"parallel.pp={par.pp} exceeds the {model.num_layers} blocks of "
                         f"{model.source}")  # fmt: skip
@@ -253,6 +304,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     )  # fmt: skip
     plan = run_plan(run, model, topology, ds, batch)
     check_zero3_sub_groups(ds, plan, model)
+    check_dp_shard(par, ds, topology.dp, loaded.ds_path)
     return Resolved(
         run=run,
         ds=ds,

@@ -72,6 +72,29 @@ class ModelConfig:
 class ParallelConfig:
     pp: int = doc("Pipeline-parallel stages. dp = world_size / (pp * tp).", 1)
     tp: int = doc("Tensor-parallel ranks per stage (Megatron-style).", 1)
+    cp: int = doc(
+        "Context-parallel ranks: each holds a slice of every sequence (world = pp * dp * cp * "
+        "tp; cp ranks share their samples, so the batch counts dp only; ZeRO shards and "
+        "averages gradients over dp * cp).",
+        1,
+    )
+    cp_impl: str = doc(
+        "How attention sees the whole sequence with cp > 1: ring (keys and values pass around "
+        "the cp group, overlapped with blockwise attention; each rank holds sequence chunks i "
+        "and 2*cp-1-i, so causal work is balanced; seq_len must divide by 2*cp) or ulysses "
+        "(all-to-all from sequence slices to head groups and back; heads and key/value heads "
+        "per tensor-parallel rank must divide by cp).",
+        "ring",
+    )
+    dp_shard: int | None = doc(
+        "Hybrid sharding (FSDP's HSDP, DeepSpeed's former MiCS mics_shard_size): ZeRO-3 "
+        "partitions each stage's parameters, gradients and optimizer state over groups of this "
+        "many consecutive data-parallel ranks (a host's ranks, say) and the dp / dp_shard groups "
+        "are replicas whose gradients are averaged; each rank holds 1/dp_shard of the model "
+        "states and parameter all-gathers stay inside its group. Must divide dp; needs ZeRO "
+        "stage 3. null or 0 = dp (plain ZeRO-3).",
+        None,
+    )
     partition: str | list = doc(
         "How layers split into stages: uniform, parameters, type:<regex> (as DeepSpeed names "
         "them), or explicit boundaries [0, 3, 7] / per-stage lists [[0, 1, 2], [3, 4, 5, 6]].",

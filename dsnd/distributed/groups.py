@@ -6,7 +6,7 @@ so each axis's full list of groups is created everywhere and each rank keeps its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -20,10 +20,14 @@ class ProcessGroups:
     topology: Topology
     rank: int
     coord: Coord
-    pipe: dist.ProcessGroup  # the stages of one pipeline (same dp, tp)
-    data: dist.ProcessGroup  # replicas of this rank's shard (same pp, tp): ZeRO shards here
-    tensor: dist.ProcessGroup  # the tensor-parallel peers of this rank (same pp, dp)
-    replica: dist.ProcessGroup  # one full model replica: every pp x tp rank of this dp index
+    pipe: dist.ProcessGroup  # the stages of one pipeline (same dp, cp, tp)
+    # every rank holding the same parameters as this one (same pp, tp; all dp x cp): ZeRO
+    # shards over it and averages gradients over it (context-parallel peers computed parts of
+    # the same sequences' gradients, so they reduce together, as Megatron does)
+    data: dist.ProcessGroup
+    tensor: dist.ProcessGroup  # the tensor-parallel peers of this rank (same pp, dp, cp)
+    context: dist.ProcessGroup  # the ranks holding slices of the same sequences (same pp, dp, tp)
+    replica: dist.ProcessGroup  # one full model replica: every pp x tp rank of this dp, cp
 
     @property
     def is_last_stage(self) -> bool:
@@ -50,8 +54,9 @@ def build_groups(topology: Topology) -> ProcessGroups:
         rank=rank,
         coord=topology.coord(rank),
         pipe=_own_group(topology.groups("pipe"), rank),
-        data=_own_group(topology.groups("data"), rank),
+        data=_own_group(topology.groups_across(("data", "context")), rank),
         tensor=_own_group(topology.groups("model"), rank),
+        context=_own_group(topology.groups("context"), rank),
         replica=_own_group(topology.model_parallel_groups(), rank),
     )
 
@@ -60,6 +65,24 @@ def hpz_group(topology: Topology, rank: int, size: int) -> dist.ProcessGroup:
     """ZeRO++ hpZ (`zero_hpz_partition_size`): this rank's group for ZeRO-3's secondary
     parameter partition, `size` consecutive ranks of its stage's data-parallel group (DeepSpeed
     would cut its own from the whole world, across stages). Every rank creates every group."""
-    chunks = [ranks[i : i + size] for ranks in topology.groups("data")
+    chunks = [ranks[i : i + size] for ranks in topology.groups_across(("data", "context"))
               for i in range(0, len(ranks), size)]  # fmt: skip
     return _own_group(chunks, rank)
+
+
+def dp_shard_groups(groups: ProcessGroups, size: int | None
+                    ) -> tuple[ProcessGroups, dist.ProcessGroup | None]:  # fmt: skip
+    """Hybrid sharding (`parallel.dp_shard`): `groups` with `data` cut to this rank's shard
+    group — `size` consecutive ranks of its stage's data-parallel group, what ZeRO-3 partitions
+    over — and the replica group: the ranks at the same place in the stage's other shard groups,
+    over which gradients are averaged (`dsnd.engine.hsdp`). Consecutive ranks, so with a host's
+    ranks in a row the shard groups stay inside hosts. `coord` and the topology stay the whole
+    layout's (the batch and the data still count dp). Every rank creates every group. A size of
+    None, 0 or the whole data group: (`groups`, None), nothing created."""
+    data = groups.topology.groups_across(("data", "context"))
+    if not size or size == len(data[0]):
+        return groups, None
+    shards = [ranks[i : i + size] for ranks in data for i in range(0, len(ranks), size)]
+    replicas = [ranks[i::size] for ranks in data for i in range(size)]
+    shard = _own_group(shards, groups.rank)
+    return replace(groups, data=shard), _own_group(replicas, groups.rank)

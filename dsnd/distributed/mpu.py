@@ -1,7 +1,12 @@
 """The model-parallel unit ("mpu") DeepSpeed expects, answered from dsnd's own groups.
 
 DeepSpeed reads two things from it:
-- the data-parallel group: ZeRO shards and reduces over it (the stage's own replicas);
+- the data-parallel group: ZeRO shards and reduces over it (every rank of the stage holding the
+  same parameters: data x context parallel). Its *world size*, though, is the number of sample
+  replicas (dp): DeepSpeed checks ``train_batch_size = micro * gas * world size`` with it, and
+  context-parallel ranks share their samples. DeepSpeed averages gradients by the group's own
+  size (dp * cp), which is what each context-parallel rank's loss (its slice's share of the
+  sequence mean, times cp: `dsnd.cp.loss`) needs;
 - the model-parallel group and rank, used by every gradient-norm path (ZeRO-0 clipping, ZeRO 1-3):
   each rank sums the squared norms of its parameters, counting a parameter that is not
   tensor-split only where the model-parallel rank is 0, then all-reduces over the group.
@@ -29,10 +34,10 @@ class Mpu:
         return self.groups.data
 
     def get_data_parallel_rank(self) -> int:
-        return self.groups.coord.dp
+        return dist.get_rank(self.groups.data)
 
     def get_data_parallel_world_size(self) -> int:
-        return self.groups.topology.dp
+        return self.groups.topology.dp  # sample replicas (see above)
 
     # model parallel: one replica (pipe x tensor) for norms; rank = tensor rank (see above)
     def get_model_parallel_group(self) -> dist.ProcessGroup:

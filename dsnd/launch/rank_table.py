@@ -1,6 +1,7 @@
 """The rank table printed before launch: where each rank runs and what it holds.
 
-Joins the pure topology math (rank -> pp, dp, tp) with the launch placement (rank -> host,
+Joins the pure topology math (rank -> pp, dp, cp, tp; columns in the order the rank formula
+nests them, tp varying fastest) with the launch placement (rank -> host,
 local_rank), so a user can check before any process starts that tensor-parallel peers share a
 host and which stages sit where.
 """
@@ -9,19 +10,21 @@ from __future__ import annotations
 
 from dsnd.topology import Topology
 
-COLUMNS = ("rank", "host", "local_rank", "pp", "dp", "tp")
+COLUMNS = ("rank", "host", "local_rank", "pp", "dp", "cp", "tp")
 
 
 def rank_rows(topology: Topology, placement: list[tuple[str, int]]) -> list[dict]:
-    """One dict per rank with keys `rank, host, local_rank, pp, dp, tp`."""
+    """One dict per rank with keys `rank, host, local_rank, pp, dp, cp, tp`."""
     if len(placement) != topology.world_size:
         raise ValueError(
             f"placement has {len(placement)} ranks but topology "
-            f"pp={topology.pp} dp={topology.dp} tp={topology.tp} has {topology.world_size}"
+            f"pp={topology.pp} dp={topology.dp} cp={topology.cp} tp={topology.tp} has "
+            f"{topology.world_size}"
         )
     return [
-        dict(zip(COLUMNS, (rank, host, local_rank, *topology.coord(rank)), strict=True))
+        dict(zip(COLUMNS, (rank, host, local_rank, c.pp, c.dp, c.cp, c.tp), strict=True))
         for rank, (host, local_rank) in enumerate(placement)
+        for c in [topology.coord(rank)]
     ]
 
 

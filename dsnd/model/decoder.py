@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from dsnd.cp.context import ContextParallel, attention_config
 from dsnd.model.checks import rotary_checks
 from dsnd.model.family import Family, HFNames, TPPlan
 from dsnd.model.parallelize import parallelize
@@ -28,10 +29,19 @@ def split(tp: TensorParallel | None) -> bool:
     return tp is not None and tp.size > 1
 
 
-def sequence_positions(hidden: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
-    """Position ids (1, seq) of the FULL sequence `hidden` belongs to (under sequence
-    parallelism `hidden` is this rank's slice of it)."""
+def context_split(cp: ContextParallel | None) -> bool:
+    """Whether `cp` names a group of several ranks (else sequences are whole on each rank)."""
+    return cp is not None and cp.size > 1
+
+
+def sequence_positions(hidden: torch.Tensor, tp: TensorParallel | None,
+                       cp: ContextParallel | None = None) -> torch.Tensor:  # fmt: skip
+    """Position ids (1, seq) of the tokens attention sees on this rank: the whole sequence, or
+    under context parallelism this rank's slice of it, at their global positions (under
+    sequence parallelism `hidden` is this rank's tensor-parallel share of those tokens)."""
     seq = hidden.shape[1] * (tp.size if split(tp) and tp.sequence_parallel else 1)
+    if context_split(cp):
+        return cp.positions(seq * cp.size, hidden.device).unsqueeze(0)
     return torch.arange(seq, device=hidden.device).unsqueeze(0)
 
 
@@ -49,8 +59,9 @@ class TokenEmbedding(nn.Module):
 
     tied_weight_attr = "embed_tokens.weight"
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
-        super().__init__()
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None,
+                 cp: ContextParallel | None = None) -> None:  # fmt: skip
+        super().__init__()  # (no positions here: `cp` changes nothing)
         self.init_std = config.initializer_range
         self.embed_tokens = vocab_embedding(config, tp)
 
@@ -125,20 +136,23 @@ def rotary_block(layer_class: type[nn.Module], rotary_class: type[nn.Module],
 
     class Block(layer_class):  # type: ignore[valid-type, misc]
         def __init__(self, config: PretrainedConfig, layer_idx: int,
-                     tp: TensorParallel | None = None) -> None:  # fmt: skip
-            super().__init__(config, layer_idx)
+                     tp: TensorParallel | None = None,
+                     cp: ContextParallel | None = None) -> None:  # fmt: skip
+            super().__init__(attention_config(config, cp), layer_idx)
             self.init_std = config.initializer_range
             with torch.device("cpu"):
                 self.rotary_emb = rotary_class(config)
             self.tp = tp if split(tp) else None
+            self.cp = cp if context_split(cp) else None
             if self.tp is not None:
                 parallelize(self, plan, self.tp)
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            position_ids = sequence_positions(hidden_states, self.tp)
+            position_ids = sequence_positions(hidden_states, self.tp, self.cp)
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
+            extra = {"context_parallel": self.cp} if self.cp is not None else {}
             return super().forward(hidden_states, attention_mask=None, position_ids=position_ids,
-                                   position_embeddings=position_embeddings)  # fmt: skip
+                                   position_embeddings=position_embeddings, **extra)  # fmt: skip
 
     Block.__qualname__ = Block.__name__ = layer_class.__name__.replace("DecoderLayer", "Block")
     return Block

@@ -52,8 +52,9 @@ class HFNames:
 
 @dataclass(frozen=True)
 class Family:
-    """One architecture. The layer classes are called as `embedding(config, tp)`,
-    `block(config, layer_idx, tp)`, `final_norm(config, tp)`; `tp` is None for a single rank.
+    """One architecture. The layer classes are called as `embedding(config, tp, cp)`,
+    `block(config, layer_idx, tp, cp)`, `final_norm(config, tp)`; `tp` and `cp` (the
+    context-parallel group) are None for a single rank.
     `check(config, seq_len)` returns one line per config value dsnd cannot honour."""
 
     name: str

@@ -23,6 +23,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from dsnd.cp.context import ContextParallel
 from dsnd.model.checkpointing import run_layers
 from dsnd.model.decoder import LMHead, tied_logits
 from dsnd.model.parallelize import materialize
@@ -35,29 +36,30 @@ TIED_EMBED_KEY = "embed"
 _MATRICES = (nn.Linear, Conv1D, nn.Embedding)
 
 
-def layer_specs(model: ModelSpec, tp: TensorParallel | None = None) -> list[LayerSpec]:
+def layer_specs(model: ModelSpec, tp: TensorParallel | None = None,
+                cp: ContextParallel | None = None) -> list[LayerSpec]:  # fmt: skip
     """Embedding, `num_layers` blocks, final norm, head: `num_layers + 3` specs.
 
     With a tensor-parallel group of more than one rank each rank builds its shards (same
-    names and full shapes, see `dsnd.model.parallelize`).
+    names and full shapes, see `dsnd.model.parallelize`); with a context-parallel group of more
+    than one rank the embedding and blocks work on this rank's slice of each sequence.
     """
     fam, config = model.family, model.config
-    blocks = [LayerSpec(fam.block, config, i, tp) for i in range(model.num_layers)]
+    blocks = [LayerSpec(fam.block, config, i, tp, cp) for i in range(model.num_layers)]
     if not model.tie_embeddings:
         return [
-            LayerSpec(fam.embedding, config, tp),
+            LayerSpec(fam.embedding, config, tp, cp),
             *blocks,
             LayerSpec(fam.final_norm, config, tp),
             LayerSpec(LMHead, config, tp),
         ]
     attr = fam.embedding.tied_weight_attr
+    head = {"forward_fn": tied_logits, "tied_weight_attr": attr}
     return [
-        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, tied_weight_attr=attr),
+        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, tied_weight_attr=attr),
         *blocks,
         LayerSpec(fam.final_norm, config, tp),
-        TiedLayerSpec(
-            TIED_EMBED_KEY, fam.embedding, config, tp, forward_fn=tied_logits, tied_weight_attr=attr
-        ),  # fmt: skip
+        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, **head),
     ]
 
 

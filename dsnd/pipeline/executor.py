@@ -32,6 +32,7 @@ import torch
 
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import lm_loss
+from dsnd.pipeline.activations import ActivationMeter
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.tied import TiedWeights
 from dsnd.plan import schedule as S
@@ -79,6 +80,9 @@ class StepResult:
     # seconds from the step's start to its gradient reduction: the pipelined part (every
     # compute instruction, message and tied exchange), without the reduction and optimizer
     pipelined_s: float = 0.0
+    # the most bytes of activations saved for backward this rank held at once in the step
+    # (`dsnd.pipeline.activations`)
+    activation_peak_bytes: int = 0
 
 
 @dataclass
@@ -108,6 +112,9 @@ class Executor:
         self.engine, self.links, self.shape = engine, links, shape
         self.math, self.role, self.tied = math, role, tied
         self.split = False  # set per program: zero-bubble programs run forwards outside hooks
+        module = engine.engine.module
+        self.activations = ActivationMeter(lambda: [*module.parameters(), *module.buffers(),
+                                                    *(tied.borrowed_leaves() if tied else [])])
         self.table: dict[str, Callable[[Instr, _Step], None]] = {
             S.RECV_ACT: self._recv_act, S.SEND_ACT: self._send_act, S.FORWARD: self._forward,
             S.RECV_GRAD: self._recv_grad, S.SEND_GRAD: self._send_grad,
@@ -135,6 +142,7 @@ class Executor:
         self.links.reset_recv_wait()
         self.links.begin_step(self.role, program, self.shape)
         self.engine.begin()
+        self.activations.begin()
         ops = state.result.op_seconds
         for x in program:
             start = time.perf_counter()
@@ -151,6 +159,7 @@ class Executor:
         times["comm"] -= times["pipeline_wait"]  # receives were timed as comm above
         if state.losses:
             state.result.loss = torch.stack(state.losses).double().mean()
+        state.result.activation_peak_bytes = self.activations.peak
         return state.result
 
     # ---- point to point --------------------------------------------------------------------
@@ -176,10 +185,11 @@ class Executor:
         else:
             inp = state.inputs[key]
         run = self.engine.forward_plain if self.split else self.engine.forward
-        out = run(inp, x.chunk)
-        if self._is_last(x):
-            out = self.math.loss_fn(out, state.batches[x.micro][1].to(self.engine.device))
-            state.losses.append(out.detach())
+        with self.activations.forward(key):
+            out = run(inp, x.chunk)
+            if self._is_last(x):
+                out = self.math.loss_fn(out, state.batches[x.micro][1].to(self.engine.device))
+                state.losses.append(out.detach())
         state.outputs[key] = out
 
     def _backward(self, x: Instr, state: _Step) -> None:
@@ -188,6 +198,7 @@ class Executor:
             self.engine.backward_loss(out)
         else:
             self.engine.backward_output(out, state.grads.pop((x.micro, x.chunk)))
+        self.activations.release((x.micro, x.chunk))
 
     def _backward_input(self, x: Instr, state: _Step) -> None:
         key = (x.micro, x.chunk)
@@ -199,6 +210,7 @@ class Executor:
 
     def _backward_weight(self, x: Instr, state: _Step) -> None:
         self.engine.backward_weight(state.pending_w.pop((x.micro, x.chunk)))
+        self.activations.release((x.micro, x.chunk))
 
     # ---- the step's end -------------------------------------------------------------------
 

@@ -11,16 +11,18 @@ import torch
 import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
-from dsnd.distributed.groups import ProcessGroups
+from dsnd.cp.loss import context_parallel_loss
+from dsnd.distributed.groups import ProcessGroups, dp_shard_groups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.engine.compat import scope_zero3_trace_checks
+from dsnd.engine.hsdp import replicate_gradients
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
 from dsnd.model.hf_io import load_hf_stage
 from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, StepResult
 from dsnd.pipeline.p2p import StageLinks
-from dsnd.pipeline.stage import build_stage, tensor_parallel
+from dsnd.pipeline.stage import build_stage, context_parallel, tensor_parallel
 from dsnd.pipeline.tied import TiedWeights
 from dsnd.plan.plan import Plan
 from dsnd.tp import allreduce_partial_grads, vocab_parallel_cross_entropy
@@ -51,18 +53,22 @@ class StageRunner:
         _check_same_plan(plan)
         if plan.pp > 1:
             scope_zero3_trace_checks(groups.data)
-        stack = build_stage(res, groups)
+        # ZeRO's groups: the data group, or with parallel.dp_shard its shard (dsnd.engine.hsdp)
+        zero_groups, replicas = dp_shard_groups(groups, res.run.parallel.dp_shard)
+        stack = build_stage(res, zero_groups)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
         self.tied = TiedWeights(stack, plan.ties, groups)
         if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
             load_hf_stage(stack, res.run.model.init_from, res.model)
-        self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(groups))
+        self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(zero_groups))
+        if replicas is not None:
+            replicate_gradients(self.engine.optimizer, replicas)
         self.program = list(plan.programs[stage])
         self.links = StageLinks(groups, self.engine.device)
         dtype = (torch.bfloat16 if self.engine.bfloat16_enabled()
                  else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
-        tp = tensor_parallel(res, groups)
-        seq = res.run.model.seq_len // (tp.size if tp.sequence_parallel else 1)
+        tp, self.cp = tensor_parallel(res, groups), context_parallel(res, groups)
+        seq = res.run.model.seq_len // self.cp.size // (tp.size if tp.sequence_parallel else 1)
         self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype)
         math = StageMath()
         if tp.size > 1:
@@ -70,18 +76,26 @@ class StageRunner:
                            vocab_size=res.model.vocab_size)  # fmt: skip
             params = list(self.engine.module.parameters())
             math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
+        if self.cp.size > 1:
+            math = StageMath(context_parallel_loss(math.loss_fn, self.cp.group), math.sync_grads)
         stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp)
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
                                  self.tied)  # fmt: skip
 
     def run(self, micro_batches: Batches) -> StepResult:
         """This stage's share of one optimizer step (no collective beyond the step's own)."""
-        return self.executor.step(self.program, micro_batches)
+        return self.executor.step(self.program, self._slices(micro_batches))
 
     def evaluate(self, micro_batches: Batches) -> float:
         """Mean loss of the model as it is over the global batch `micro_batches` (forward only),
         on every rank."""
-        return self._global_loss(self.executor.evaluate(micro_batches))
+        return self._global_loss(self.executor.evaluate(self._slices(micro_batches)))
+
+    def _slices(self, micro_batches: Batches) -> Batches:
+        """This rank's slice of each sequence (all of it without context parallelism)."""
+        if self.cp.size == 1:
+            return micro_batches
+        return [(self.cp.shard(x), self.cp.shard(y)) for x, y in micro_batches]
 
     def report(self, result: StepResult) -> tuple[float, float | None]:
         """(loss over the global batch, gradient norm over all stages), on every rank."""
@@ -92,7 +106,8 @@ class StageRunner:
         return loss, None if norm is None else float(norm)
 
     def _global_loss(self, local: torch.Tensor | None) -> float:
-        """The last stage's mean over its data-parallel replicas, sent to every stage."""
+        """The last stage's mean over its data-parallel replicas (and context-parallel slices:
+        `dsnd.cp.loss`), sent to every stage."""
         device = self.engine.device
         loss = torch.zeros((), dtype=torch.float64, device=device)
         if local is not None:

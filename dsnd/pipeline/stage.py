@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
+from dsnd.cp import ContextParallel
 from dsnd.distributed.groups import ProcessGroups, hpz_group
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.compat import nvme_param_swapper, use_hpz_group
@@ -22,6 +23,11 @@ def tensor_parallel(res: Resolved, groups: ProcessGroups) -> TensorParallel:
     """This rank's tensor-parallel group; sequence parallelism only when it has several ranks."""
     sp = res.run.parallel.sequence_parallel and res.topology.tp > 1
     return TensorParallel(groups.tensor, sequence_parallel=sp)
+
+
+def context_parallel(res: Resolved, groups: ProcessGroups) -> ContextParallel:
+    """This rank's context-parallel group (of one rank without context parallelism)."""
+    return ContextParallel(groups.context, res.run.parallel.cp_impl)
 
 
 def zero3_dtype(ds: dict) -> torch.dtype:
@@ -71,7 +77,7 @@ def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
         swapper = swapper or nvme_param_swapper(layer)
 
     return LayerStack(
-        layer_specs(res.model, tensor_parallel(res, groups)),
+        layer_specs(res.model, tensor_parallel(res, groups), context_parallel(res, groups)),
         res.run.train.seed,
         layer_indices=plan.stage_layers(stage),
         activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,

@@ -101,7 +101,9 @@ class Plan:
         roles = [self.role(s) for s in range(self.pp)]
         rows = timeline([list(p) for p in self.programs], roles)
         lines = [
-            f"plan: pp={t.pp} dp={t.dp} tp={t.tp}{' (sequence parallel)' * self.sequence_parallel}"
+            f"plan: pp={t.pp} dp={t.dp}"
+            + f" cp={t.cp}" * (t.cp > 1)
+            + f" tp={t.tp}{' (sequence parallel)' * self.sequence_parallel}"
             f", ZeRO-{self.zero_stage}, schedule {self.schedule}"
             + (f" x {self.chunks} chunks" if self.chunks > 1 else "")
             + f", {self.micro_batches} micro-batches per step",

@@ -18,7 +18,7 @@ from dsnd.commands import launch as launch_cmd
 from dsnd.config.load import default_config_path
 from dsnd.launch.supervisor import JobResult
 
-HEADER = ["rank", "host", "local_rank", "pp", "dp", "tp"]
+HEADER = ["rank", "host", "local_rank", "pp", "dp", "cp", "tp"]
 PACKAGED_DS = os.path.join(os.path.dirname(default_config_path()), "zero0.json")
 
 
@@ -88,7 +88,7 @@ def expected_rows(host_slots: list[tuple[str, int]], pp: int, dp: int, tp: int) 
     for rank, (host, local) in enumerate(placement):
         p, rest = divmod(rank, dp * tp)
         d, t = divmod(rest, tp)
-        rows.append(dict(rank=rank, host=host, local_rank=local, pp=p, dp=d, tp=t))
+        rows.append(dict(rank=rank, host=host, local_rank=local, pp=p, dp=d, cp=0, tp=t))
     return rows
 
 

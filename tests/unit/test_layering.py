@@ -9,7 +9,7 @@ import pathlib
 import dsnd
 
 LAYERS = [
-    "errors", "engine", "extensions", "secrets", "topology", "tp", "model", "plan", "config",
+    "errors", "engine", "extensions", "secrets", "topology", "tp", "cp", "model", "plan", "config",
     "data", "distributed", "flops", "pipeline", "progress", "stop_request", "metrics", "telemetry",
     "report", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip

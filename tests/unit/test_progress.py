@@ -45,3 +45,5 @@ def test_rank_prefix_names_the_coordinates():
     topo = Topology(pp=2, dp=2, tp=2)
     assert rank_prefix(7, topo.coord(7)) == "[r7 pp1 dp1 tp1]"
     assert rank_prefix(2, topo.coord(2)) == "[r2 pp0 dp1 tp0]"
+    with_cp = Topology(pp=1, dp=1, tp=2, cp=2)
+    assert rank_prefix(3, with_cp.coord(3), cp=2) == "[r3 pp0 dp0 cp1 tp1]"

@@ -9,7 +9,7 @@ from dsnd.launch.hostfile import parse_hostfile_text, select_slots
 from dsnd.launch.rank_table import format_rank_table, rank_rows
 from dsnd.topology import Topology
 
-COLS = ("rank", "host", "local_rank", "pp", "dp", "tp")
+COLS = ("rank", "host", "local_rank", "pp", "dp", "cp", "tp")
 
 
 def rows_as_tuples(rows: list[dict]) -> list[tuple]:
@@ -20,17 +20,17 @@ def rows_as_tuples(rows: list[dict]) -> list[tuple]:
 def test_pp2_tp2_on_two_hosts_of_two():
     rows = rank_rows(Topology(pp=2, dp=1, tp=2), [("h1", 0), ("h1", 1), ("h2", 0), ("h2", 1)])
     assert rows_as_tuples(rows) == [
-        (0, "h1", 0, 0, 0, 0),
-        (1, "h1", 1, 0, 0, 1),
-        (2, "h2", 0, 1, 0, 0),
-        (3, "h2", 1, 1, 0, 1),
+        (0, "h1", 0, 0, 0, 0, 0),
+        (1, "h1", 1, 0, 0, 0, 1),
+        (2, "h2", 0, 1, 0, 0, 0),
+        (3, "h2", 1, 1, 0, 0, 1),
     ]
     assert format_rank_table(rows) == (
-        "rank  host  local_rank  pp  dp  tp\n"
-        "   0  h1             0   0   0   0\n"
-        "   1  h1             1   0   0   1\n"
-        "   2  h2             0   1   0   0\n"
-        "   3  h2             1   1   0   1"
+        "rank  host  local_rank  pp  dp  cp  tp\n"
+        "   0  h1             0   0   0   0   0\n"
+        "   1  h1             1   0   0   0   1\n"
+        "   2  h2             0   1   0   0   0\n"
+        "   3  h2             1   1   0   0   1"
     )
 
 
@@ -44,10 +44,10 @@ def test_two_of_four_slots_per_host_via_filters(include, exclude):
     rows = rank_rows(Topology(pp=2, dp=1, tp=2), placement(slots))
     # local_rank indexes the selected slots (DeepSpeed narrows CUDA_VISIBLE_DEVICES to them).
     assert rows_as_tuples(rows) == [
-        (0, "h1", 0, 0, 0, 0),
-        (1, "h1", 1, 0, 0, 1),
-        (2, "h2", 0, 1, 0, 0),
-        (3, "h2", 1, 1, 0, 1),
+        (0, "h1", 0, 0, 0, 0, 0),
+        (1, "h1", 1, 0, 0, 0, 1),
+        (2, "h2", 0, 1, 0, 0, 0),
+        (3, "h2", 1, 1, 0, 0, 1),
     ]
 
 
@@ -64,11 +64,18 @@ def test_format_widens_columns_for_long_values():
     place = [("node-long-name", i) for i in range(12)]
     table = format_rank_table(rank_rows(Topology(pp=1, dp=12, tp=1), place))
     lines = table.splitlines()
-    assert lines[0] == "rank  host            local_rank  pp  dp  tp"
-    assert lines[1] == "   0  node-long-name           0   0   0   0"
-    assert lines[12] == "  11  node-long-name          11   0  11   0"
+    assert lines[0] == "rank  host            local_rank  pp  dp  cp  tp"
+    assert lines[1] == "   0  node-long-name           0   0   0   0   0"
+    assert lines[12] == "  11  node-long-name          11   0  11   0   0"
     assert len(lines) == 13
-    assert format_rank_table([]) == "rank  host  local_rank  pp  dp  tp"
+    assert format_rank_table([]) == "rank  host  local_rank  pp  dp  cp  tp"
+
+
+def test_context_parallel_peers_sit_between_data_and_tensor_peers():
+    rows = rank_rows(Topology(pp=1, dp=2, tp=2, cp=2), [("a", i) for i in range(8)])
+    assert [(r["dp"], r["cp"], r["tp"]) for r in rows] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
+    ]  # fmt: skip
 
 
 def test_length_mismatch_is_an_error():

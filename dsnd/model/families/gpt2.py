@@ -8,8 +8,9 @@ from torch import nn
 from transformers import GPT2Config, PretrainedConfig
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
+from dsnd.cp.context import ContextParallel, attention_config
 from dsnd.model.checks import activation, no_dropout
-from dsnd.model.decoder import embedding_logits, final_norm, split, vocab_embedding
+from dsnd.model.decoder import context_split, embedding_logits, final_norm, split, vocab_embedding
 from dsnd.model.family import Family, HFNames, TPPlan
 from dsnd.model.parallelize import parallelize
 from dsnd.tp.context import TensorParallel
@@ -25,21 +26,28 @@ TP_PLAN = TPPlan(
 class Embedding(nn.Module):
     """Token ids (batch, seq) → token plus learned position embeddings (`wte`, `wpe`).
     Over a tensor-parallel group `wte` is split by vocabulary and `wpe` replicated; under
-    sequence parallelism the output is this rank's slice of the sequence."""
+    sequence parallelism the output is this rank's slice of the sequence. Under context
+    parallelism the token ids are this rank's slice and take their global positions."""
 
     tied_weight_attr = "wte.weight"
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None,
+                 cp: ContextParallel | None = None) -> None:  # fmt: skip
         super().__init__()
         self.init_std = config.initializer_range
         self.tp = tp if split(tp) else None
+        self.cp = cp if context_split(cp) else None
         self.wte = vocab_embedding(config, tp)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         if self.tp is not None:
             self.tp.mark_replicated(self)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        if self.cp is not None:
+            positions = self.cp.positions(input_ids.shape[1] * self.cp.size, input_ids.device)
+        else:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = positions.unsqueeze(0)
         if self.tp is not None and self.tp.sequence_parallel:
             positions = positions.chunk(self.tp.size, dim=1)[self.tp.rank]
         return self.wte(input_ids) + self.wpe(positions)
@@ -53,14 +61,17 @@ class Block(GPT2Block):
     """`GPT2Block` called with hidden states only (no cache, no mask → causal SDPA)."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int,
-                 tp: TensorParallel | None = None) -> None:  # fmt: skip
-        super().__init__(config, layer_idx=layer_idx)
+                 tp: TensorParallel | None = None,
+                 cp: ContextParallel | None = None) -> None:  # fmt: skip
+        super().__init__(attention_config(config, cp), layer_idx=layer_idx)
         self.init_std = config.initializer_range
+        self.cp = cp if context_split(cp) else None
         if split(tp):
             parallelize(self, TP_PLAN, tp)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(hidden_states, attention_mask=None)
+        extra = {"context_parallel": self.cp} if self.cp is not None else {}
+        return super().forward(hidden_states, attention_mask=None, **extra)
 
 
 def check(config: PretrainedConfig, seq_len: int) -> list[str]:
