@@ -48,6 +48,8 @@ def test_cp4_and_cp2_with_stages_tensors_or_replicas_and_resume(single, tmp_path
         case("gpt2-ulysses-cp4-z1", 1, "gpt2-tiny",
              sets=("parallel.cp=4", "parallel.cp_impl=ulysses")),
         case("ring-cp2-pp2-z3", 3, sets=(*RING2, "parallel.pp=2")),
+        # the split backward (input, then weight gradients): ring attention has no weights
+        case("ring-cp2-pp2-zb-h1-z1", 1, sets=(*RING2, "parallel.pp=2", "parallel.schedule=zb-h1")),
         case("ring-cp2-tp2-sp-z1", 1,
              sets=(*RING2, "parallel.tp=2", "parallel.sequence_parallel=true")),
         case("gpt2-ulysses-cp2-tp2-sp-z0", 0, "gpt2-tiny",
