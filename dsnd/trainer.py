@@ -146,10 +146,10 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
     engine = runner.engine
     total = sum(n for _, _, n in layer_table(res.model))
     log.info("stage %d of %d holds global layers %s: %s of the model's %s parameters, "
-             "ZeRO-%d over dp=%d, tp=%d", groups.coord.pp, res.topology.pp,
+             "ZeRO-%d over dp=%d x cp=%d, tp=%d", groups.coord.pp, res.topology.pp,
              list(engine.module.global_indices),
              f"{res.plan.stage_parameters(res.model)[groups.coord.pp]:,}",
-             f"{total:,}", res.plan.zero_stage, res.topology.dp,
+             f"{total:,}", res.plan.zero_stage, res.topology.dp, res.topology.cp,
              res.topology.tp)  # fmt: skip
     start = 0 if resume is None else _resume(engine, res, resume, corpus)
     return _Stage(runner, corpus, samples, held_out, root, start)
@@ -169,10 +169,10 @@ def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> int:
 
 
 def _log_start(res: Resolved, st: _Stage) -> None:
-    log.info("training %s on %s (%d samples), layout pp=%d dp=%d tp=%d, ZeRO-%d, schedule %s, "
-             "batch %s", res.model.describe(), st.corpus.name, len(st.samples), res.topology.pp,
-             res.topology.dp, res.topology.tp, res.plan.zero_stage, res.plan.schedule,
-             res.batch)  # fmt: skip
+    log.info("training %s on %s (%d samples), layout pp=%d dp=%d cp=%d tp=%d, ZeRO-%d, "
+             "schedule %s, batch %s", res.model.describe(), st.corpus.name, len(st.samples),
+             res.topology.pp, res.topology.dp, res.topology.cp, res.topology.tp,
+             res.plan.zero_stage, res.plan.schedule, res.batch)  # fmt: skip
     for note in res.ds_notes:
         log.info("%s: %s", res.ds_path, note)
     for note in deepspeed_notes(res.ds):

@@ -62,11 +62,15 @@ def explain_lines(res: Resolved) -> list[str]:
                for key in ("offload_optimizer", "offload_param")}  # fmt: skip
     offloaded = stage > 0 and offload["offload_optimizer"] in ("cpu", "nvme")
     optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
+    context, ranks = "", "data-parallel ranks"
+    if t.cp > 1:
+        context = f", cp={t.cp}: context-parallel ranks share their samples"
+        ranks = f"data x context-parallel ranks ({t.dp} x {t.cp})"
     lines = [
         f"batch: train_batch_size {b.train} = micro {b.micro} x gradient_accumulation_steps "
-        f"{b.gas} x dp {t.dp} (pp={t.pp}, tp={t.tp})",
+        f"{b.gas} x dp {t.dp} (pp={t.pp}, tp={t.tp}{context})",
         f"precision: {'bf16 parameters and gradients, fp32 master weights' if bf16 else 'fp32'}",
-        f"ZeRO-{stage} over each stage's {t.dp} data-parallel ranks; offload: optimizer "
+        f"ZeRO-{stage} over each stage's {t.dp * t.cp} {ranks}; offload: optimizer "
         f"{offload['offload_optimizer']}, parameters {offload['offload_param']}",
         f"optimizer {ds['optimizer']['type']} {ds['optimizer'].get('params', {})} (DeepSpeed "
         f"builds {optimizer}: {per_param} B of state per parameter); scheduler "
@@ -76,7 +80,7 @@ def explain_lines(res: Resolved) -> list[str]:
     ]
     counts = res.plan.stage_parameters(res.model)
     for s, psi in enumerate(counts):
-        where = model_state_bytes(stage, psi // t.tp, t.dp, bf16,
+        where = model_state_bytes(stage, psi // t.tp, t.dp * t.cp, bf16,
                                   offload["offload_optimizer"] == "cpu",
                                   offload["offload_param"] == "cpu", per_param)  # fmt: skip
         device = sum(where["device"].values()) / 2**20
