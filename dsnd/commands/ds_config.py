@@ -62,8 +62,11 @@ def explain_lines(res: Resolved) -> list[str]:
                for key in ("offload_optimizer", "offload_param")}  # fmt: skip
     offloaded = stage > 0 and offload["offload_optimizer"] in ("cpu", "nvme")
     optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
-    context, ranks = "", "data-parallel ranks"
-    if t.cp > 1:
+    context, ranks, shards = "", "data-parallel ranks", t.dp * t.cp
+    dp_shard = res.run.parallel.dp_shard
+    if stage == 3 and dp_shard and dp_shard != t.dp:  # HSDP: ZeRO-3 within groups of dp_shard
+        ranks, shards = f"data-parallel ranks in groups of {dp_shard} (parallel.dp_shard)", dp_shard
+    elif t.cp > 1:
         context = f", cp={t.cp}: context-parallel ranks share their samples"
         ranks = f"data x context-parallel ranks ({t.dp} x {t.cp})"
     lines = [
@@ -80,7 +83,7 @@ def explain_lines(res: Resolved) -> list[str]:
     ]
     counts = res.plan.stage_parameters(res.model)
     for s, psi in enumerate(counts):
-        where = model_state_bytes(stage, psi // t.tp, t.dp * t.cp, bf16,
+        where = model_state_bytes(stage, psi // t.tp, shards, bf16,
                                   offload["offload_optimizer"] == "cpu",
                                   offload["offload_param"] == "cpu", per_param)  # fmt: skip
         device = sum(where["device"].values()) / 2**20

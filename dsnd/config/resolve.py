@@ -265,9 +265,9 @@ def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
                         f"groups of {size} ranks); {ds_path} sets zero_optimization.stage="
                         f"{zero_stage(ds)}")  # fmt: skip
     if (zero.get("zero_hpz_partition_size") or 1) > 1:
-        raise UserError(f"parallel.dp_shard={size} and {ds_path}'s zero_optimization."
-                        "zero_hpz_partition_size both choose where ZeRO-3's parameters are "
-                        "gathered from; set one of them")  # fmt: skip
+        raise UserError(f"parallel.dp_shard={size} and zero_optimization.zero_hpz_partition_"
+                        f"size={zero['zero_hpz_partition_size']} ({ds_path}) both choose where "
+                        "ZeRO-3 gathers parameters from; set one of them")  # fmt: skip
     if par.cp > 1:
         raise UserError(f"parallel.dp_shard={size} with parallel.cp={par.cp} is not supported: "
                         "hybrid sharding runs without context parallelism")  # fmt: skip

@@ -7,8 +7,9 @@
   is near 1.
 - Its step-5 checkpoint resumed on plain ZeRO-3 (dp=4, no dp_shard): steps 6..10 equal the
   HSDP run's own within 1e-4 (checkpoints hold no layout).
-- pp=2 x dp=2, dp_shard=1 (each stage's ranks hold their whole stage and average gradients):
-  the reference within 1e-4.
+- pp=2 x dp=2, dp_shard=1 (each stage's ranks hold their whole stage and average gradients),
+  and dp_shard=2 with the optimizer and parameters offloaded to the CPU (the gradient
+  partitions are averaged before ZeRO-3 offloads them): the reference within 1e-4.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from dsnd.config.resolve import resolve
 from tests.distributed.parity import RTOL, STEPS, assert_same, case, run_cases
 
 SHARD2 = ("parallel.dp_shard=2",)
+OFFLOAD = (
+    'ds.zero_optimization.offload_optimizer={"device": "cpu"}',
+    'ds.zero_optimization.offload_param={"device": "cpu"}',
+)
 
 
 def _log_line(tmp_path, name: str, rank: int) -> str:
@@ -39,10 +44,12 @@ def test_hsdp_parity_memory_and_resume_on_plain_zero3(single, tmp_path):
         hsdp,
         case("hsdp-to-plain", 3, sets=("train.steps=10", f"checkpoint.resume={saved}")),
         case("hsdp-pp2-shard1", 3, sets=("parallel.pp=2", "parallel.dp_shard=1")),
+        case("hsdp-offload", 3, sets=(*SHARD2, *OFFLOAD)),
     ])  # fmt: skip
     ref = single["ref-llama"]
     assert_same(got["hsdp"][:STEPS], ref, "hsdp")
     assert_same(got["hsdp-pp2-shard1"], ref, "hsdp-pp2-shard1")
+    assert_same(got["hsdp-offload"], ref, "hsdp-offload")
 
     resumed, straight = got["hsdp-to-plain"], got["hsdp"][STEPS:]
     assert [r["step"] for r in resumed] == list(range(6, 11))
