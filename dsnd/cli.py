@@ -108,14 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure dsnd against DeepSpeed (a benchmark, not a test)")
     bench.add_argument(
         "name",
-        choices=("pipeline", "partition"),
+        choices=("pipeline", "partition", "context"),
         help="pipeline: dsnd's pipeline, schedules and ZeRO against DeepSpeed's; partition: "
-        "parallel.partition profile against parameters on a large-vocabulary model at pp=4",
+        "parallel.partition profile against parameters on a large-vocabulary model at pp=4; "
+        "context: activation memory per rank and speed of ring and Ulysses context "
+        "parallelism at cp=1/2/4 on long sequences",
     )
-    bench.add_argument("--steps", type=int, default=40, help="timed repetitions per side")
-    bench.add_argument("--warmup", type=int, default=10, help="untimed repetitions first")
+    bench.add_argument("--steps", type=int, help="timed repetitions per side (default: 40; "
+                       "context: 3)")  # fmt: skip
+    bench.add_argument("--warmup", type=int, help="untimed repetitions first (default: 10; "
+                       "context: 1)")  # fmt: skip
     bench.add_argument("--micro-batches", type=int, default=8, help="gradient accumulation steps")
     bench.add_argument("--json", action="store_true", help="one JSON object per metric line")
+    bench.add_argument("--seqs", default="2048,4096,8192",
+                       help="context: the sequence lengths, comma-separated")  # fmt: skip
     bench.add_argument(
         "--set",
         dest="sets",

@@ -1,5 +1,5 @@
-"""``dsnd bench pipeline | partition``: measure dsnd's pipeline, its schedules, ZeRO and its
-measured partition on this machine.
+"""``dsnd bench pipeline | partition | context``: measure dsnd's pipeline, its schedules, ZeRO,
+its measured partition and its context parallelism on this machine.
 
 A benchmark, not a test: it prints each metric with its target and whether the target was met,
 and exits 0 whenever the measurement itself ran. It starts its own gloo ranks (one thread each,
@@ -13,6 +13,10 @@ of each writes its raw numbers to a temporary JSON that this process turns into 
 with a large vocabulary head at pp=4: it measures the profile here (`measure_profile`), then
 runs `dsnd.bench.partition_rank` on 4 ranks, which step both layouts in turn and report each
 stage's forward and backward compute.
+
+``dsnd bench context`` runs `dsnd.bench.context_rank` on 4 ranks: per sequence length, cp=1
+(whole sequences) against ring and Ulysses at cp=2 and 4, each rank's peak activation bytes and
+the seconds per step (`dsnd.bench.context_results`).
 """
 
 from __future__ import annotations
@@ -28,12 +32,21 @@ from dsnd.errors import UserError
 
 RANK_MODULE = "dsnd.bench.pipeline_rank"
 PARTITION_MODULE = "dsnd.bench.partition_rank"
+CONTEXT_MODULE = "dsnd.bench.context_rank"
 TIMEOUT_S = 1200  # per phase
 PP4_SHARE = 4  # the pp=4 phase runs 1/4 of the repetitions
 PARTITION_SHARE = 2  # the partition bench runs 1/2 of them, each a step of both layouts
 
 
+DEFAULT_REPS = {"pipeline": (40, 10), "partition": (40, 10), "context": (3, 1)}
+"""(timed, warm-up) repetitions of each bench unless --steps / --warmup say otherwise: a context
+step at 8192 tokens takes seconds, a pipeline step of the tiny model milliseconds."""
+
+
 def _check(args: argparse.Namespace) -> None:
+    steps, warmup = DEFAULT_REPS[args.name]
+    args.steps = steps if args.steps is None else args.steps
+    args.warmup = warmup if args.warmup is None else args.warmup
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 0:
@@ -112,12 +125,23 @@ def _partition(args: argparse.Namespace, tmp: str) -> list:
     return partition_rows(raw)
 
 
+def _context(args: argparse.Namespace, tmp: str) -> list:
+    """``dsnd bench context``: the five layouts per sequence length on 4 ranks."""
+    from dsnd.bench.context_rank import CONTEXT_WORLD
+    from dsnd.bench.context_results import context_rows
+
+    extra = ["--seqs", args.seqs, *(f"--set={item}" for item in args.sets)]
+    raw = _ranks(CONTEXT_MODULE, CONTEXT_WORLD, os.path.join(tmp, "raw.json"), args.steps,
+                 args.warmup, args.micro_batches, extra)  # fmt: skip
+    return context_rows(raw)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
     from dsnd.bench.rows import format_table, json_lines
     from dsnd.launch.local_ranks import RanksFailed
 
-    measure = _partition if args.name == "partition" else _pipeline
+    measure = {"partition": _partition, "context": _context}.get(args.name, _pipeline)
     with tempfile.TemporaryDirectory(prefix="dsnd-bench-") as tmp:
         try:
             rows = measure(args, tmp)

@@ -265,7 +265,7 @@ def test_bench_cli_parses_options():
     args = cli.build_parser().parse_args(["bench", "pipeline", "--json", "--micro-batches", "4"])
     assert (args.command, args.name, args.json, args.micro_batches) == ("bench", "pipeline",
                                                                        True, 4)  # fmt: skip
-    assert (args.steps, args.warmup) == (40, 10)
+    assert (args.steps, args.warmup) == (None, None)  # the bench's own (DEFAULT_REPS)
 
 
 @pytest.mark.parametrize(
@@ -629,7 +629,7 @@ def test_bench_cli_partition_takes_run_keys():
         ["bench", "partition", "--set", "model.num_layers=8", "--set", "model.seq_len=32"]
     )
     assert (args.name, args.sets, args.steps, args.warmup) == (
-        "partition", ["model.num_layers=8", "model.seq_len=32"], 40, 10)  # fmt: skip
+        "partition", ["model.num_layers=8", "model.seq_len=32"], None, None)  # fmt: skip
 
 
 def test_pipeline_bench_resolves_its_runs_with_the_run_keys():

@@ -1,0 +1,123 @@
+"""Rank program of ``dsnd bench context``; run by every rank of a 4-rank gloo world::
+
+    python -m dsnd.bench.context_rank OUT.json [--steps N] [--warmup W] [--seqs 2048,4096]
+                                                [--set KEY=VALUE ...]
+
+For each sequence length, five layouts of the same tiny-width model (`SHAPE`) on the same 4
+ranks, one `StageRunner` (what the trainer runs) at a time: cp=1 x dp=4 (every rank holds whole
+sequences: the baseline), ring and Ulysses at cp=2 x dp=2 and at cp=4 x dp=1. Every layout
+trains the same 4 sequences per step, as micro-batches of one sequence (4/dp of them per rank,
+each's backward done before the next forward), so a rank's activations at their peak are those
+of one sequence, or of its 1/cp slice, and all layouts see the same samples (same losses).
+
+Per layout: the bytes of activations the rank saved for backward at its peak (the executor's
+`ActivationMeter`, which measures the first step: the warm-up), the largest over ranks; and
+seconds per step (from a common barrier, median of the timed steps, slowest rank). Rank 0
+writes the raw numbers to OUT.json; `dsnd.bench.context_results` turns them into rows.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsnd.bench.pipeline_rank import _ds_json, _samples, rank_parser, start_rank
+from dsnd.config.load import load
+from dsnd.config.resolve import Resolved, resolve
+from dsnd.data import batch_for_step
+from dsnd.distributed.groups import build_groups
+from dsnd.distributed.init import init_world, shutdown
+from dsnd.pipeline.runner import StageRunner
+
+CONTEXT_WORLD = 4
+SEQS = (2048, 4096, 8192)
+LAYOUTS = {
+    "cp1": (),
+    "ring-cp2": ("parallel.cp=2", "parallel.cp_impl=ring"),
+    "ulysses-cp2": ("parallel.cp=2", "parallel.cp_impl=ulysses"),
+    "ring-cp4": ("parallel.cp=4", "parallel.cp_impl=ring"),
+    "ulysses-cp4": ("parallel.cp=4", "parallel.cp_impl=ulysses"),
+}
+"""The layouts compared at each length, the baseline (whole sequences) first."""
+SHAPE = ("model.preset=llama-tiny", "model.num_layers=2", "model.num_kv_heads=4")
+"""llama-tiny's width (64, 4 heads) with 4 key/value heads, so Ulysses runs at cp=4."""
+
+
+def context_sets(seq: int, layout: str, extra: Sequence[str] = ()) -> list[str]:
+    """The run keys of one layout at length `seq`: ZeRO-1, micro-batches of one sequence, 4
+    sequences per step."""
+    return [
+        f"deepspeed={_ds_json(1)}", *SHAPE, f"model.seq_len={seq}",
+        f"model.max_position_embeddings={seq}", "ds.train_micro_batch_size_per_gpu=1",
+        f"ds.train_batch_size={CONTEXT_WORLD}", "ds.gradient_accumulation_steps=null",
+        *LAYOUTS[layout], *extra,
+    ]  # fmt: skip
+
+
+def _timed_step(runner: StageRunner, res: Resolved, samples, groups, step: int) -> tuple:
+    """(slowest rank's seconds, activation peak bytes, loss) of optimizer step `step`."""
+    b = res.batch
+    micro = batch_for_step(samples, res.run.train.seed, step, b.train, groups.coord.dp,
+                           res.topology.dp, b.micro)  # fmt: skip
+    dist.barrier()
+    start = time.perf_counter()
+    result = runner.run(micro)
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    peak = torch.tensor([result.activation_peak_bytes], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    loss, _ = runner.report(result)
+    return seconds.item(), int(peak.item()), loss
+
+
+def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
+    """One layout: its activation peak (first step) and step seconds (timed steps)."""
+    groups = build_groups(res.topology)
+    samples = _samples(res)
+    runner = StageRunner(res, groups, load_hf=False)
+    try:
+        seconds, peak, losses = [], None, []
+        for step in range(warmup + steps):
+            s, p, loss = _timed_step(runner, res, samples, groups, step)
+            peak = p if peak is None else peak  # the meter measures the first step
+            losses.append(loss)
+            if step >= warmup:
+                seconds.append(s)
+        return {"activation_peak_bytes": peak, "step_s": statistics.median(seconds),
+                "losses": losses}  # fmt: skip
+    finally:
+        del runner
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = rank_parser("dsnd.bench.context_rank", steps=3, warmup=1)
+    parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
+    args = parser.parse_args(argv)
+    args.warmup = max(1, args.warmup)  # the measured step is the first; it is not timed
+    info = start_rank()
+    if info.world_size != CONTEXT_WORLD:
+        raise SystemExit(f"dsnd bench context runs on {CONTEXT_WORLD} ranks, got "
+                         f"{info.world_size}")  # fmt: skip
+    seqs = [int(s) for s in args.seqs.split(",")]
+    runs = {(seq, name): resolve(load(None, context_sets(seq, name, args.sets)), CONTEXT_WORLD)
+            for seq in seqs for name in LAYOUTS}  # fmt: skip
+    init_world(info, timeout_s=600)
+    raw: dict[str, Any] = {"seqs": seqs, "layouts": list(LAYOUTS), "runs": {}}
+    for (seq, name), res in runs.items():
+        raw["runs"][f"{seq}/{name}"] = measure(res, args.steps, args.warmup)
+    if info.rank == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(raw, f)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
