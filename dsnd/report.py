@@ -48,7 +48,7 @@ def step_row(step: int, loss: float, lr: float, norm: float | None, elapsed: flo
         # the largest rank's model-state bytes (CPU) or allocated bytes (CUDA)
         "memory_live_bytes": max(v for k, v in numbers.items() if k.endswith("_live_bytes")),
         # per stage, its largest rank: memory_stage<s>_live_bytes / _peak_bytes /
-        # _activation_peak_bytes (activations saved for backward, at most at once in the step)
+        # _activation_peak_bytes (activations saved for backward, the most at once in a step)
         **{k.replace("/", "_"): v for k, v in numbers.items() if k.startswith("memory/")},
     }
 

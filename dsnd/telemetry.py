@@ -6,8 +6,8 @@ Memory per rank: on CUDA, allocated and peak-allocated bytes; on CPU, the bytes 
 states the rank holds (parameters, gradients, fp32 masters, optimizer state;
 `dsnd.engine.memory`) as "live", and the process's peak resident set as "peak" (all of Python
 and torch, an upper bound). On every device, "activation_peak": the most bytes of activations the
-rank held for backward at once in the step (`dsnd.pipeline.activations`), which the schedule's
-micro-batches in flight, the sequence length and context parallelism set.
+rank held for backward at once in a step (`dsnd.pipeline.activations`, measured on sampled
+steps), which the micro-batches in flight, the sequence length and context parallelism set.
 """
 
 from __future__ import annotations

@@ -112,9 +112,7 @@ class Executor:
         self.engine, self.links, self.shape = engine, links, shape
         self.math, self.role, self.tied = math, role, tied
         self.split = False  # set per program: zero-bubble programs run forwards outside hooks
-        module = engine.engine.module
-        self.activations = ActivationMeter(lambda: [*module.parameters(), *module.buffers(),
-                                                    *(tied.borrowed_leaves() if tied else [])])
+        self.activations = ActivationMeter(self._not_activations)
         self.table: dict[str, Callable[[Instr, _Step], None]] = {
             S.RECV_ACT: self._recv_act, S.SEND_ACT: self._send_act, S.FORWARD: self._forward,
             S.RECV_GRAD: self._recv_grad, S.SEND_GRAD: self._send_grad,
@@ -132,6 +130,12 @@ class Executor:
 
     def _is_last(self, x: Instr) -> bool:
         return self._virtual(x) == self.role.stages * self.role.chunks - 1
+
+    def _not_activations(self) -> list[torch.Tensor]:
+        """What a forward may save that the activation count leaves out, besides parameters."""
+        module = self.engine.engine.module
+        return [*module.buffers(), *module.parameters(),
+                *(self.tied.borrowed_leaves() if self.tied else [])]  # fmt: skip
 
     def step(self, program: list[Instr], batches: Batches) -> StepResult:
         """Execute `program` (one optimizer step of this stage) on this rank's micro-batches."""

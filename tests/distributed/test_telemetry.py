@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dsnd.flops import flops_per_token
 from dsnd.pipeline.executor import PHASES
+from dsnd.telemetry import MEMORY
 from tests.distributed.parity import case, run_cases
 from tests.models import spec_of
 
@@ -35,7 +36,7 @@ def test_pipeline_run_writes_every_scalar_to_tensorboard(tmp_path):
         "perf/mfu",
         "pipeline/bubble_fraction",
         *(f"time/{p}_s" for p in PHASES),
-        *(f"memory/stage{s}_{k}" for s in (0, 1) for k in ("live_bytes", "peak_bytes")),
+        *(f"memory/stage{s}_{k}" for s in (0, 1) for k in MEMORY),
     }
     assert want <= tags, want - tags
     scalars = {t: [e.value for e in events.Scalars(t)] for t in want}
@@ -61,6 +62,8 @@ def test_pipeline_run_writes_every_scalar_to_tensorboard(tmp_path):
             # ZeRO-1, dp=1: fp32 params + grads + fp32 master + 2 Adam moments of ~half the model
             assert 1e5 < live < 4e6, live
             assert scalars[f"memory/stage{stage}_peak_bytes"][s] > live
+            # 1F1B: stage 0 holds 2 micro-batches of 2 x 64 tokens, stage 1 one (with its loss)
+            assert 5e5 < scalars[f"memory/stage{stage}_activation_peak_bytes"][s] < 4e6
     assert scalars["perf/samples_per_s"][0] == pytest.approx(16 / scalars["perf/step_time_s"][0])
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "preset: llama-tiny" in text and "pp: 2" in text

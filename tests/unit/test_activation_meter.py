@@ -95,7 +95,7 @@ def test_steps_between_measured_ones_keep_the_last_measured_figure():
                 out = out + model(torch.cat([_x(), _x()])).sum()
         out.backward()
         meter.release(0)
-        assert meter.peak == (ONE if step == 3 else 3 * ONE), step
+        assert meter.peak == (ONE if step >= 3 else 3 * ONE), step
 
 
 def test_a_storage_saved_by_two_micro_batches_counts_once_until_both_are_done():
