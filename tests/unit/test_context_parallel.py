@@ -93,3 +93,24 @@ def test_context_rows_ratio_against_whole_sequences_with_targets():
     assert rows["seq1024 ring-cp2 losses vs cp1 (max rel diff)"].met is False  # 1e-4 exceeded
     speed = rows["seq1024 cp2 ring / ulysses throughput"]
     assert speed.value == pytest.approx(0.5) and speed.met is True
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_blocks_written_out_equal_torchs_fused_kernel(causal):
+    """The form other devices run equals the CPU kernel, forward and the block's gradients given
+    a global output and log-sum-exp (here a merge of this block with a second one)."""
+    import torch
+
+    from dsnd.cp.ring import block_backward, block_forward
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, k2, v2, do = (torch.randn(2, 3, 8, 4, generator=gen) for _ in range(6))
+    got = {}
+    for fused in (True, False):
+        o1, l1 = block_forward(q, k, v, 0.5, causal, fused)
+        o2, l2 = block_forward(q, k2, v2, 0.5, False, fused)
+        lse = torch.logaddexp(l1, l2)
+        out = o1 * torch.exp(l1 - lse) + o2 * torch.exp(l2 - lse)
+        got[fused] = (o1, l1, out, *block_backward(do, q, k, v, out, lse, 0.5, causal, fused))
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
