@@ -22,7 +22,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("rng") / "out.json"
     run_ranks(4, ["tests/distributed/rng_worker.py", str(out)], timeout=120)
     found = json.loads(out.read_text())
-    assert [r["coord"] for r in found] == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
+    # (pp, dp, tp, cp)
+    assert [r["coord"] for r in found] == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 1, 0, 0], [0, 1, 1, 0]]
     return found
 
 
@@ -33,7 +34,7 @@ def by_tp(ranks: list[dict], tp: int) -> list[dict]:
 @pytest.mark.dist
 def test_seeds_follow_megatron(ranks):
     for r in ranks:
-        pp, _, tp = r["coord"]
+        pp, _, tp, _ = r["coord"]
         assert r["seeds"] == [SEED + 100 * pp, SEED + 100 * pp + 2718 + tp]
 
 

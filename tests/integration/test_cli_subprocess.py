@@ -13,7 +13,7 @@ import torch
 import dsnd
 from tests.procs import ROOT, run_cli
 
-HEADER = ["rank", "host", "local_rank", "pp", "dp", "tp"]
+HEADER = ["rank", "host", "local_rank", "pp", "dp", "cp", "tp"]
 
 
 def _one_error_line(proc) -> str:
@@ -73,10 +73,10 @@ def test_acceptance_dry_run_prints_four_ranks():
     assert table[0].split() == HEADER
     rows = [line.split() for line in table[1:]]
     assert rows == [
-        ["0", "localhost", "0", "0", "0", "0"],
-        ["1", "localhost", "1", "0", "0", "1"],
-        ["2", "localhost", "2", "1", "0", "0"],
-        ["3", "localhost", "3", "1", "0", "1"],
+        ["0", "localhost", "0", "0", "0", "0", "0"],
+        ["1", "localhost", "1", "0", "0", "0", "1"],
+        ["2", "localhost", "2", "1", "0", "0", "0"],
+        ["3", "localhost", "3", "1", "0", "0", "1"],
     ]
 
 
