@@ -35,3 +35,11 @@ def run_cli(
     return subprocess.run([sys.executable, "-m", "dsnd", *args], cwd=cwd or ROOT,
                           env=rank_env(env), capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
+
+
+def last_log_text(log_dir: str, rank: int, marker: str) -> str:
+    """What follows `marker` on the last line of rank `rank`'s log (under `log_dir`/logs) that
+    holds it."""
+    with open(os.path.join(log_dir, "logs", f"rank_{rank:05d}.log")) as f:
+        lines = [line for line in f if marker in line]
+    return lines[-1].split(marker, 1)[1].strip()

@@ -14,28 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import AttentionInterface, PretrainedConfig
 
 from dsnd.cp.ring import ring_attention
 from dsnd.cp.slices import slice_positions
 from dsnd.cp.ulysses import ulysses_attention
+from dsnd.tp.context import RankGroup
 
 ATTENTION = "dsnd_context_parallel"
 
 
 @dataclass(frozen=True)
-class ContextParallel:
-    group: dist.ProcessGroup
+class ContextParallel(RankGroup):
     impl: str = "ring"
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
 
     def positions(self, seq: int, device: torch.device | None = None) -> torch.Tensor:
         """Global positions (indices into a `seq`-token sequence) of this rank's slice."""

@@ -12,9 +12,10 @@ from dsnd.tp.layers import enter_tp, leave_tp
 
 
 @dataclass(frozen=True)
-class TensorParallel:
+class RankGroup:
+    """A process group as one of its ranks sees it (also the base of `dsnd.cp`'s)."""
+
     group: dist.ProcessGroup
-    sequence_parallel: bool = False
 
     @property
     def size(self) -> int:
@@ -23,6 +24,11 @@ class TensorParallel:
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group)
+
+
+@dataclass(frozen=True)
+class TensorParallel(RankGroup):
+    sequence_parallel: bool = False
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a split region: f, or the sequence all-gather (see dsnd.tp.layers.enter_tp)."""

@@ -36,6 +36,14 @@ def run_cases(tmp_path, world: int, cases: list[dict],
     return json.loads(out.read_text())
 
 
+def assert_same_as_references(got: dict, single: dict, skip: tuple[str, ...] = ()) -> None:
+    """Every case of `got` (but names starting with one of `skip`) equals the single-process
+    reference of its family: "gpt2-..." cases GPT-2's, the others Llama's."""
+    for name, rows in got.items():
+        if not name.startswith(skip):
+            assert_same(rows, single["ref-gpt2" if name.startswith("gpt2") else "ref-llama"], name)
+
+
 def assert_same(rows: list[dict], ref: list[dict], label: str) -> None:
     assert len(rows) == len(ref) == STEPS, label
     for got, want in zip(rows, ref, strict=True):

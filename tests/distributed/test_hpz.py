@@ -14,20 +14,17 @@ parameter intra parallel group is already initialized").
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.distributed.parity import STEPS, assert_same, case, run_cases
 from tests.distributed.test_checkpoint_resume import _assert_exact, _exact_cases
+from tests.procs import last_log_text
 
 HPZ = "ds.zero_optimization.zero_hpz_partition_size=2"
 
 
 def _hpz_ranks(tmp_path, name: str, rank: int) -> str:
-    with open(os.path.join(tmp_path, name, "logs", f"rank_{rank:05d}.log")) as f:
-        lines = [line for line in f if "ZeRO++ hpZ: " in line]
-    return lines[-1].rsplit("over ranks ", 1)[1].strip()
+    return last_log_text(tmp_path / name, rank, "ZeRO++ hpZ: ").rsplit("over ranks ", 1)[1]
 
 
 @pytest.mark.dist

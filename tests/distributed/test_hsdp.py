@@ -22,18 +22,13 @@ from dsnd.bench.results import zero_state_bytes
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from tests.distributed.parity import RTOL, STEPS, assert_same, case, run_cases
+from tests.procs import last_log_text
 
 SHARD2 = ("parallel.dp_shard=2",)
 OFFLOAD = (
     'ds.zero_optimization.offload_optimizer={"device": "cpu"}',
     'ds.zero_optimization.offload_param={"device": "cpu"}',
 )
-
-
-def _log_line(tmp_path, name: str, rank: int) -> str:
-    with open(os.path.join(tmp_path, name, "logs", f"rank_{rank:05d}.log")) as f:
-        lines = [line for line in f if "HSDP: " in line]
-    return lines[-1].split("HSDP: ", 1)[1].strip()
 
 
 @pytest.mark.dist
@@ -61,7 +56,7 @@ def test_hsdp_parity_memory_and_resume_on_plain_zero3(single, tmp_path):
             "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [1, 3]",
             "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [0, 2]",
             "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [1, 3]"]  # fmt: skip
-    assert [_log_line(tmp_path, "hsdp", r) for r in range(4)] == want
+    assert [last_log_text(tmp_path / "hsdp", r, "HSDP: ") for r in range(4)] == want
 
     res = resolve(load(None, hsdp["sets"]), 4)
     psi = res.plan.stage_parameters(res.model)[0]

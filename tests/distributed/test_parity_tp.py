@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.parity import assert_same, case, run_cases
+from tests.distributed.parity import assert_same_as_references, case, run_cases
 
 TP2 = ("parallel.tp=2",)
 PP2_TP2 = ("parallel.pp=2", "parallel.tp=2")
 SP = ("parallel.sequence_parallel=true",)
-
-
-def _check(got: dict, single: dict) -> None:
-    for name, rows in got.items():
-        assert_same(rows, single["ref-gpt2" if name.startswith("gpt2") else "ref-llama"], name)
 
 
 @pytest.mark.dist
@@ -32,7 +27,7 @@ def test_tp2_zero_0_to_3_with_and_without_sequence_parallel(single, tmp_path):
         case("gpt2-tp2-z0", 0, "gpt2-tiny", sets=TP2),
         case("gpt2-tp2-sp-z2", 2, "gpt2-tiny", sets=(*TP2, *SP)),
     ])  # fmt: skip
-    _check(got, single)
+    assert_same_as_references(got, single)
 
 
 @pytest.mark.dist
@@ -45,7 +40,7 @@ def test_tp2_with_two_stages_or_two_replicas(single, tmp_path):
         case("tp2-dp2-z3", 3, sets=TP2),
         case("gpt2-tp2-pp2-z3", 3, "gpt2-tiny", sets=PP2_TP2),  # tie across stages, split
     ])  # fmt: skip
-    _check(got, single)
+    assert_same_as_references(got, single)
 
 
 @pytest.mark.dist
@@ -54,4 +49,4 @@ def test_tp2_pp2_dp2_on_eight_ranks(single, tmp_path):
         case("tp2-pp2-dp2-z1", 1, sets=PP2_TP2),
         case("tp2-pp2-dp2-sp-z3", 3, sets=(*PP2_TP2, *SP)),
     ])  # fmt: skip
-    _check(got, single)
+    assert_same_as_references(got, single)

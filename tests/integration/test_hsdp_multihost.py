@@ -17,27 +17,22 @@ from dsnd.bench.results import zero_state_bytes
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from tests.integration.test_multihost import (  # noqa: F401 (reference_losses: a fixture)
-    check_run,
-    launch_on_cluster,
+    launch_zero3_dp4,
     reference_losses,
 )
-from tests.procs import ROOT
+from tests.procs import ROOT, last_log_text
 
 HSDP = ("parallel.pp=1", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}",
         "parallel.dp_shard=2")  # fmt: skip
+"""The run `launch_zero3_dp4` makes of dp_shard=2, as this process resolves it."""
 
 
 @pytest.mark.launch
 def test_hsdp_shards_stay_on_each_host(cluster, tmp_path, reference_losses):  # noqa: F811
-    watcher, log_dir = launch_on_cluster(cluster, tmp_path, "pdsh", sets=HSDP)
-    # ranks 0, 1 ran on 127.0.0.1 and ranks 2, 3 on 127.0.0.2 (checked here), so each shard
-    # group below is one host's ranks and each replica group one rank of each host
-    check_run(cluster, watcher, log_dir, reference_losses, first_host_ranks="127.0.0.1")
-    lines = []
-    for rank in range(4):
-        with open(os.path.join(log_dir, "logs", f"rank_{rank:05d}.log")) as f:
-            lines.append([line for line in f if "HSDP: " in line][-1].split("HSDP: ", 1)[1])
-    assert [line.strip() for line in lines] == [
+    log_dir = launch_zero3_dp4(cluster, tmp_path, reference_losses, "parallel.dp_shard=2")
+    # ranks 0, 1 ran on 127.0.0.1 and ranks 2, 3 on 127.0.0.2 (checked), so each shard group
+    # below is one host's ranks and each replica group one rank of each host
+    assert [last_log_text(log_dir, rank, "HSDP: ") for rank in range(4)] == [
         "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [0, 2]",
         "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [1, 3]",
         "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [0, 2]",

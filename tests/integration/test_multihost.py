@@ -161,6 +161,15 @@ def check_run(cluster: Cluster, watcher: RankWatcher, log_dir: str, reference: l
     assert hosts == want, "ssh session each rank ran in (None: none of the cluster's)"
 
 
+def launch_zero3_dp4(cluster: Cluster, tmp_path, reference: list[float], *sets: str) -> str:
+    """A pdsh launch of pp=1 x dp=4 at ZeRO-3 (then `sets`) over both hosts, checked by
+    `check_run` with ranks 0 and 1 on 127.0.0.1 and 2 and 3 on 127.0.0.2; its log.dir."""
+    zero3 = ("parallel.pp=1", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}")
+    watcher, log_dir = launch_on_cluster(cluster, tmp_path, "pdsh", sets=(*zero3, *sets))
+    check_run(cluster, watcher, log_dir, reference, first_host_ranks="127.0.0.1")
+    return log_dir
+
+
 @pytest.fixture(scope="module")
 def reference_losses(tmp_path_factory) -> list[float]:
     """The plain single-process PyTorch run's losses for the same run config."""
