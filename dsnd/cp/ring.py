@@ -131,7 +131,7 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class RingAttention(torch.autograd.Function):
-    """out (b, heads, S, d) = causal softmax attention of this rank's queries over the whole
+    """out (b, S, heads, d) = causal softmax attention of this rank's queries over the whole
     sequence; q (b, heads, S, d), k and v (b, kv_heads, S, d), S = two chunks."""
 
     @staticmethod
@@ -157,7 +157,10 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv, handles = pending
                 _Ring.finish(handles)
-        result = torch.cat(out, dim=2)
+        # (b, S, heads, d), the layout the output projection reads: in fp32 the projection's
+        # saved input and this saved output are then one tensor (measured: +4% of a rank's
+        # activations when they were two)
+        result = torch.cat(out, dim=2).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2))
         ctx.group, ctx.scale = group, scale
         return result.to(q.dtype)
@@ -165,6 +168,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
+        out, grad_out = out.transpose(1, 2), grad_out.transpose(1, 2)  # to (b, heads, S, d)
         ring = _Ring(ctx.group)
         groups = q.shape[1] // k.shape[1]
         half = q.shape[2] // 2
@@ -201,4 +205,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: dist.ProcessGroup, scale: float) -> torch.Tensor:  # fmt: skip
     """Causal attention over the cp group's whole sequence; (b, S, heads, d) as transformers'
     attention functions return it."""
-    return RingAttention.apply(q, k, v, group, scale).transpose(1, 2)
+    return RingAttention.apply(q, k, v, group, scale)
