@@ -106,6 +106,11 @@ class Topology:
             raise ValueError(f"unknown axis {axis!r}; expected one of {AXES}")
         return self.groups_across((axis,))
 
+    def zero_groups(self) -> list[list[int]]:
+        """The ranks of a stage that hold the same parameters (data x context): what ZeRO
+        shards over and averages gradients over."""
+        return self.groups_across(("data", "context"))
+
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ranks that share every coordinate with `rank` except `axis`."""
         for ranks in self.groups(axis):

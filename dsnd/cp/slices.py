@@ -11,6 +11,8 @@ ranks' slices in rank order, which is the sequence itself only when the slices a
 
 from __future__ import annotations
 
+import functools
+
 IMPLS = ("ring", "ulysses")
 
 
@@ -19,16 +21,18 @@ def chunks_of(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def slice_positions(seq: int, cp: int, rank: int, impl: str) -> list[int]:
+@functools.cache  # asked by every block of every forward, with the same few arguments
+def slice_positions(seq: int, cp: int, rank: int, impl: str) -> tuple[int, ...]:
     """The positions (indices into the full sequence of length `seq`) rank `rank` of `cp` holds,
     in the order it holds them."""
     if impl not in IMPLS:
         raise ValueError(f"unknown context-parallel implementation {impl!r}")
     if impl == "ulysses":
         size = seq // cp
-        return list(range(rank * size, (rank + 1) * size))
+        return tuple(range(rank * size, (rank + 1) * size))
     size = seq // (2 * cp)
-    return [p for chunk in chunks_of(cp, rank) for p in range(chunk * size, (chunk + 1) * size)]
+    first, last = (range(c * size, (c + 1) * size) for c in chunks_of(cp, rank))
+    return (*first, *last)
 
 
 def divisor(cp: int, impl: str) -> int:

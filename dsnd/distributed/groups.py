@@ -54,7 +54,7 @@ def build_groups(topology: Topology) -> ProcessGroups:
         rank=rank,
         coord=topology.coord(rank),
         pipe=_own_group(topology.groups("pipe"), rank),
-        data=_own_group(topology.groups_across(("data", "context")), rank),
+        data=_own_group(topology.zero_groups(), rank),
         tensor=_own_group(topology.groups("model"), rank),
         context=_own_group(topology.groups("context"), rank),
         replica=_own_group(topology.model_parallel_groups(), rank),
@@ -65,9 +65,13 @@ def hpz_group(topology: Topology, rank: int, size: int) -> dist.ProcessGroup:
     """ZeRO++ hpZ (`zero_hpz_partition_size`): this rank's group for ZeRO-3's secondary
     parameter partition, `size` consecutive ranks of its stage's data-parallel group (DeepSpeed
     would cut its own from the whole world, across stages). Every rank creates every group."""
-    chunks = [ranks[i : i + size] for ranks in topology.groups_across(("data", "context"))
-              for i in range(0, len(ranks), size)]  # fmt: skip
-    return _own_group(chunks, rank)
+    return _own_group(_consecutive(topology, size), rank)
+
+
+def _consecutive(topology: Topology, size: int) -> list[list[int]]:
+    """Every stage's ZeRO group cut into runs of `size` consecutive ranks."""
+    return [ranks[i : i + size] for ranks in topology.zero_groups()
+            for i in range(0, len(ranks), size)]  # fmt: skip
 
 
 def dp_shard_groups(groups: ProcessGroups, size: int | None
@@ -79,10 +83,9 @@ def dp_shard_groups(groups: ProcessGroups, size: int | None
     ranks in a row the shard groups stay inside hosts. `coord` and the topology stay the whole
     layout's (the batch and the data still count dp). Every rank creates every group. A size of
     None, 0 or the whole data group: (`groups`, None), nothing created."""
-    data = groups.topology.groups_across(("data", "context"))
+    data = groups.topology.zero_groups()
     if not size or size == len(data[0]):
         return groups, None
-    shards = [ranks[i : i + size] for ranks in data for i in range(0, len(ranks), size)]
     replicas = [ranks[i::size] for ranks in data for i in range(size)]
-    shard = _own_group(shards, groups.rank)
+    shard = _own_group(_consecutive(groups.topology, size), groups.rank)
     return replace(groups, data=shard), _own_group(replicas, groups.rank)

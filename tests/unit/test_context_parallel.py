@@ -14,14 +14,14 @@ from dsnd.errors import UserError
 
 
 def test_ring_ranks_hold_an_early_and_a_late_chunk():
-    assert slice_positions(8, 2, 0, "ring") == [0, 1, 6, 7]
-    assert slice_positions(8, 2, 1, "ring") == [2, 3, 4, 5]
-    assert slice_positions(16, 4, 1, "ring") == [2, 3, 12, 13]
+    assert slice_positions(8, 2, 0, "ring") == (0, 1, 6, 7)
+    assert slice_positions(8, 2, 1, "ring") == (2, 3, 4, 5)
+    assert slice_positions(16, 4, 1, "ring") == (2, 3, 12, 13)
 
 
 def test_ulysses_ranks_hold_contiguous_slices():
-    assert slice_positions(8, 2, 1, "ulysses") == [4, 5, 6, 7]
-    assert slice_positions(8, 4, 2, "ulysses") == [4, 5]
+    assert slice_positions(8, 2, 1, "ulysses") == (4, 5, 6, 7)
+    assert slice_positions(8, 4, 2, "ulysses") == (4, 5)
 
 
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
