@@ -106,13 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--json", action="store_true", help="with --dry-run: machine-readable")
 
     bench = sub.add_parser("bench", help="measure dsnd against DeepSpeed (a benchmark, not a test)")
+    from dsnd.commands.bench import BENCHES
+
     bench.add_argument(
         "name",
-        choices=("pipeline", "partition", "context"),
-        help="pipeline: dsnd's pipeline, schedules and ZeRO against DeepSpeed's; partition: "
-        "parallel.partition profile against parameters on a large-vocabulary model at pp=4; "
-        "context: activation memory per rank and speed of ring and Ulysses context "
-        "parallelism at cp=1/2/4 on long sequences",
+        choices=tuple(BENCHES),
+        help="; ".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
     )
     bench.add_argument("--steps", type=int, help="timed repetitions per side (default: 40; "
                        "context: 3)")  # fmt: skip

@@ -44,7 +44,7 @@ step at 8192 tokens takes seconds, a pipeline step of the tiny model millisecond
 
 
 def _check(args: argparse.Namespace) -> None:
-    steps, warmup = DEFAULT_REPS[args.name]
+    steps, warmup = DEFAULT_REPS.get(args.name, DEFAULT_REPS["pipeline"])
     args.steps = steps if args.steps is None else args.steps
     args.warmup = warmup if args.warmup is None else args.warmup
     if args.steps < 1:
@@ -136,12 +136,38 @@ def _context(args: argparse.Namespace, tmp: str) -> list:
     return context_rows(raw)
 
 
+BENCHES: dict[str, tuple[str, str]] = {
+    "pipeline": (
+        "dsnd.commands.bench:_pipeline",
+        "dsnd's pipeline, schedules and ZeRO against DeepSpeed's",
+    ),
+    "partition": (
+        "dsnd.commands.bench:_partition",
+        "parallel.partition profile against parameters on a large-vocabulary model at pp=4",
+    ),
+    "context": (
+        "dsnd.commands.bench:_context",
+        "activation memory per rank and speed of ring and Ulysses context parallelism at "
+        "cp=1/2/4 on long sequences",
+    ),
+}
+"""Each bench: its measuring function as ``module:function`` (taking the parsed arguments and a
+temporary directory, returning its rows; imported only when that bench runs) and its help."""
+
+
+def _measure(name: str):
+    import importlib
+
+    module, function = BENCHES[name][0].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
     from dsnd.bench.rows import format_table, json_lines
     from dsnd.launch.local_ranks import RanksFailed
 
-    measure = {"partition": _partition, "context": _context}.get(args.name, _pipeline)
+    measure = _measure(args.name)
     with tempfile.TemporaryDirectory(prefix="dsnd-bench-") as tmp:
         try:
             rows = measure(args, tmp)
