@@ -1,4 +1,5 @@
-"""``dsnd``: train | launch | bench | env | ops | ckpt | plot | data | model | generate | ds-config.
+"""``dsnd``: train | launch | plan | bench | env | ops | ckpt | plot | data | model | generate |
+ds-config.
 
 User-input errors (`UserError`) end as one line ``dsnd: error: ...`` on stderr and exit code 2,
 before any process group starts.
@@ -131,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable)",
     )
 
+    plan = sub.add_parser("plan", help="choose a parallel layout before launch: every layout "
+                          "predicted (memory per device, step time) and ranked")  # fmt: skip
+    from dsnd.commands.plan import add_arguments as plan_arguments
+
+    plan_arguments(plan)
+
     ds_config = sub.add_parser("ds-config", help="what dsnd does with a DeepSpeed JSON")
     ds_what = ds_config.add_subparsers(dest="ds_command", required=True)
     for name, text in (
@@ -240,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             from dsnd.commands.train import run_train
 
             return run_train(args.config, args.sets, setup_logging, args.job_id)
+        if args.command == "plan":
+            from dsnd.commands.plan import run_plan
+
+            return run_plan(args)
         if args.command == "bench":
             from dsnd.commands.bench import run_bench
 

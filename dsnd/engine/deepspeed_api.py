@@ -134,3 +134,26 @@ def op_problem(builder: str) -> str | None:
     except Exception as e:  # DeepSpeed raises ValueError
         return " ".join(str(e).split())
     return None
+
+
+def estimate_model_states(stage: int, total_params: int, largest_layer_params: int,
+                          per_node: int, nodes: int) -> int:  # fmt: skip
+    """DeepSpeed's own estimate of the model-state bytes per device (`estimate_zero2_` /
+    `estimate_zero3_model_states_mem_needs`, no offload, ZeRO-3 with `zero.Init`), for stages 2
+    and 3 (DeepSpeed has none for 0 and 1)."""
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        _, device = estimate_zero2_model_states_mem_needs(
+            total_params, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False
+        )
+        return int(device)
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        _, device, _ = estimate_zero3_model_states_mem_needs(
+            total_params, largest_layer_params, num_gpus_per_node=per_node, num_nodes=nodes,
+            cpu_offload=False, cpu_offload_params=False, zero_init=True,
+        )  # fmt: skip
+        return int(device)
+    raise ValueError(f"DeepSpeed estimates ZeRO stages 2 and 3 only, not {stage}")

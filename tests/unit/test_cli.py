@@ -472,7 +472,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "unknown command": (
             ["lanch"],
             "argument command: invalid choice: 'lanch' (choose from env, ops, train, launch, "
-            "bench, ds-config, data, model, generate, plot, ckpt) (see 'dsnd --help')",
+            "bench, plan, ds-config, data, model, generate, plot, ckpt) (see 'dsnd --help')",
         ),
     }
 

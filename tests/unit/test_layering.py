@@ -11,7 +11,7 @@ import dsnd
 LAYERS = [
     "errors", "engine", "extensions", "secrets", "topology", "tp", "cp", "model", "plan", "config",
     "data", "distributed", "flops", "pipeline", "progress", "stop_request", "metrics", "telemetry",
-    "report", "checkpoint", "trainer", "launch", "bench", "commands", "cli", "__main__",
+    "report", "checkpoint", "trainer", "launch", "planner", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent
 

@@ -1,0 +1,150 @@
+"""``dsnd plan``: every layout a world admits for a model on a device, predicted and ranked
+(`dsnd.planner`); the best explained; ``--out`` writes it as a run YAML and DeepSpeed JSON that
+``dsnd launch`` takes as is; ``--validate`` runs the top layouts on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dsnd.errors import UserError
+
+GIB = 1024**3
+DEFAULT_GLOBAL_BATCH = 1024  # sequences
+MAX_DEFAULT_SEQ = 4096
+TOP = 5
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-tiny",
+                   help="a preset, transformers model directory or config.json")  # fmt: skip
+    p.add_argument("--world", type=int, required=True, help="devices (ranks) in all")
+    p.add_argument("--gpu", help="a device by name: a100, a100-40g, h100, h200, or cpu (this "
+                   "machine, measured; what --validate runs on)")  # fmt: skip
+    p.add_argument("--gpu-mem", type=float, help="device memory, GiB")
+    p.add_argument("--gpu-flops", type=float, help="device peak, TFLOP/s (bf16 dense)")
+    p.add_argument("--intra-bw", type=float, help="GB/s per direction between a node's devices")
+    p.add_argument("--inter-bw", type=float, help="GB/s per direction per device between nodes")
+    p.add_argument("--gpus-per-node", type=int, help="devices per node (default 8)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's trained "
+                   f"length, at most {MAX_DEFAULT_SEQ})")  # fmt: skip
+    p.add_argument("--global-batch", type=int, help=f"sequences per step (default "
+                   f"{DEFAULT_GLOBAL_BATCH}, or the smallest multiple of --world above "
+                   "it)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help='one object: {"layouts", "validation"}')
+    p.add_argument("--all", action="store_true", help="every layout, those that do not fit too")
+    p.add_argument("--top", type=int, default=TOP, help=f"layouts shown (default {TOP})")
+    p.add_argument("--out", help="write the best layout's run.yaml and ds_config.json here")
+    p.add_argument("--validate", type=int, nargs="?", const=3, default=None, metavar="N",
+                   help="run the top N layouts (default 3) here and print predicted / "
+                   "measured")  # fmt: skip
+    p.add_argument("--steps", type=int, default=6, help="with --validate: steps per layout")
+
+
+def global_batch(requested: int | None, world: int) -> int:
+    if requested is not None:
+        if requested < 1:
+            raise UserError(f"--global-batch must be >= 1, got {requested}")
+        return requested
+    return -(-DEFAULT_GLOBAL_BATCH // world) * world
+
+
+def _device(args: argparse.Namespace):
+    from dsnd.planner import hardware
+
+    if args.gpu is not None and args.gpu.lower() == "cpu":
+        return hardware.this_cpu(args.world)
+    return hardware.device(args.gpu, memory_gib=args.gpu_mem, tflops=args.gpu_flops,
+                           intra_gbps=args.intra_bw, inter_gbps=args.inter_bw,
+                           per_node=args.gpus_per_node)  # fmt: skip
+
+
+def problem(args: argparse.Namespace):
+    """(the model, the planning problem) the arguments describe; UserError for bad ones."""
+    from dsnd.planner.search import Problem
+    from dsnd.planner.source import load
+
+    if args.world < 1:
+        raise UserError(f"--world must be >= 1, got {args.world}")
+    device = _device(args)
+    model, shape, split = load(args.model)
+    seq = args.seq if args.seq is not None else min(model.max_seq_len, MAX_DEFAULT_SEQ)
+    if seq < 1 or seq > model.max_seq_len:
+        raise UserError(f"--seq {seq} must be 1..{model.max_seq_len} (the model's positions)")
+    bf16 = device.name != "cpu"
+    pr = Problem(shape, split, args.world, device, seq, global_batch(args.global_batch, args.world),
+                 bf16)  # fmt: skip
+    return model, pr
+
+
+def header(pr, count: int, fitting: int) -> list[str]:
+    d = pr.device
+    precision = ("bf16 mixed precision, Adam (K = 12: fp32 master and two moments)" if pr.bf16
+                 else "fp32, Adam (DeepSpeed's fp32 master and two moments)")  # fmt: skip
+    return [
+        f"model: {pr.shape.name}; {pr.shape.params / 1e9:.3g}B parameters",
+        f"world: {pr.world} x {d.name} ({d.memory_bytes / GIB:.0f} GiB, "
+        f"{d.flops(pr.bf16) / 1e12:.4g} TFLOP/s, HBM {d.hbm_bytes_per_s / 1e9:.0f} GB/s, links "
+        f"{d.intra_bytes_per_s / 1e9:.0f} / {d.inter_bytes_per_s / 1e9:.0f} GB/s, {d.per_node} "
+        f"per node; efficiency {d.efficiency:g})",
+        f"precision: {precision}",
+        f"batch: {pr.global_batch} sequences of {pr.seq} tokens per step",
+        f"layouts: {count} valid, {fitting} fit in {d.memory_bytes / GIB:.0f} GiB x 0.9",
+    ]
+
+
+def table(layouts) -> list[str]:
+    lines = [f"{'#':>3}  {'layout':<52} {'s/step':>9} {'MFU':>6} {'GiB':>7}  "
+             "params+grads+optimizer+activations+buffers  fits"]  # fmt: skip
+    for i, lay in enumerate(layouts, 1):
+        parts = "+".join(f"{v / GIB:.3g}" for v in lay.memory_bytes.values())
+        lines.append(f"{i:>3}  {lay.key():<52} {lay.step_time_s:>9.4g} {lay.mfu:>6.1%} "
+                     f"{lay.total_bytes / GIB:>7.3g}  {parts}  "
+                     f"{'yes' if lay.fits else 'NO'}")  # fmt: skip
+    return lines
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from dsnd.planner import emit
+    from dsnd.planner.search import explain, plan
+
+    model, pr = problem(args)
+    if args.validate is not None and pr.device.name != "cpu":
+        raise UserError("--validate runs the layouts on this machine: plan with --gpu cpu")
+    layouts = plan(pr)
+    if not layouts:
+        raise UserError(f"no layout of world {args.world} runs {args.model} "
+                        f"(seq {pr.seq}, global batch {pr.global_batch})")  # fmt: skip
+    fitting = [x for x in layouts if x.fits]
+    shown = layouts if args.all else fitting[: args.top]
+    validation = []
+    if args.validate is not None:
+        from dsnd.planner.validate import validate
+
+        validation = validate(args.model, pr, fitting[: args.validate], args.steps)
+    if args.out and fitting:
+        preset = args.model in _presets()
+        emit.write(args.out, fitting[0], args.model, preset, pr.seq, pr.global_batch, pr.bf16)
+    if args.json:
+        print(json.dumps({"layouts": [x.as_json() for x in shown], "validation": validation}))
+        return 0
+    print("\n".join(header(pr, len(layouts), len(fitting))))
+    print("\n".join(table(shown)))
+    if fitting:
+        print("\n".join(explain(fitting + [x for x in layouts if not x.fits])))
+    else:
+        print(f"nothing fits: the smallest needs {min(x.total_bytes for x in layouts) / GIB:.1f} "
+              "GiB per device")  # fmt: skip
+    for row in validation:
+        print(f"validate {row['layout']}: memory predicted/measured {row['memory_ratio']:.3f}, "
+              f"time {row['time_ratio']:.3f}")  # fmt: skip
+    if args.out and fitting:
+        print(f"wrote {args.out}/run.yaml and ds_config.json: dsnd launch --config "
+              f"{args.out}/run.yaml --nprocs {args.world} (or --hostfile)")  # fmt: skip
+    return 0
+
+
+def _presets() -> list[str]:
+    from dsnd.model.spec import presets
+
+    return presets()

@@ -1,0 +1,55 @@
+"""A chosen layout as the two files a run reads: a run YAML and its DeepSpeed JSON (dsnd's
+packaged ZeRO JSON of the layout's stage, with the layout's batch sizes and precision)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import yaml
+
+from dsnd.config.load import default_config_path
+from dsnd.planner.search import Layout
+from dsnd.planner.source import PARTITION
+
+RUN_YAML, DS_JSON = "run.yaml", "ds_config.json"
+
+
+def ds_json(lay: Layout, global_batch: int, bf16: bool) -> dict[str, Any]:
+    path = os.path.join(os.path.dirname(default_config_path()), f"zero{lay.zero_stage}.json")
+    with open(path, encoding="utf-8") as f:
+        ds = json.load(f)
+    ds["train_batch_size"] = global_batch
+    ds["train_micro_batch_size_per_gpu"] = lay.micro_batch
+    ds["gradient_accumulation_steps"] = lay.micro_batches
+    if bf16:
+        ds["bf16"] = {"enabled": True}
+    return ds
+
+
+def run_yaml(lay: Layout, model: str, preset: bool, seq: int) -> dict[str, Any]:
+    return {
+        "deepspeed": DS_JSON,
+        "model": {"preset" if preset else "config": model, "seq_len": seq},
+        "parallel": {
+            "pp": lay.pp, "tp": lay.tp, "cp": lay.cp, "partition": PARTITION,
+            "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
+            "activation_checkpoint_interval": 1 if lay.activation_checkpointing else 0,
+            "sequence_parallel": lay.tp > 1,
+        },
+    }  # fmt: skip
+
+
+def write(out: str, lay: Layout, model: str, preset: bool, seq: int, global_batch: int,
+          bf16: bool) -> list[str]:  # fmt: skip
+    """Write both files into `out` (created); their paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, RUN_YAML), os.path.join(out, DS_JSON)]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        f.write(f"# dsnd plan: {lay.key()}, predicted {lay.step_time_s:.3g} s/step\n")
+        yaml.safe_dump(run_yaml(lay, model, preset, seq), f, sort_keys=False)
+    with open(paths[1], "w", encoding="utf-8") as f:
+        json.dump(ds_json(lay, global_batch, bf16), f, indent=2)
+        f.write("\n")
+    return paths

@@ -1,0 +1,133 @@
+"""Devices as the planner sees them: memory, peak FLOP/s, memory bandwidth and links, from the
+vendors' datasheets (dense, no sparsity), and one efficiency constant.
+
+Links are per device and per direction: ``intra`` between the devices of one node (NVLink),
+``inter`` from a device to another node (its share of the node's network adapters). The time
+model (`dsnd.planner.timing`) runs compute, memory traffic and communication at `efficiency` of
+these peaks: one constant, calibrated once (see `SELENE_EFFICIENCY`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from dsnd.errors import UserError
+from dsnd.flops import GPU_PEAKS
+
+GiB = 1024**3
+
+SELENE_EFFICIENCY = 0.742
+"""The fraction of every peak (FLOP/s, memory bandwidth, links) that reproduces Megatron's
+measured iteration time of GPT-3 175B on Selene's A100s with sequence parallelism and selective
+recomputation (13.75 s; `dsnd.planner.selene`). With it the time model predicts the other seven
+published iteration times (22B, 530B, 1T; full and selective recomputation) within 9%."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator and its links."""
+
+    name: str
+    memory_bytes: float
+    bf16_flops: float
+    fp32_flops: float
+    hbm_bytes_per_s: float
+    intra_bytes_per_s: float  # per direction, to a device of the same node
+    inter_bytes_per_s: float  # per direction, to another node
+    per_node: int = 8
+    efficiency: float = SELENE_EFFICIENCY
+
+    def flops(self, bf16: bool) -> float:
+        return self.bf16_flops if bf16 else self.fp32_flops
+
+
+def _gpu(name: str, peak: str, mem_gib: float, hbm_tb: float, intra_gb: float, inter_gb: float
+         ) -> Device:  # fmt: skip
+    return Device(name, mem_gib * GiB, GPU_PEAKS[peak]["bf16"], GPU_PEAKS[peak]["fp32"],
+                  hbm_tb * 1e12, intra_gb * 1e9, inter_gb * 1e9)  # fmt: skip
+
+
+DEVICES: dict[str, Device] = {
+    # A100 SXM: 12 NVLink 3 links x 25 GB/s per direction; one 200 Gb/s HDR adapter per GPU.
+    "a100": _gpu("a100", "A100", 80, 2.039, 300, 25),
+    "a100-40g": _gpu("a100-40g", "A100", 40, 1.555, 300, 25),
+    # H100/H200 SXM: 18 NVLink 4 links x 25 GB/s per direction; one 400 Gb/s NDR adapter per GPU.
+    "h100": _gpu("h100", "H100", 80, 3.35, 450, 50),
+    "h200": _gpu("h200", "H200", 141, 4.8, 450, 50),
+}
+
+
+def device(name: str | None, *, memory_gib: float | None = None, tflops: float | None = None,
+           intra_gbps: float | None = None, inter_gbps: float | None = None,
+           per_node: int | None = None) -> Device:  # fmt: skip
+    """A named device with any of its figures overridden, or (no name) one described wholly
+    by the figures; unknown names and missing figures are refused in one line."""
+    if name is not None:
+        try:
+            base = DEVICES[name.lower()]
+        except KeyError:
+            known = ", ".join(DEVICES)
+            raise UserError(f"--gpu {name!r} is not a known device; known: {known} (or give "
+                            "--gpu-mem, --gpu-flops, --intra-bw, --inter-bw)"
+                            ) from None  # fmt: skip
+    else:
+        missing = [flag for flag, v in (("--gpu-mem", memory_gib), ("--gpu-flops", tflops),
+                                        ("--intra-bw", intra_gbps), ("--inter-bw", inter_gbps))
+                   if v is None]  # fmt: skip
+        if missing:
+            raise UserError(f"without --gpu, plan needs {', '.join(missing)} (or name a device: "
+                            f"--gpu {'|'.join(DEVICES)})")  # fmt: skip
+        # No datasheet: memory bandwidth scaled with compute as on an H100 (FLOP per byte).
+        ratio = DEVICES["h100"].hbm_bytes_per_s / DEVICES["h100"].bf16_flops
+        base = Device("custom", 0, 0, 0, 0, 0, 0)
+        base = replace(base, hbm_bytes_per_s=ratio * float(tflops) * 1e12)  # type: ignore[arg-type]
+    changes: dict[str, float | int] = {}
+    figures = (("memory_bytes", memory_gib, GiB), ("intra_bytes_per_s", intra_gbps, 1e9),
+               ("inter_bytes_per_s", inter_gbps, 1e9))  # fmt: skip
+    for key, value, scale in figures:
+        if value is not None:
+            if value <= 0:
+                raise UserError(f"device figure {key} must be > 0, got {value}")
+            changes[key] = value * scale
+    if tflops is not None:
+        if tflops <= 0:
+            raise UserError(f"--gpu-flops must be > 0 TFLOP/s, got {tflops}")
+        changes["bf16_flops"] = changes["fp32_flops"] = tflops * 1e12
+    if per_node is not None:
+        if per_node < 1:
+            raise UserError(f"--gpus-per-node must be >= 1, got {per_node}")
+        changes["per_node"] = per_node
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def this_cpu(world: int) -> Device:
+    """This machine as `world` one-thread ranks (what tests and ``--validate`` run): each rank's
+    share of the cores at the single-thread fp32 matmul peak and copy bandwidth measured here;
+    the same copy bandwidth for gloo's loopback links (an upper bound: they copy through
+    sockets); all of the RAM. Efficiency 1 until `dsnd.planner.validate` calibrates it."""
+    import os
+    import time
+
+    import torch
+
+    from dsnd.flops import measured_cpu_peak
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak = measured_cpu_peak()
+        src = torch.ones(16 * 1024 * 1024)  # 64 MiB
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    copy = 2 * src.numel() * 4 / best  # read and write
+    share = min(1.0, (os.cpu_count() or 1) / max(world, 1))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device("cpu", float(ram), peak * share, peak * share, copy * share, copy * share,
+                  copy * share, per_node=max(world, 1), efficiency=1.0)  # fmt: skip

@@ -1,0 +1,200 @@
+"""Every layout a world admits, each predicted (memory per device, step time), ranked, and the
+best one explained against its nearest rivals.
+
+A layout is (pp, tp, dp, cp, ZeRO stage, micro-batch, activation checkpointing, schedule). The
+global batch (sequences) is fixed; the micro-batches per step follow: global / (micro x dp).
+Tensor parallelism stays inside a node, splits heads and key/value heads evenly and runs with
+sequence parallelism (less memory, the same bytes); context parallelism is the ring (any heads);
+the schedules are dsnd's: 1f1b, interleaved-1f1b (2 chunks, micro-batches a multiple of pp) and
+zb-h1 (ZeRO 0-2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+from dsnd.plan.plan import ZERO_STAGES
+from dsnd.planner import memory as mem
+from dsnd.planner.hardware import Device
+from dsnd.planner.shape import ModelShape
+from dsnd.planner.timing import Step, in_flight, step_seconds
+
+HEADROOM = 0.9  # a layout fits when it needs at most this share of the device's memory
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+BUCKET = 5e6  # reduce_bucket_size (elements) of dsnd's packaged ZeRO JSONs
+
+Split = Callable[[int, int], list[list[int]]]  # (pp, chunks) -> each stage's layers
+
+
+@dataclass
+class Layout:
+    pp: int
+    tp: int
+    dp: int
+    cp: int
+    zero_stage: int
+    micro_batch: int
+    activation_checkpointing: bool
+    schedule: str
+    virtual_stages: int = 1
+    micro_batches: int = 0  # per step
+    params_count: int = 0
+    memory_bytes: dict[str, float] = field(default_factory=dict)
+    deepspeed_estimate_bytes: float | None = None
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    fits: bool = False
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.memory_bytes.values())
+
+    def key(self) -> str:
+        ac = " ac" if self.activation_checkpointing else ""
+        chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"pp={self.pp} tp={self.tp} dp={self.dp} cp={self.cp} zero={self.zero_stage} "
+                f"mb={self.micro_batch}{ac} {self.schedule}{chunks}")  # fmt: skip
+
+    def as_json(self) -> dict:
+        out = asdict(self)
+        out["memory_bytes"] = {k: int(v) for k, v in self.memory_bytes.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class Problem:
+    shape: ModelShape
+    split: Split
+    world: int
+    device: Device
+    seq: int
+    global_batch: int
+    bf16: bool
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(pr: Problem) -> Iterator[Layout]:
+    """Every (pp, tp, cp, dp, ZeRO, micro-batch, checkpointing, schedule) dsnd can run."""
+    sh = pr.shape
+    for pp in _divisors(pr.world):
+        if pp > sh.num_layers:
+            continue
+        for tp in _divisors(pr.world // pp):
+            if tp > pr.device.per_node or sh.heads % tp or sh.kv_heads % tp or pr.seq % tp:
+                continue
+            for cp in _divisors(pr.world // (pp * tp)):
+                if pr.seq % (2 * cp) and cp > 1:
+                    continue
+                dp = pr.world // (pp * tp * cp)
+                for mb in MICRO_BATCHES:
+                    if pr.global_batch % (mb * dp):
+                        continue
+                    m = pr.global_batch // (mb * dp)
+                    for schedule, v in _schedules(pp, m, sh.num_layers):
+                        for zero in ZERO_STAGES[schedule]:
+                            for ac in (False, True):
+                                yield Layout(pp, tp, dp, cp, zero, mb, ac, schedule, v, m)
+
+
+def _schedules(pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("zb-h1", 1)]
+    if m % pp == 0 and blocks >= 2 * pp:
+        out.append(("interleaved-1f1b", 2))
+    return out
+
+
+def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
+    """Fill in the layout's predicted memory (its busiest stage's device) and step time."""
+    sh, dev = pr.shape, pr.device
+    low = 2 if pr.bf16 else 4
+    recompute = "full" if lay.activation_checkpointing else "none"
+    sp = lay.tp > 1
+    nd = lay.dp * lay.cp
+    tokens = lay.micro_batch * pr.seq / lay.cp
+    block = mem.block_activation_bytes(sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp,
+                                       recompute, low)  # fmt: skip
+    whole = mem.block_activation_bytes(sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp,
+                                       "none", low)  # fmt: skip
+    worst: dict[str, float] = {}
+    for s, layers in enumerate(stages):
+        psi = sum(sh.layer_params[i] for i in layers) / lay.tp
+        parts = mem.states(lay.zero_stage, psi, nd, pr.bf16)
+        blocks = sum(1 for i in layers if i in sh.blocks)
+        held = in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)[s]
+        per_chunk = blocks * block / lay.virtual_stages
+        if s == lay.pp - 1:
+            per_chunk += mem.head_activation_bytes(sh, tokens, lay.tp, low)
+        parts["activations"] = held * per_chunk + (whole if lay.activation_checkpointing else 0)
+        largest = max(sh.layer_params[i] for i in layers) / lay.tp
+        parts["buffers"] = mem.buffers(lay.zero_stage, largest, BUCKET, pr.bf16)
+        if sum(parts.values()) > sum(worst.values()):
+            worst = parts
+    lay.memory_bytes = worst
+    lay.params_count = sh.params
+    if lay.zero_stage in (2, 3):
+        from dsnd.engine.deepspeed_api import estimate_model_states
+
+        psi = max(sum(sh.layer_params[i] for i in layers) for layers in stages) / lay.tp
+        per_node, nodes = mem.nodes(nd, dev.per_node)
+        lay.deepspeed_estimate_bytes = float(
+            estimate_model_states(
+                lay.zero_stage, int(psi), int(sh.largest_layer / lay.tp), per_node, nodes
+            )  # fmt: skip
+        )
+    st = Step(lay.pp, lay.tp, lay.dp, lay.cp, lay.zero_stage, lay.micro_batch, lay.micro_batches,
+              pr.seq, lay.schedule, lay.virtual_stages, recompute, sp, pr.bf16)  # fmt: skip
+    lay.step_time_s = step_seconds(sh, stages, st, dev)
+    tokens_step = pr.global_batch * pr.seq
+    lay.tokens_per_s = tokens_step / lay.step_time_s
+    flops = sum(sh.forward_flops(i, 1, pr.seq) for i in range(len(sh.layer_params))) * 3
+    lay.mfu = lay.tokens_per_s * flops / (pr.world * dev.flops(pr.bf16))
+    lay.fits = lay.total_bytes <= HEADROOM * dev.memory_bytes
+    return lay
+
+
+def plan(pr: Problem) -> list[Layout]:
+    """Every candidate evaluated, fitting ones first, fastest first."""
+    splits: dict[tuple[int, int], list[list[int]]] = {}
+    out = []
+    for lay in candidates(pr):
+        key = (lay.pp, lay.virtual_stages)
+        if key not in splits:
+            splits[key] = pr.split(lay.pp, lay.virtual_stages)
+        out.append(evaluate(pr, lay, splits[key]))
+    out.sort(key=lambda x: (not x.fits, x.step_time_s, x.total_bytes))
+    return out
+
+
+KNOBS = ("pp", "tp", "cp", "zero_stage", "micro_batch", "activation_checkpointing", "schedule")
+
+
+def explain(layouts: list[Layout], gib: float = 1024**3) -> list[str]:
+    """Why the best layout: for each knob, the best layout that sets it otherwise and what it
+    costs (slower by a factor, or memory it does not have)."""
+    best = layouts[0]
+    lines = [f"best: {best.key()}: {best.step_time_s:.3g} s/step, "
+             f"{best.total_bytes / gib:.1f} GiB per device, MFU {best.mfu:.1%}"]  # fmt: skip
+    for knob in KNOBS:
+        rival = next((x for x in layouts if getattr(x, knob) != getattr(best, knob)), None)
+        if rival is None:
+            continue
+        name = {"zero_stage": "zero", "activation_checkpointing": "checkpointing",
+                "micro_batch": "micro-batch"}.get(knob, knob)  # fmt: skip
+        value = getattr(best, knob)
+        if not rival.fits:
+            why = (f"every layout with another {name} needs more memory than fits: the best, "
+                   f"{rival.key()}, {rival.total_bytes / gib:.1f} GiB")  # fmt: skip
+        else:
+            why = (f"the best with {name}={getattr(rival, knob)} ({rival.key()}) takes "
+                   f"{rival.step_time_s / best.step_time_s:.2f}x the time")  # fmt: skip
+            if rival.step_time_s == best.step_time_s:
+                why += f" and {rival.total_bytes / best.total_bytes:.2f}x the memory"
+        lines.append(f"{name}={value} because {why}")
+    return lines

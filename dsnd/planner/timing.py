@@ -1,0 +1,175 @@
+"""One training step's time for a layout, from a device's datasheet and one efficiency constant.
+
+Per micro-batch and pipeline layer, serially (the 2022 Megatron and dsnd overlap little):
+- matrix FLOPs (`ModelShape.forward_flops`, split over tensor and context ranks): forward once,
+  backward twice, a full recomputation once more, a selective one the attention core again;
+- element-wise memory traffic (norms, activations, residual adds, dropout, attention scores where
+  a kernel writes them): the forward's bytes, twice that backward, again when recomputed;
+- tensor-parallel collectives per block: forward two all-reduces (or, sequence-parallel, two
+  all-gathers and two reduce-scatters, the same bytes), backward the same, recomputation again;
+  ring volumes, on the node's links when the group fits in a node;
+- context-parallel ring: each rank's K and V go around the ring forward, K, V and their
+  gradients backward;
+- pipeline messages: a micro-batch's activation forward and its gradient backward per stage.
+
+The pipeline then runs the busiest stage's micro-batches on the schedule's own timeline
+(`dsnd.plan.schedule`, the bubble of that exact schedule); once per step the data-parallel
+gradient reduction (ZeRO-3: plus a parameter all-gather in every micro-batch's forward and
+backward) and the optimizer's pass over its states follow. Every rate runs at the device's
+`efficiency` of its peak.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from dsnd.plan.schedule import (
+    StageRole,
+    bubble,
+    compute_order,
+    max_in_flight,
+    program,
+    timeline,
+)
+from dsnd.planner.hardware import Device
+from dsnd.planner.shape import ModelShape
+
+OPTIMIZER_BYTES = 32  # per parameter an Adam step reads and writes (master, moments, grad, param)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step runs (the layout and the work, not the device)."""
+
+    pp: int
+    tp: int
+    dp: int
+    cp: int
+    zero: int
+    micro_batch: int
+    micro_batches: int  # per step (gradient accumulation)
+    seq: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "none"  # none | selective | full
+    sp: bool = False
+    bf16: bool = True
+    scores_in_memory: bool = False  # attention writes its scores (no fused kernel)
+    scatter_gather: bool = False  # pipeline messages split over the tensor ranks (Megatron's)
+
+
+def _short(p: int, m: int) -> int:
+    """The micro-batches a schedule's timeline is simulated at: past 2p, 1F1B's, ZB-H1's and
+    interleaved 1F1B's warm-up and cool-down (their idle time) and their in-flight counts no
+    longer change with m (a unit test checks it), so 2p stands for any larger m."""
+    return min(m, 2 * p)
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_bubble(schedule: str, p: int, m: int, v: int) -> float:
+    """Idle ÷ busy of the busiest stage on the schedule's timeline (unit costs, free messages)."""
+    if p == 1:
+        return 0.0
+    short = _short(p, m)
+    roles = [StageRole(s, p, v) for s in range(p)]
+    programs = [program(compute_order(schedule, p, s, short, v), roles[s]) for s in range(p)]
+    return bubble(timeline(programs, roles)) * short / m
+
+
+@functools.lru_cache(maxsize=1024)
+def in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batch chunks it holds activations for at once."""
+    short = _short(p, m)
+    return tuple(max_in_flight(compute_order(schedule, p, s, short, v)) for s in range(p))
+
+
+def _link(dev: Device, span: int) -> float:
+    """Bytes/s of a group spanning `span` consecutive devices."""
+    return dev.intra_bytes_per_s if span <= dev.per_node else dev.inter_bytes_per_s
+
+
+def elementwise_bytes(shape: ModelShape, tokens: float, seq: int, st: Step) -> float:
+    """Forward element-wise traffic of one block on one rank (bytes read and written)."""
+    low = 2 if st.bf16 else 4
+    rep = st.tp if st.sp else 1
+    h, f = shape.hidden, shape.ffn / st.tp
+    if shape.megatron_layer:
+        # two LayerNorms (read, write) and two bias-dropout-adds (read 2, write 1, mask 0.5)
+        # on the hidden width; bias-GELU (read, write) on 4h/t; QK^T's scores written, softmax
+        # read and written, dropout read, written and its mask, AV's read: 6.5 per score.
+        scores = 6.5 * shape.heads / st.tp * seq * tokens if st.scores_in_memory else 0.0
+        return low * (tokens * ((2 * 2 * h + 2 * 3.5 * h) / rep + 2 * f) + scores)
+    q = (shape.heads + 2 * shape.kv_heads) * shape.head_dim / st.tp
+    # two norms (read, write), RoPE on q and k, two residual adds (read 2, write 1), the MLP's
+    # activation (gated: read 2, write 1; else read 1, write 1)
+    mlp = 3 * f if shape.mlp_saved == 4 else 2 * f
+    return low * tokens * ((2 * 2 * h + 2 * 3 * h) / rep + 2 * q + mlp)
+
+
+def stage_seconds(shape: ModelShape, layers: list[int], st: Step, dev: Device) -> float:
+    """One micro-batch's forward and backward through `layers` on one rank."""
+    e = dev.efficiency
+    peak, hbm = dev.flops(st.bf16) * e, dev.hbm_bytes_per_s * e
+    low = 2 if st.bf16 else 4
+    tokens = st.micro_batch * st.seq / st.cp
+    tp_link = _link(dev, st.tp) * e
+    cp_link = _link(dev, st.tp * st.cp) * e
+    passes = 3 if st.recompute == "full" else 2  # forward, backward, [recomputed forward]
+    total = 0.0
+    for layer in layers:
+        fwd = shape.forward_flops(layer, tokens, st.seq) / st.tp
+        flops = 3 * fwd
+        if layer not in shape.blocks:
+            total += flops / peak
+            continue
+        core = 4.0 * tokens * st.seq * shape.heads * shape.head_dim / st.tp
+        flops += fwd if st.recompute == "full" else core if st.recompute == "selective" else 0
+        elem = elementwise_bytes(shape, tokens, st.seq, st)
+        memory = 3 * elem + (elem if st.recompute == "full" else 0)
+        if st.recompute == "selective" and st.scores_in_memory:
+            memory += low * 6.5 * shape.heads / st.tp * st.seq * tokens
+        tp_bytes = 4 * (st.tp - 1) / st.tp * tokens * shape.hidden * low * passes
+        kv = 2 * shape.kv_heads * shape.head_dim / st.tp * tokens * low
+        cp_bytes = (st.cp - 1) * kv * 3  # K, V forward; K, V and dK, dV backward
+        total += flops / peak + memory / hbm + tp_bytes / tp_link + cp_bytes / cp_link
+    return total
+
+
+def step_seconds(shape: ModelShape, stages: list[list[int]], st: Step, dev: Device) -> float:
+    """One step: the pipelined micro-batches, then the data-parallel reduction and the
+    optimizer. `stages[s]` lists stage s's layers (all its chunks)."""
+    e = dev.efficiency
+    low = 2 if st.bf16 else 4
+    tokens = st.micro_batch * st.seq / st.cp
+    per_stage = [stage_seconds(shape, layers, st, dev) for layers in stages]
+    p2p = 0.0
+    if st.pp > 1:
+        message = tokens * shape.hidden * low / (st.tp if st.sp or st.scatter_gather else 1)
+        p2p = 2 * st.virtual * message / (_link(dev, st.tp * st.cp * st.dp * 2) * e)
+    busy = st.micro_batches * (max(per_stage) + p2p)
+    pipelined = busy * (1 + schedule_bubble(st.schedule, st.pp, st.micro_batches, st.virtual))
+    psi = max(sum(shape.layer_params[i] for i in layers) for layers in stages) / st.tp
+    nd = st.dp * st.cp
+    dp_link = _link(dev, st.tp * st.cp * st.dp) * e
+    grad_bytes = 4 if not st.bf16 or st.zero == 0 else low
+    reduce = 2 * (nd - 1) / nd * psi * grad_bytes if nd > 1 else 0.0
+    if st.zero == 3 and nd > 1:  # reduce-scatter once; gather for each forward and backward
+        reduce = (nd - 1) / nd * psi * (grad_bytes + 2 * st.micro_batches * low)
+    states = psi / (nd if st.zero >= 1 else 1)
+    optimizer = states * OPTIMIZER_BYTES / (dev.hbm_bytes_per_s * e)
+    return pipelined + reduce / dp_link + optimizer
+
+
+def uniform_stages(shape: ModelShape, pp: int, virtual: int = 1) -> list[list[int]]:
+    """Megatron's split: the blocks evenly over the pp x v chunks, the embedding with the first,
+    the final norm and head with the last; stage s holds chunks s, s + pp, ... ."""
+    chunks = pp * virtual
+    blocks = list(shape.blocks)
+    if len(blocks) % chunks:
+        raise ValueError(f"{len(blocks)} blocks do not divide into {chunks} chunks")
+    per = len(blocks) // chunks
+    layers = [blocks[c * per : (c + 1) * per] for c in range(chunks)]
+    layers[0] = [i for i in range(len(shape.layer_params)) if i < blocks[0]] + layers[0]
+    layers[-1] += [i for i in range(len(shape.layer_params)) if i > blocks[-1]]
+    return [sum((layers[c] for c in range(s, chunks, pp)), []) for s in range(pp)]
