@@ -13,6 +13,24 @@ GIB = 1024**3
 DEFAULT_GLOBAL_BATCH = 1024  # sequences
 MAX_DEFAULT_SEQ = 4096
 TOP = 5
+FIXABLE = ("pp", "tp", "dp", "cp", "zero_stage", "micro_batch", "activation_checkpointing",
+           "schedule")  # fmt: skip
+
+
+def fixed(items: list[str]) -> dict[str, str]:
+    """``--fix KNOB=VALUE`` items as {knob: value} (values compared as text, lower case)."""
+    out = {}
+    for item in items:
+        knob, sep, value = item.partition("=")
+        if not sep or knob not in FIXABLE or not value:
+            raise UserError(f"--fix {item!r}: expected KNOB=VALUE with KNOB one of "
+                            f"{', '.join(FIXABLE)}")  # fmt: skip
+        out[knob] = value.lower()
+    return out
+
+
+def _keeps(lay, knobs: dict[str, str]) -> bool:
+    return all(str(getattr(lay, k)).lower() == v for k, v in knobs.items())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the top N layouts (default 3) here and print predicted / "
                    "measured")  # fmt: skip
     p.add_argument("--steps", type=int, default=6, help="with --validate: steps per layout")
+    p.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
+                   help=f"only layouts with this value (repeatable); knobs: "
+                   f"{', '.join(FIXABLE)}")  # fmt: skip
 
 
 def global_batch(requested: int | None, world: int) -> int:
@@ -111,10 +132,12 @@ def run_plan(args: argparse.Namespace) -> int:
     model, pr = problem(args)
     if args.validate is not None and pr.device.name != "cpu":
         raise UserError("--validate runs the layouts on this machine: plan with --gpu cpu")
-    layouts = plan(pr)
+    knobs = fixed(args.fix)
+    layouts = [x for x in plan(pr) if _keeps(x, knobs)]
     if not layouts:
         raise UserError(f"no layout of world {args.world} runs {args.model} "
-                        f"(seq {pr.seq}, global batch {pr.global_batch})")  # fmt: skip
+                        f"(seq {pr.seq}, global batch {pr.global_batch}"
+                        f"{''.join(f', {k}={v}' for k, v in knobs.items())})")  # fmt: skip
     fitting = [x for x in layouts if x.fits]
     shown = layouts if args.all else fitting[: args.top]
     validation = []

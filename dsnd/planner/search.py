@@ -133,7 +133,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
             per_chunk += mem.head_activation_bytes(sh, tokens, lay.tp, low)
         parts["activations"] = held * per_chunk + (whole if lay.activation_checkpointing else 0)
         largest = max(sh.layer_params[i] for i in layers) / lay.tp
-        parts["buffers"] = mem.buffers(lay.zero_stage, largest, BUCKET, pr.bf16)
+        parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(BUCKET, psi), pr.bf16)
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     lay.memory_bytes = worst
