@@ -74,20 +74,24 @@ def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens
     the step a rank spends blocked in pipeline receives; MFU = achieved model FLOP/s over the
     peak of all ranks; memory is the largest rank of each pipeline stage."""
     col = {name: i for i, name in enumerate(STATS)}
-    mean = stats.mean(dim=0)
+    # plain floats from here: indexing the tensor per tag cost more than the numbers (every
+    # step, on every rank)
+    mean = stats.mean(dim=0).tolist()
+    rows = stats.tolist()
     tokens_per_s = tokens / elapsed
-    world = stats.shape[0]
+    world = len(rows)
     out: dict[str, float | None] = {
         "perf/tokens_per_s": tokens_per_s,
         "perf/samples_per_s": samples / elapsed,
         "perf/step_time_s": elapsed,
         "perf/mfu": tokens_per_s * flops_per_token / (world * peak_flops) if peak_flops else None,
-        "pipeline/bubble_fraction": float(mean[col["pipeline_wait"]]) / elapsed,
+        "pipeline/bubble_fraction": mean[col["pipeline_wait"]] / elapsed,
     }
     for phase in PHASES:
-        out[f"time/{phase}_s"] = float(mean[col[phase]])
+        out[f"time/{phase}_s"] = mean[col[phase]]
+    stage_of = [topology.coord(r).pp for r in range(world)]
     for stage in range(topology.pp):
-        ranks = [r for r in range(world) if topology.coord(r).pp == stage]
+        ranks = [row for row, s in zip(rows, stage_of, strict=True) if s == stage]
         for kind in MEMORY:
-            out[f"memory/stage{stage}_{kind}"] = float(stats[ranks, col[kind]].max())
+            out[f"memory/stage{stage}_{kind}"] = max(row[col[kind]] for row in ranks)
     return out

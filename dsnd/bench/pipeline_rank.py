@@ -16,12 +16,13 @@ Phase ``pipeline`` (2 ranks):
    records its stage time, receive waits, optimizer time and seconds per compute instruction
    kind (`StepResult.op_seconds`), and the plan's programs are kept so that
    `dsnd.bench.schedule_results` can replay them at the measured costs.
-3. pp=1 x dp=2: a ZeRO-1 and then a ZeRO-3 engine; after one full step (Adam's state exists)
-   and one more micro-batch backward (gradients accumulating), the model-state bytes each
-   holds on each rank.
 
-Phase ``pp4`` (4 ranks): step 2 alone at pp=4, on a model with 8 transformer blocks (interleaving
-needs 8 virtual stages of at least one layer each).
+Phase ``pp4`` (4 ranks): steps 1 and 2 at pp=4, on a model with 8 transformer blocks
+(interleaving needs 8 virtual stages of at least one layer each).
+
+After step 1 each phase measures the one-way latency of an activation-sized message between
+stages 0 and 1 (`message_latency`), which `dsnd.bench.results` uses to replay the 1F1B step at
+this machine's measured costs.
 
 Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.results` turns them into rows.
 """
@@ -42,18 +43,15 @@ import torch
 import torch.distributed as dist
 
 from dsnd.bench.results import PP4_WORLD, WORLD
+from dsnd.bench.rows import median
 from dsnd.bench.schedule_results import BASELINE
 from dsnd.config.load import default_config_path, load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.distributed.groups import ProcessGroups, build_groups
 from dsnd.distributed.init import WorldInfo, init_world, shutdown, world_info
-from dsnd.distributed.mpu import Mpu
-from dsnd.engine.build import build_engine
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
 from dsnd.pipeline.runner import StageRunner
-from dsnd.pipeline.stage import build_stage
-from dsnd.plan.partition import layer_param_counts
 from dsnd.plan.schedule import MULTI_CHUNK
 
 PIPE_SETS = ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.partition=parameters")
@@ -77,13 +75,8 @@ def _pipe_sets(micro_batches: int) -> list[str]:
 
 
 def configs(world: int, micro_batches: int, extra: Sequence[str] = ()) -> dict[str, Resolved]:
-    """The three resolved runs: the pipeline layout and the two ZeRO layouts (pp=1); `extra`
-    (--set items, e.g. a wider model) applies to all."""
-    return {
-        "pipe": resolve(load(None, [*_pipe_sets(micro_batches), *extra]), world),
-        "zero1": resolve(load(None, [f"deepspeed={_ds_json(1)}", *extra]), world),
-        "zero3": resolve(load(None, [f"deepspeed={_ds_json(3)}", *extra]), world),
-    }
+    """The resolved pipeline layout; `extra` (--set items, e.g. a wider model) applies."""
+    return {"pipe": resolve(load(None, [*_pipe_sets(micro_batches), *extra]), world)}
 
 
 def schedule_configs(
@@ -131,7 +124,8 @@ class DsndPipeline:
         to the start of the gradient reduction, after every compute instruction, message and
         tied exchange); its receive waits (`wait_s`), optimizer step (`optimizer_s`), seconds
         per phase (`times`) and per compute instruction kind (`ops`); and the time until every
-        stage knows the loss (`step_s`, like DeepSpeed's train_batch)."""
+        stage knows the loss (`step_s`, like DeepSpeed's train_batch); and the seconds of each
+        instruction of the program (`instr_s`)."""
         dist.barrier()
         start = time.perf_counter()
         result = self.runner.run(micro)
@@ -142,7 +136,7 @@ class DsndPipeline:
         return {"stage_s": stage_s, "step_s": step_s, "loss": loss,
                 "pipe_s": result.pipelined_s, "wait_s": times["pipeline_wait"],
                 "optimizer_s": times["optimizer"], "times": dict(times),
-                "ops": dict(result.op_seconds)}  # fmt: skip
+                "ops": dict(result.op_seconds), "instr_s": result.instr_seconds}  # fmt: skip
 
 
 def deepspeed_pipeline(res: Resolved):
@@ -179,8 +173,36 @@ def deepspeed_step(engine, micro: Batches) -> dict[str, float]:
     return {"step_s": step_s, "loss": float(loss)}
 
 
-def bench_pipeline(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any]]:
-    """This rank's records of `steps` timed repetitions (after `warmup` untimed ones)."""
+LATENCY_ROUNDS = 64  # round trips of the message-latency probe
+
+
+def message_latency(groups: ProcessGroups, shape: Any, rounds: int = LATENCY_ROUNDS) -> float:
+    """Seconds from a send to its arrival between stages 0 and 1 of this rank's pipeline, with
+    both blocked waiting for it (the cheapest a message gets here): the median round trip of one
+    activation-sized tensor / 2. The other stages wait; every stage returns the same number."""
+    stage, pipe = groups.coord.pp, groups.pipe
+    out = torch.zeros((), dtype=torch.float64)
+    if stage < 2:
+        peer = dist.get_process_group_ranks(pipe)[1 - stage]
+        x = torch.zeros(shape.activation, dtype=shape.dtype)
+        trips = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            if stage == 0:
+                dist.send(x, peer, group=pipe)
+                dist.recv(x, peer, group=pipe)
+            else:
+                dist.recv(x, peer, group=pipe)
+                dist.send(x, peer, group=pipe)
+            trips.append(time.perf_counter() - start)
+        out.fill_(median(trips) / 2)
+    dist.broadcast(out, src=dist.get_process_group_ranks(pipe)[0], group=pipe)
+    return float(out)
+
+
+def bench_pipeline(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
+    """This rank's records of `steps` timed repetitions (after `warmup` untimed ones), and the
+    one-way latency of a message between stages 0 and 1 (`message_latency`, after them)."""
     groups = build_groups(res.topology)
     samples = _samples(res)
     ours = DsndPipeline(res, groups)
@@ -198,10 +220,11 @@ def bench_pipeline(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any
             records.append(
                 {"rep": rep, "timed": rep >= warmup, "order": order, "dsnd": mine, "deepspeed": ds}
             )
+        latency = message_latency(groups, ours.runner.shape)
     finally:
         theirs.destroy()
         ours.engine.destroy()
-    return records
+    return {"records": records, "latency_s": latency}
 
 
 def bench_schedules(runs: dict[str, Resolved], steps: int, warmup: int) -> list[dict[str, Any]]:
@@ -269,30 +292,6 @@ def merge_runs(names: list[str], per_rank: list[list[dict[str, Any]]]) -> list[d
     return reps
 
 
-def zero_state(res: Resolved) -> dict[str, int]:
-    """Model-state bytes on this rank of a pp=1 engine, with gradients accumulating and Adam's
-    state created (one full step done, then one micro-batch of the next)."""
-    from dsnd.engine.memory import state_bytes
-
-    groups = build_groups(res.topology)
-    samples = _samples(res)
-    torch.manual_seed(res.run.train.seed)
-    stack = build_stage(res, groups)
-    engine = build_engine(stack, res.ds, param_groups(stack), Mpu(groups))
-    counted = None
-    try:
-        for step in range(2):
-            for i, (x, y) in enumerate(_batches(res, samples, groups, step)):
-                engine.backward(lm_loss(engine(x.to(engine.device)), y.to(engine.device)))
-                if step == 1 and i == 0:
-                    counted = state_bytes(engine)
-                engine.step()
-    finally:
-        engine.destroy()
-    assert counted is not None
-    return counted
-
-
 def _per_rank(records: list[dict[str, Any]]) -> dict[str, Any]:
     """One step's records of every rank as per-rank lists, but one loss (every rank has the
     last stage's)."""
@@ -320,15 +319,15 @@ def pipeline_configs(world: int, micro_batches: int, extra: Sequence[str] = ()) 
 def pipeline_phase(
     res: dict[str, Any], rank: int, args: argparse.Namespace
 ) -> dict[str, Any] | None:
-    """Phase ``pipeline``: steps 1-3 of the module docstring; the raw JSON on rank 0."""
+    """Phase ``pipeline`` or ``pp4``: steps 1-2 of the module docstring; the raw JSON on rank
+    0."""
     runs, world = res["schedules"], res["pipe"].topology.world_size
     try:
-        records = bench_pipeline(res["pipe"], args.steps, args.warmup)
+        pipeline = bench_pipeline(res["pipe"], args.steps, args.warmup)
         schedules = bench_schedules(runs, args.steps, args.warmup)
-        zero = {"1": zero_state(res["zero1"]), "3": zero_state(res["zero3"])}
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, {"records": records, "schedules": schedules,
-                                          "zero": zero})  # fmt: skip
+        dist.all_gather_object(gathered, {"records": pipeline["records"],
+                                          "schedules": schedules})  # fmt: skip
     finally:
         shutdown()
     if rank != 0:
@@ -345,38 +344,26 @@ def pipeline_phase(
             "partition": pipe.run.parallel.partition,
             "tokens_per_step": pipe.tokens_per_step,
             "warmup": args.warmup,
+            "ranks": world,
+            "cores": os.cpu_count(),
         },
         "reps": _merge([g["records"] for g in gathered]),
+        "plan": plan_record(pipe),
+        "latency_s": pipeline["latency_s"],
         "schedules": schedule_section(runs, [g["schedules"] for g in gathered], args.warmup),
-        "zero": {
-            "psi": sum(layer_param_counts(layer_specs(res["zero1"].model))),
-            "nd": res["zero1"].topology.dp,
-            **{stage: [g["zero"][stage] for g in gathered] for stage in ("1", "3")},
-        },
     }
 
 
-def pp4_configs(world: int, micro_batches: int, extra: Sequence[str] = ()) -> dict[str, Resolved]:
-    return schedule_configs(world, 4, micro_batches, [*PP4_MODEL, *extra])
-
-
-def pp4_phase(
-    runs: dict[str, Resolved], rank: int, args: argparse.Namespace
-) -> dict[str, Any] | None:
-    """Phase ``pp4``: the schedules at pp=4; the raw JSON of their section on rank 0."""
-    world = runs[BASELINE].topology.world_size
-    try:
-        records = bench_schedules(runs, args.steps, args.warmup)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, records)
-    finally:
-        shutdown()
-    return schedule_section(runs, gathered, args.warmup) if rank == 0 else None
+def pp4_configs(world: int, micro_batches: int, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """The pp=4 runs (a model of `PP4_MODEL`): the layout against DeepSpeed and the schedules."""
+    extra = [*PP4_MODEL, *extra]
+    pipe = configs(world, micro_batches, ["parallel.pp=4", *extra])
+    return {**pipe, "schedules": schedule_configs(world, 4, micro_batches, extra)}
 
 
 PHASES = {
     "pipeline": (WORLD, pipeline_configs, pipeline_phase),
-    "pp4": (PP4_WORLD, pp4_configs, pp4_phase),
+    "pp4": (PP4_WORLD, pp4_configs, pipeline_phase),
 }
 """Each phase's ranks, its resolved runs, and what it runs on them."""
 

@@ -4,7 +4,7 @@ against 1F1B's (from the rank program's raw JSON, unit-tested without processes)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dsnd.bench.rows import LOSS_TOLERANCE, Row, Target, median, timed
@@ -12,10 +12,14 @@ from dsnd.plan.schedule import (
     COMPUTE,
     FORWARD,
     RECVS,
+    REDUCE,
     SENDS,
+    STEP,
     Instr,
     StageRole,
     bubble,
+    channel,
+    simulate,
     timeline,
 )
 
@@ -99,6 +103,92 @@ def predicted_bubble(plan: Mapping[str, Any], cost: Mapping[str, float]) -> floa
     computing at `cost` seconds per instruction, messages free."""
     programs, roles = plan_programs(plan)
     return bubble(timeline(programs, roles, dict(cost)))
+
+
+def _replay(
+    programs: list[list[Instr]], roles: list[StageRole], order: list[tuple[int, Instr]],
+    cost: Callable[[int, Instr], float], latency_s: float,
+) -> list[tuple[float, float]]:  # fmt: skip
+    """(span, busy) per stage of the programs run in `order` (`simulate`'s), instruction x of
+    stage s taking `cost(s, x)` of its own time and a message `latency_s` from its send."""
+    clock, busy = [0.0] * len(programs), [0.0] * len(programs)
+    sent: dict[tuple, list[float]] = {}
+    for s, x in order:
+        if x.op in RECVS:
+            clock[s] = max(clock[s], sent[channel(roles[s], x)].pop(0))
+        spent = cost(s, x)
+        clock[s] += spent
+        busy[s] += spent
+        if x.op in SENDS:
+            sent.setdefault(channel(roles[s], x), []).append(clock[s] + latency_s)
+    return list(zip(clock, busy, strict=True))
+
+
+def replay(
+    plan: Mapping[str, Any], stage_costs: Sequence[Mapping[str, float]],
+    dispatch_s: Sequence[float] | None = None, latency_s: float = 0.0,
+) -> list[tuple[float, float]]:  # fmt: skip
+    """Per stage, (span, busy) of the plan's step replayed at measured costs: stage s's compute
+    instructions take `stage_costs[s]` each, each of its sends and receives `dispatch_s[s]` of
+    its own time, and a message arrives `latency_s` after its send (`timeline` with per-stage
+    costs and priced messages; every cost 0 where not given). The span ends with the stage's
+    last action; busy is its compute and dispatch."""
+    programs, roles = plan_programs(plan)
+    dispatch = list(dispatch_s) if dispatch_s is not None else [0.0] * len(programs)
+
+    def cost(s: int, x: Instr) -> float:
+        if x.op in COMPUTE:
+            return stage_costs[s][x.op]
+        return dispatch[s] if x.op in SENDS or x.op in RECVS else 0.0
+
+    return _replay(programs, roles, simulate(programs, roles), cost, latency_s)
+
+
+def replay_run(plan: Mapping[str, Any], run: Mapping[str, Any], latency_s: float
+               ) -> list[tuple[float, float]]:  # fmt: skip
+    """(span, busy) per stage of one measured step replayed at its own instruction times
+    (`run["instr_s"]`): every compute instruction and send as long as it took, a receive its
+    share of the stage's receive time less its waits (`wait_s`; the waits are what the replay
+    works out), a message `latency_s` in flight, and the stage's time between instructions
+    (its pipelined part, `pipe_s`, less its instructions) spread over them. Unlike `replay` at
+    median costs it keeps how the costs varied within the step: stages of about equal speed
+    wait for each other whenever one of them runs slow."""
+    programs, roles = plan_programs(plan)
+    spent: dict[tuple[int, Instr], float] = {}
+    for s, program in enumerate(programs):
+        pipelined = [(x, t) for x, t in zip(program, run["instr_s"][s], strict=True)
+                     if x.op not in (REDUCE, STEP)]  # fmt: skip
+        received = [t for x, t in pipelined if x.op in RECVS]
+        per_recv = max(0.0, sum(received) - run["wait_s"][s]) / len(received) if received else 0.0
+        between = max(0.0, run["pipe_s"][s] - sum(t for _, t in pipelined)) / len(pipelined)
+        for x, t in pipelined:
+            spent[s, x] = (per_recv if x.op in RECVS else t) + between
+
+    def cost(s: int, x: Instr) -> float:
+        return spent.get((s, x), 0.0)
+
+    return _replay(programs, roles, simulate(programs, roles), cost, latency_s)
+
+
+def idle_fraction(stages: Sequence[tuple[float, float]]) -> float:
+    """Mean over stages of the share of the step each idles: (makespan - busy) / makespan, for
+    (span, busy) per stage. With equal stages and free messages, 1F1B's (p - 1) / (m + p - 1)."""
+    makespan = max(span for span, _ in stages)
+    if makespan <= 0:
+        raise ValueError(f"makespan must be > 0, got {makespan}")
+    return sum(makespan - busy for _, busy in stages) / (len(stages) * makespan)
+
+
+def dispatch_seconds(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Per stage, its own seconds per send or receive: what its pipelined part spent neither
+    computing nor blocked in receives (posting and completing messages, the executor between
+    instructions), over its messages; medians over `runs`."""
+    sent = messages(plan)
+    return [
+        median((run["pipe_s"][s] - run["wait_s"][s] - sum(run["ops"][s].values())) / n
+               for run in runs) if n else 0.0
+        for s, n in enumerate(sent)
+    ]  # fmt: skip
 
 
 def compute_seconds(run: Mapping[str, Any]) -> float:

@@ -1,11 +1,11 @@
-"""``dsnd bench pipeline | partition | context``: measure dsnd's pipeline, its schedules, ZeRO,
-its measured partition and its context parallelism on this machine.
+"""``dsnd bench pipeline | partition | context | ...``: measure dsnd's pipeline, its schedules,
+its measured partition and its context parallelism on this machine (`BENCHES` lists them all).
 
 A benchmark, not a test: it prints each metric with its target and whether the target was met,
 and exits 0 whenever the measurement itself ran. It starts its own gloo ranks (one thread each,
 loopback), which run `dsnd.bench.pipeline_rank`: first 2 ranks (dsnd against DeepSpeed's
-`PipelineEngine`, dsnd's schedules against its 1F1B at pp=2, ZeRO memory), then 4 ranks (the
-schedules' bubbles at pp=4, with fewer repetitions: 4 ranks share this machine's cores). Rank 0
+`PipelineEngine`, dsnd's schedules against its 1F1B at pp=2), then 4 ranks (the same at pp=4,
+with fewer repetitions: 4 ranks share this machine's cores). Rank 0
 of each writes its raw numbers to a temporary JSON that this process turns into rows
 (`dsnd.bench.results`).
 
@@ -38,7 +38,9 @@ PP4_SHARE = 4  # the pp=4 phase runs 1/4 of the repetitions
 PARTITION_SHARE = 2  # the partition bench runs 1/2 of them, each a step of both layouts
 
 
-DEFAULT_REPS = {"pipeline": (40, 10), "partition": (40, 10), "context": (3, 1)}
+DEFAULT_REPS = {"pipeline": (40, 10), "partition": (40, 10), "context": (3, 1),
+                "zero-memory": (1, 1), "activation-checkpointing": (10, 1), "overhead": (40, 5),
+                "zero-comm": (1, 1), "tp-comm": (1, 0), "gpu": (8, 2)}  # fmt: skip
 """(timed, warm-up) repetitions of each bench unless --steps / --warmup say otherwise: a context
 step at 8192 tokens takes seconds, a pipeline step of the tiny model milliseconds."""
 
@@ -82,7 +84,8 @@ def share_reps(steps: int, warmup: int, share: int) -> tuple[int, int]:
 
 def pp4_reps(steps: int, warmup: int) -> tuple[int, int]:
     """(timed, warm-up) repetitions of the pp=4 phase: a quarter of the pp=2 phase's (4 ranks on
-    2 cores make each step several times slower; its bubbles are context, not a target)."""
+    2 cores make each step several times slower; its bubbles are context, not a target, as a
+    rank waiting for a core idles like one waiting for a message)."""
     return share_reps(steps, warmup, PP4_SHARE)
 
 
@@ -137,9 +140,14 @@ def _context(args: argparse.Namespace, tmp: str) -> list:
 
 
 BENCHES: dict[str, tuple[str, str]] = {
+    "gpu": (
+        "dsnd.bench.gpu:gpu",
+        "one GPU (skipped without CUDA): tokens/s, MFU and peak memory / the plan's, bf16, "
+        "ZeRO 0/1/3, activation checkpointing on and off",
+    ),
     "pipeline": (
         "dsnd.commands.bench:_pipeline",
-        "dsnd's pipeline, schedules and ZeRO against DeepSpeed's",
+        "dsnd's pipeline and schedules against DeepSpeed's",
     ),
     "partition": (
         "dsnd.commands.bench:_partition",
@@ -149,6 +157,26 @@ BENCHES: dict[str, tuple[str, str]] = {
         "dsnd.commands.bench:_context",
         "activation memory per rank and speed of ring and Ulysses context parallelism at "
         "cp=1/2/4 on long sequences",
+    ),
+    "zero-comm": (
+        "dsnd.commands.bench_comm:zero_comm",
+        "data-parallel bytes per step at ZeRO 1-3 against theory",
+    ),
+    "tp-comm": (
+        "dsnd.commands.bench_comm:tp_comm",
+        "tensor-parallel collectives per block against Megatron's",
+    ),
+    "zero-memory": (
+        "dsnd.commands.bench_memory:zero_memory",
+        "model-state bytes per rank at ZeRO 0-3 inside pipeline stages against the formula",
+    ),
+    "activation-checkpointing": (
+        "dsnd.commands.bench_memory:activation_checkpointing",
+        "activation memory and step time with activation checkpointing on against off",
+    ),
+    "overhead": (
+        "dsnd.commands.bench_memory:overhead",
+        "dsnd's throughput at world 1 against a plain PyTorch loop on the same model",
     ),
 }
 """Each bench: its measuring function as ``module:function`` (taking the parsed arguments and a
@@ -174,5 +202,6 @@ def run_bench(args: argparse.Namespace) -> int:
         except RanksFailed as e:
             print(f"dsnd: bench {args.name} failed: {e}", file=sys.stderr)
             return 1
-    print(json_lines(rows) if args.json else format_table(rows))
+    if rows:  # a bench that found nothing to measure (no GPU) has said so
+        print(json_lines(rows) if args.json else format_table(rows))
     return 0

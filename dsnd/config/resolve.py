@@ -273,6 +273,15 @@ def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
                         "hybrid sharding runs without context parallelism")  # fmt: skip
 
 
+def check_reshard(par: Any, ds: dict[str, Any], ds_path: str) -> None:
+    """`parallel.reshard_after_forward: false` keeps ZeRO-3's gathered parameters: only ZeRO-3
+    partitions parameters at all."""
+    if not par.reshard_after_forward and zero_stage(ds) != 3:
+        raise UserError(f"parallel.reshard_after_forward=false needs ZeRO stage 3 (only it "
+                        f"partitions parameters); {ds_path} sets zero_optimization.stage="
+                        f"{zero_stage(ds)}")  # fmt: skip
+
+
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")  # fmt: skip
 """Set per rank by every launcher; never copied from the launching environment."""
@@ -305,6 +314,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     plan = run_plan(run, model, topology, ds, batch)
     check_zero3_sub_groups(ds, plan, model)
     check_dp_shard(par, ds, topology.dp, loaded.ds_path)
+    check_reshard(par, ds, loaded.ds_path)
     return Resolved(
         run=run,
         ds=ds,

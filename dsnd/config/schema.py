@@ -95,6 +95,15 @@ class ParallelConfig:
         "stage 3. null or 0 = dp (plain ZeRO-3).",
         None,
     )
+    reshard_after_forward: bool = doc(
+        "ZeRO-3 (FSDP's name): true = DeepSpeed's way, each layer's parameters gathered for its "
+        "use and partitioned again after it, in every micro-batch's forward and backward (least "
+        "memory; gathers grow with the micro-batches); false = each stage's parameters stay "
+        "gathered from their first use to the optimizer step: one all-gather per step whatever "
+        "the micro-batches, for the stage's whole parameters in memory during the step (ZeRO-2's "
+        "parameter memory while it runs). Needs zero_optimization.stage 3.",
+        True,
+    )
     partition: str | list = doc(
         "How layers split into stages: uniform, parameters, type:<regex> (as DeepSpeed names "
         "them), or explicit boundaries [0, 3, 7] / per-stage lists [[0, 1, 2], [3, 4, 5, 6]].",

@@ -12,7 +12,9 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   `allreduce_gradients`, `gradient_accumulation_steps`, `zero_optimization_stage`, `backward`,
   `step` (public methods, in the order a pipeline step needs them), and torch's private
   `torch.distributed.pipelining._backward.stage_backward_input` / `stage_backward_weight` for
-  the split backward of zero-bubble schedules (torch's own implementation, not a copy).
+  the split backward of zero-bubble schedules (torch's own implementation, not a copy); and
+  ZeRO-3 parameters' `ds_active_sub_modules` (the set DeepSpeed partitions a parameter by when
+  it empties), claimed for a whole step under `parallel.reshard_after_forward: false`.
 - `build`: `deepspeed.runtime.utils.is_model_parallel_parameter`, the rule DeepSpeed's own
   gradient norm uses to count a tensor-parallel-replicated parameter once.
 - `compat`: `assert_ints_same_as_other_ranks` as imported into `deepspeed.runtime.zero.utils`,

@@ -4,8 +4,9 @@ Counted from the tensors DeepSpeed 0.19.8 keeps (its attribute names, read, neve
 
 - params: ZeRO-1: the model's parameters (views into its flat fp32 buffers); ZeRO-3: each
   parameter's `ds_tensor` shard, plus any parameter still gathered whole;
-- grads: gradients on the model's parameters (ZeRO-1 accumulates them whole) and, for ZeRO-3,
-  the flat buffer of this rank's gradient partitions;
+- grads: gradients on the model's parameters (ZeRO-1 accumulates them whole), ZeRO 1-2's reduced
+  partitions (`averaged_gradients`) and, for ZeRO-3, the flat buffer of this rank's gradient
+  partitions;
 - master: the fp32 partitions the optimizer steps (ZeRO-1/2 `single_partition_of_fp32_groups`,
   ZeRO-3 `fp32_partitioned_groups_flat`, bf16 at ZeRO-0 `fp32_groups`; none at ZeRO-0 fp32, where
   the parameters are the masters) and their gradients;
@@ -40,6 +41,10 @@ def _grads(engine) -> Iterator[torch.Tensor | None]:
     for p in engine.module.parameters():
         yield p.grad
     yield getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
+    # ZeRO 1-2: the reduced partition the optimizer step reads, kept apart from `.grad`
+    averaged = getattr(engine.optimizer, "averaged_gradients", None) or {}
+    for tensors in averaged.values() if isinstance(averaged, dict) else averaged:
+        yield from tensors or ()
 
 
 def _masters(engine) -> list[torch.Tensor]:

@@ -77,6 +77,9 @@ class StepResult:
     # seconds per compute instruction kind (F, B, I, W), summed over the step: with the
     # program, what `dsnd.plan.schedule.timeline` needs to predict this stage's bubble
     op_seconds: dict[str, float] = field(default_factory=dict)
+    # seconds of each instruction of the program, in order (a receive's include its wait): the
+    # spread of the costs `dsnd bench pipeline` replays the step at
+    instr_seconds: list[float] = field(default_factory=list)
     # seconds from the step's start to its gradient reduction: the pipelined part (every
     # compute instruction, message and tied exchange), without the reduction and optimizer
     pipelined_s: float = 0.0
@@ -111,7 +114,9 @@ class Executor:
                  math: StageMath, role: StageRole, tied: TiedWeights | None) -> None:  # fmt: skip
         self.engine, self.links, self.shape = engine, links, shape
         self.math, self.role, self.tied = math, role, tied
-        self.split = False  # set per program: zero-bubble programs run forwards outside hooks
+        # set per program: forwards and backwards outside DeepSpeed's (`StageEngine.plain`;
+        # zero-bubble programs always)
+        self.plain = False
         self.activations = ActivationMeter(self._not_activations)
         self.table: dict[str, Callable[[Instr, _Step], None]] = {
             S.RECV_ACT: self._recv_act, S.SEND_ACT: self._send_act, S.FORWARD: self._forward,
@@ -142,7 +147,7 @@ class Executor:
         step_start = time.perf_counter()
         state = _Step(batches)
         times = state.result.times
-        self.split = any(x.op == S.BACKWARD_INPUT for x in program)
+        self.plain = self.engine.plain or any(x.op == S.BACKWARD_INPUT for x in program)
         self.links.reset_recv_wait()
         self.links.begin_step(self.role, program, self.shape)
         self.engine.begin()
@@ -154,6 +159,7 @@ class Executor:
                 state.result.pipelined_s = start - step_start
             self.table[x.op](x, state)
             spent = time.perf_counter() - start
+            state.result.instr_seconds.append(spent)
             times[PHASE.get(x.op, "comm")] += spent
             if x.op in S.COMPUTE:
                 ops[x.op] = ops.get(x.op, 0.0) + spent
@@ -188,7 +194,7 @@ class Executor:
             inp = state.batches[x.micro][0].to(self.engine.device)
         else:
             inp = state.inputs[key]
-        run = self.engine.forward_plain if self.split else self.engine.forward
+        run = self.engine.forward_plain if self.plain else self.engine.forward
         with self.activations.forward(key):
             out = run(inp, x.chunk)
             if self._is_last(x):
@@ -199,7 +205,9 @@ class Executor:
     def _backward(self, x: Instr, state: _Step) -> None:
         out = state.outputs.pop((x.micro, x.chunk))
         if self._is_last(x):
-            self.engine.backward_loss(out)
+            (self.engine.backward_loss_plain if self.plain else self.engine.backward_loss)(out)
+        elif self.plain:
+            self.engine.backward_plain(out, state.grads.pop((x.micro, x.chunk)))
         else:
             self.engine.backward_output(out, state.grads.pop((x.micro, x.chunk)))
         self.activations.release((x.micro, x.chunk))
@@ -244,7 +252,7 @@ class Executor:
                             if x.op in (S.RECV_ACT, S.FORWARD, S.SEND_ACT)]  # fmt: skip
         state = _Step(batches)
         self.engine.engine.eval()
-        self.split = False
+        self.plain = False
         self.links.begin_step(self.role, program, self.shape)
         for x in program:
             self.table[x.op](x, state)

@@ -3,10 +3,20 @@
 Sends are asynchronous (`isend`): a stage hands its activation or gradient off and computes on,
 so communication overlaps compute; the handles are waited on at the end of the step. Receives
 are posted ahead (`irecv`): at the start of a step the links read the program's receives, and
-keep one posted per channel — (kind, receiving chunk), each under its own tag — so a message
-can land while the stage computes; the stage blocks only when it needs the tensor. Messages on
-one channel arrive in send order, which `dsnd.plan.schedule.simulate` checks matches the
-receiver's order for every schedule.
+keep up to `POST_AHEAD` posted per channel — (kind, receiving chunk), each under its own tag —
+so a message can land while the stage computes; the stage blocks only when it needs the tensor.
+Messages on one channel arrive in send order, which `dsnd.plan.schedule.simulate` checks matches
+the receiver's order for every schedule. Where each message goes (channel, peer, tag) is worked
+out once per program.
+
+When to post matters as much as how far ahead. gloo matches a send with a receive the receiver
+has announced to the sender, and a receive posted right after another one completed costs
+0.3-0.4 ms, one posted right after a send about 0.07 ms (measured on 2 ranks, 2 cores,
+llama-tiny at pp=2, m=8: posts took 3.6 ms of a 70 ms step). So after a receive the links post
+another only when none is left on that channel, and top every channel up to `POST_AHEAD` after
+each send instead; a receive is then announced a whole hand-off before its message comes.
+Measured the same way: 70.0 -> 66.2 ms per step, against 65.4 ms with every receive of the step
+posted at its start (m buffers per channel at once).
 
 With several chunks per stage (interleaved schedules) the stages form a ring: the last stage's
 chunk c feeds the first stage's chunk c + 1.
@@ -18,32 +28,51 @@ Time blocked in receives is summed in `recv_wait_s`: on a stage, that is the pip
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from dsnd.distributed.groups import ProcessGroups
-from dsnd.plan.schedule import RECVS, Instr, StageRole, channel
+from dsnd.plan.schedule import RECVS, SENDS, Instr, StageRole, channel
 
 TIED_TAG = 0  # pipeline/tied.py's blocking exchange; activations and gradients use 1, 2, ...
+POST_AHEAD = 2  # receives kept posted per channel, at most (see the module docstring)
 
 
 def _tag(kind: str, chunk: int) -> int:
     return 1 + 2 * chunk + (kind == "grad")
 
 
+def routes(role: StageRole, program: list[Instr]) -> dict[Instr, tuple[tuple, int, int]]:
+    """Each send and receive of `program`: (its channel, the peer stage, its tag)."""
+    out = {}
+    for x in program:
+        if x.op in SENDS or x.op in RECVS:
+            key = channel(role, x)
+            src, dst, kind, chunk = key
+            out[x] = (key, dst if x.op in SENDS else src, _tag(kind, chunk))
+    return out
+
+
 class StageLinks:
     """This rank's links to the other stages of its pipeline."""
 
-    def __init__(self, groups: ProcessGroups, device: torch.device) -> None:
-        self.device = device
-        self.group = groups.pipe
-        self.ranks = dist.get_process_group_ranks(groups.pipe)
+    def __init__(
+        self, groups: ProcessGroups, device: torch.device, ahead: int = POST_AHEAD
+    ) -> None:
+        if ahead < 1:
+            raise ValueError(f"need at least one receive posted ahead, got {ahead}")
+        self.device, self.ahead = device, ahead
+        self.group = groups.pipe  # a stage's rank in this group is its stage index
         self._pending: list[dist.Work] = []
-        self._posted: dict[tuple, tuple[dist.Work, torch.Tensor]] = {}  # channel -> receive
+        self._posted: dict[tuple, deque] = {}  # channel -> posted (work, buffer), in order
         self._left: dict[tuple, int] = {}  # channel -> receives still to post this step
         self._shape: tuple[tuple[int, ...], torch.dtype] | None = None
+        self._program: list[Instr] | None = None  # the program `_routes` was worked out for
         self._role: StageRole | None = None
+        self._routes: dict[Instr, tuple[tuple, int, int]] = {}
+        self._counts: dict[tuple, int] = {}  # channel -> receives per step
         self.recv_wait_s = 0.0  # seconds blocked in receives since construction or the last reset
 
     def reset_recv_wait(self) -> float:
@@ -53,45 +82,58 @@ class StageLinks:
 
     def begin_step(self, role: StageRole, program: list[Instr], shape) -> None:
         """Expect the receives of `program` (activations and gradients of `shape.activation`
-        in `shape.dtype`); post the first of each channel."""
-        self._role, self._shape = role, (shape.activation, shape.dtype)
-        self._left = {}
-        for x in program:
-            if x.op in RECVS:
-                key = channel(role, x)
-                self._left[key] = self._left.get(key, 0) + 1
-        for key in list(self._left):
+        in `shape.dtype`); post the first `ahead` of each channel."""
+        if program is not self._program or role != self._role:
+            self._routes = routes(role, program)
+            self._counts = {}
+            for x, (key, _, _) in self._routes.items():
+                if x.op in RECVS:
+                    self._counts[key] = self._counts.get(key, 0) + 1
+            self._program, self._role = program, role
+        self._shape = (shape.activation, shape.dtype)
+        self._left = dict(self._counts)
+        for key in self._left:
+            self._posted[key] = deque()
             self._post(key)
 
-    def _post(self, key: tuple) -> None:
-        if self._left.get(key, 0) > 0:
-            self._left[key] -= 1
-            src, _, kind, chunk = key
+    def _post(self, key: tuple, upto: int | None = None) -> None:
+        """Top channel `key` up to `upto` (default `ahead`) posted receives, as far as the step
+        has any left."""
+        queue, left = self._posted[key], self._left[key]
+        upto = self.ahead if upto is None else upto
+        while left > 0 and len(queue) < upto:
+            left -= 1
+            _, _, kind, chunk = key
             shape, dtype = self._shape
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            work = dist.irecv(buf, self.ranks[src], group=self.group, tag=_tag(kind, chunk))
-            self._posted[key] = (work, buf)
+            # the process group's own receive: torch.distributed's irecv would translate the
+            # peer's global rank back to this group rank on every message
+            queue.append((self.group.recv([buf], key[0], _tag(kind, chunk)), buf))
+        self._left[key] = left
 
     def recv(self, x: Instr) -> torch.Tensor:
         """The tensor receive instruction `x` names (blocks until it has arrived)."""
-        key = channel(self._role, x)
-        work, buf = self._posted.pop(key)
+        key = self._routes[x][0]
+        queue = self._posted[key]
+        work, buf = queue.popleft()
         start = time.perf_counter()
         work.wait()
         self.recv_wait_s += time.perf_counter() - start
-        self._post(key)
+        self._post(key, upto=1)  # never none: the peer's next send must find one waiting
         return buf
 
     def send(self, x: Instr, tensor: torch.Tensor) -> None:
-        """Send `tensor` as send instruction `x` says (asynchronously)."""
-        _, dst, kind, chunk = channel(self._role, x)
-        work = dist.isend(tensor.detach().contiguous(), self.ranks[dst], group=self.group,
-                          tag=_tag(kind, chunk))  # fmt: skip
-        self._pending.append(work)
+        """Send `tensor` as send instruction `x` says (asynchronously); then top every channel up
+        to `ahead` posted receives (see the module docstring)."""
+        _, peer, tag = self._routes[x]
+        self._pending.append(self.group.send([tensor.detach().contiguous()], peer, tag))
+        for key in self._left:
+            self._post(key)
 
     def wait(self) -> None:
         """Complete every outstanding send (their buffers may then be freed)."""
-        assert not self._posted, f"receives still posted at the end of a step: {list(self._posted)}"
+        posted = [key for key, queue in self._posted.items() if queue]
+        assert not posted, f"receives still posted at the end of a step: {posted}"
         for work in self._pending:
             work.wait()
         self._pending.clear()

@@ -78,7 +78,8 @@ class StageRunner:
             math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
         if self.cp.size > 1:
             math = StageMath(context_parallel_loss(math.loss_fn, self.cp.group), math.sync_grads)
-        stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp)
+        stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
+                                   res.run.parallel.reshard_after_forward)  # fmt: skip
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
                                  self.tied)  # fmt: skip
 
@@ -110,10 +111,14 @@ class StageRunner:
         `dsnd.cp.loss`), sent to every stage."""
         device = self.engine.device
         loss = torch.zeros((), dtype=torch.float64, device=device)
+        # a group of one rank needs no collective (gloo would still run one on its thread)
+        replicas = dist.get_world_size(self.groups.data)
         if local is not None:
             loss = local.to(device).double()
-            dist.all_reduce(loss, group=self.groups.data)
-            loss /= dist.get_world_size(self.groups.data)
-        last = dist.get_process_group_ranks(self.groups.pipe)[-1]
-        dist.broadcast(loss, src=last, group=self.groups.pipe)
+            if replicas > 1:
+                dist.all_reduce(loss, group=self.groups.data)
+                loss /= replicas
+        stages = dist.get_process_group_ranks(self.groups.pipe)
+        if len(stages) > 1:
+            dist.broadcast(loss, src=stages[-1], group=self.groups.pipe)
         return loss.item()

@@ -1,5 +1,5 @@
 """Model-state bytes per rank for a ZeRO stage, precision and offload: the ZeRO paper's
-accounting with what DeepSpeed 0.19.8 keeps (measured by `dsnd bench pipeline`'s memory phase):
+accounting with what DeepSpeed 0.19.8 keeps (measured by `dsnd bench zero-memory`):
 
 - parameters: 4 bytes each in fp32, 2 in bf16; split over the data-parallel ranks at ZeRO-3;
 - gradients: as the parameters; split at ZeRO 2-3;
@@ -50,3 +50,20 @@ def model_state_bytes(
         "device": {k: v for k, v in parts.items() if k not in on_cpu},
         "cpu": {k: v for k, v in parts.items() if k in on_cpu},
     }
+
+
+def held_gradient_bytes(stage: int, psi: int, nd: int, bf16: bool) -> float:
+    """Gradient bytes a rank holds at the peak of a dsnd step beyond `model_state_bytes`' grads.
+
+    dsnd reduces a step's gradients once, at its end (`dsnd.engine.stage_engine` coalesces
+    DeepSpeed's reductions), so until then every rank accumulates its stage's whole gradients:
+    ZeRO-2 partitions them only at the reduction, and ZeRO-3 keeps its partition buffer besides.
+    Measured by ``dsnd bench zero-memory`` (pp=2 x dp=2, fp32 AdamW): ZeRO-2 peaks at 14 Psi
+    where the formula has 12 Psi, ZeRO-3 at 14 Psi where it has 10 Psi. ZeRO 0-1 hold whole
+    gradients in the formula already."""
+    low = 2 if bf16 else 4
+    if stage == 2:
+        return low * psi * (1 - 1 / nd)
+    if stage == 3:
+        return float(low * psi)
+    return 0.0

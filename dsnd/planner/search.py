@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
+from dsnd.plan.memory import held_gradient_bytes
 from dsnd.plan.plan import ZERO_STAGES
 from dsnd.planner import memory as mem
 from dsnd.planner.hardware import Device
@@ -72,6 +73,7 @@ class Problem:
     seq: int
     global_batch: int
     bf16: bool
+    measured: dict[int, tuple[float, ...]] | None = None  # micro-batch -> Step.layer_seconds
 
 
 def _divisors(n: int) -> list[int]:
@@ -134,6 +136,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
         parts["activations"] = held * per_chunk + (whole if lay.activation_checkpointing else 0)
         largest = max(sh.layer_params[i] for i in layers) / lay.tp
         parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(BUCKET, psi), pr.bf16)
+        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(psi), nd, pr.bf16)
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     lay.memory_bytes = worst
@@ -149,7 +152,8 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
             )  # fmt: skip
         )
     st = Step(lay.pp, lay.tp, lay.dp, lay.cp, lay.zero_stage, lay.micro_batch, lay.micro_batches,
-              pr.seq, lay.schedule, lay.virtual_stages, recompute, sp, pr.bf16)  # fmt: skip
+              pr.seq, lay.schedule, lay.virtual_stages, recompute, sp, pr.bf16,
+              layer_seconds=_measured(pr, lay))  # fmt: skip
     lay.step_time_s = step_seconds(sh, stages, st, dev)
     tokens_step = pr.global_batch * pr.seq
     lay.tokens_per_s = tokens_step / lay.step_time_s
@@ -157,6 +161,13 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
     lay.mfu = lay.tokens_per_s * flops / (pr.world * dev.flops(pr.bf16))
     lay.fits = lay.total_bytes <= HEADROOM * dev.memory_bytes
     return lay
+
+
+def _measured(pr: Problem, lay: Layout) -> tuple[float, ...] | None:
+    """Measured layer times where they describe the layout's layers (whole, unsplit)."""
+    if pr.measured is None or lay.tp > 1 or lay.cp > 1:
+        return None
+    return pr.measured.get(lay.micro_batch)
 
 
 def plan(pr: Problem) -> list[Layout]:

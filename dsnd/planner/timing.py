@@ -57,6 +57,10 @@ class Step:
     bf16: bool = True
     scores_in_memory: bool = False  # attention writes its scores (no fused kernel)
     scatter_gather: bool = False  # pipeline messages split over the tensor ranks (Megatron's)
+    layer_seconds: tuple[float, ...] | None = None
+    """Measured forward + backward seconds of one micro-batch through each pipeline layer on this
+    device (`dsnd.plan.profile.measure_layers`): they replace the FLOP and memory-traffic terms
+    (a full recomputation adds a forward, a third of them)."""
 
 
 def _short(p: int, m: int) -> int:
@@ -118,6 +122,9 @@ def stage_seconds(shape: ModelShape, layers: list[int], st: Step, dev: Device) -
     passes = 3 if st.recompute == "full" else 2  # forward, backward, [recomputed forward]
     total = 0.0
     for layer in layers:
+        if st.layer_seconds is not None:
+            total += st.layer_seconds[layer] * (4 / 3 if st.recompute == "full" else 1) / e
+            continue
         fwd = shape.forward_flops(layer, tokens, st.seq) / st.tp
         flops = 3 * fwd
         if layer not in shape.blocks:

@@ -8,9 +8,14 @@ CPU, which keeps no allocator statistics), sampled at the step's end; predicted,
 parameters, optimizer states, activations and, at ZeRO-3, the gradient partition DeepSpeed keeps
 between steps (ZeRO 0-2 free their gradients at each step's end, so neither side has them there;
 `dsnd bench zero-memory` checks gradients after a backward). Communication buffers are on
-neither side. Measured time is the median step after the first two. The time model's one constant,
-the efficiency, is calibrated on the first layout (its time ratio is 1 by construction); the
-others are predictions.
+neither side. Measured time is the median step after the first two.
+
+Predicted time: a CPU has no datasheet, so each layer's forward and backward at the layout's
+micro-batch is measured here first (`layer_costs`, one thread like a rank) and takes the place
+of the FLOP and memory-traffic terms; the pipeline, its schedule's bubble, messages, the ZeRO
+reduction and the optimizer pass are the time model's. Its one constant, the efficiency, is
+calibrated on the first layout (its time ratio is 1 by construction); the others are
+predictions.
 """
 
 from __future__ import annotations
@@ -73,7 +78,9 @@ def validate(model: str, pr: Problem, layouts: list[Layout], steps: int) -> list
     if not measured:
         return []
     # every rate of the time model runs at the efficiency: time scales as 1 / efficiency
-    unit = replace(pr, device=replace(pr.device, efficiency=1.0))
+    unit = replace(
+        pr, device=replace(pr.device, efficiency=1.0), measured=layer_costs(model, pr, layouts)
+    )
     at_one = [evaluate(unit, replace(lay), _split(pr, lay)).step_time_s for lay in layouts]
     efficiency = at_one[0] / measured[0]["step_time_s"]
     rows = []
@@ -90,6 +97,24 @@ def validate(model: str, pr: Problem, layouts: list[Layout], steps: int) -> list
             "time_ratio": predicted_s / got["step_time_s"], "efficiency": efficiency,
         })  # fmt: skip
     return rows
+
+
+def layer_costs(model: str, pr: Problem, layouts: list[Layout]) -> dict[int, tuple[float, ...]]:
+    """Each layer's forward + backward seconds at each micro-batch size the layouts use, measured
+    in this process on one thread like a rank (a CPU has no datasheet to predict them from)."""
+    import torch
+
+    from dsnd.model.spec import load_model
+    from dsnd.plan.profile import measure_layers
+
+    spec = load_model(model, "--model")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {mb: tuple(c.seconds for c in measure_layers(spec, pr.seq, mb))
+                for mb in sorted({lay.micro_batch for lay in layouts})}  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
 
 
 def resident_bytes(lay: Layout) -> float:

@@ -18,9 +18,9 @@ import os
 
 import pytest
 
-from dsnd.bench.results import zero_state_bytes
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
+from dsnd.plan.memory import model_state_bytes
 from tests.distributed.parity import RTOL, STEPS, assert_same, case, run_cases
 from tests.procs import last_log_text
 
@@ -60,7 +60,7 @@ def test_hsdp_parity_memory_and_resume_on_plain_zero3(single, tmp_path):
 
     res = resolve(load(None, hsdp["sets"]), 4)
     psi = res.plan.stage_parameters(res.model)[0]
-    formula = sum(zero_state_bytes(3, psi, 2).values())
+    formula = sum(model_state_bytes(3, psi, 2, bf16=False)["device"].values())
     ratio = max(r["memory_live_bytes"] for r in got["hsdp"]) / formula
     print(f"HSDP dp=4 dp_shard=2: model-state bytes per rank / (20 * {psi} / 2) = {ratio:.3f}")
     assert 0.95 < ratio < 1.10, ratio

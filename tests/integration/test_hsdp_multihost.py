@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from dsnd.bench.results import zero_state_bytes
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
+from dsnd.plan.memory import model_state_bytes
 from tests.integration.test_multihost import (  # noqa: F401 (reference_losses: a fixture)
     launch_zero3_dp4,
     reference_losses,
@@ -42,6 +42,6 @@ def test_hsdp_shards_stay_on_each_host(cluster, tmp_path, reference_losses):  # 
     psi = res.plan.stage_parameters(res.model)[0]
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         live = max(json.loads(line)["memory_live_bytes"] for line in f)
-    ratio = live / sum(zero_state_bytes(3, psi, 2).values())
+    ratio = live / sum(model_state_bytes(3, psi, 2, bf16=False)["device"].values())
     print(f"HSDP on 2 hosts: model-state bytes per rank / (20 * {psi} / 2) = {ratio:.3f}")
     assert 0.95 < ratio < 1.10, ratio

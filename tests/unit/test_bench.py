@@ -110,31 +110,6 @@ def test_bubble_theory_is_the_schedules_idle_share(p, m):
     assert r.bubble_theory(p, m) == pytest.approx(idle_over_busy / (1 + idle_over_busy))
 
 
-def test_zero_formulas_in_fp32():
-    psi, nd = 1000, 2
-    z1 = r.zero_state_bytes(1, psi, nd)
-    z3 = r.zero_state_bytes(3, psi, nd)
-    assert z1 == {"params": 4000, "grads": 4000, "master": 2000, "optimizer": 4000}  # 4+4+12/Nd
-    assert z3 == {"params": 2000, "grads": 2000, "master": 2000, "optimizer": 4000}  # 20/Nd
-    assert sum(z3.values()) / sum(z1.values()) == pytest.approx(10 / 14)
-    t1 = sum(r.zero_state_bytes(1, psi, nd, r.TEXTBOOK_FP32).values())
-    t3 = sum(r.zero_state_bytes(3, psi, nd, r.TEXTBOOK_FP32).values())
-    assert (t1, t3) == (12000, 8000)
-    with pytest.raises(ValueError):
-        r.zero_state_bytes(2, psi, nd)
-    with pytest.raises(ValueError):
-        r.zero_state_bytes(1, psi, 0)
-
-
-def test_zero3_formula_ratio_falls_with_more_ranks():
-    ratios = [
-        sum(r.zero_state_bytes(3, 10, nd).values()) / sum(r.zero_state_bytes(1, 10, nd).values())
-        for nd in (1, 2, 4, 8)
-    ]
-    assert ratios[0] == pytest.approx(1.0)  # one rank: nothing to partition
-    assert ratios == sorted(ratios, reverse=True)
-
-
 def test_claim_bytes_counts_shared_memory_once_for_the_first_category():
     got = claim_bytes(
         [
@@ -197,21 +172,32 @@ def test_table_is_aligned_with_notes_below():
     assert lines[4:] == ["", "notes:", "  throughput_ratio: a note"]
 
 
-def _raw(ours: list[float], theirs: list[float]) -> dict:
+STAGE_OPS = [{"F": 0.16, "B": 0.32}, {"F": 0.24, "B": 0.4}]  # 8 micro-batches per step
+
+
+def _instr_s(plan: dict, s: int) -> list[float]:
+    """Stage s's instruction seconds as the executor records them: its `STAGE_OPS` / 8 per
+    compute instruction, sends and the rest free."""
+    ops = STAGE_OPS[min(s, 1)]
+    return [ops[op] / 8 if op in ops else 0.0 for op, _, _ in plan["programs"][s]]
+
+
+def _raw(ours: list[float], theirs: list[float], p: int = 2) -> dict:
     reps = []
+    plan = _plan("1f1b", p, 8)
     for i, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+        pipe = [o, o - 0.1, *[o] * (p - 2)]
         reps.append({
             "rep": i, "timed": i > 0, "order": "dsnd-first",
-            "dsnd": {"step_s": [o, o - 0.01], "stage_s": [o, o - 0.1], "wait_s": [0.05, 0.0],
-                     "loss": 5.0 + i},
-            "deepspeed": {"step_s": [t - 0.01, t], "loss": 5.0 + i + 1e-6 * i},
+            "dsnd": {"step_s": [o, o - 0.01, *[o] * (p - 2)], "stage_s": [o + 0.2] * p,
+                     "pipe_s": pipe, "wait_s": [0.05, *[0.0] * (p - 1)],
+                     "ops": [STAGE_OPS[min(s, 1)] for s in range(p)],
+                     "instr_s": [_instr_s(plan, s) for s in range(p)], "loss": 5.0 + i},
+            "deepspeed": {"step_s": [t - 0.01, *[t] * (p - 1)], "loss": 5.0 + i + 1e-6 * i},
         })  # fmt: skip
-    psi = 1000
-    z1 = {"params": 4000, "grads": 4000, "master": 2000, "optimizer": 4000}
-    z3 = {"params": 2000, "grads": 2000, "master": 2000, "optimizer": 4000}
     return {
         "layout": {
-            "pp": 2,
+            "pp": p,
             "dp": 1,
             "micro": 2,
             "gas": 8,
@@ -220,9 +206,12 @@ def _raw(ours: list[float], theirs: list[float]) -> dict:
             "partition": "parameters",
             "tokens_per_step": 1024,
             "warmup": 1,
+            "ranks": p,
+            "cores": 2,
         },  # fmt: skip
         "reps": reps,
-        "zero": {"psi": psi, "nd": 2, "1": [z1, {**z1, "master": 1900}], "3": [z3, z3]},
+        "plan": plan,
+        "latency_s": 0.001,
     }
 
 
@@ -238,16 +227,29 @@ def test_pipeline_rows_from_raw_measurements():
     assert rows["last_step_loss_rel_diff"].met is None
     theory = 1 / 9
     assert rows["bubble_fraction_theory"].value == pytest.approx(theory)
-    # per timed rep with step T: idle = 0.05 (stage 0) + 0.1 (stage 1 drain), over 2T
+    # per timed rep with a pipelined part of T: idle = 0.05 (stage 0) + 0.1 (stage 1 drain),
+    # over 2T; the reduction and optimizer after it (stage_s) are not the pipeline's
     fractions = [0.15 / (2 * t) for t in (1.0, 1.0, 2.0)]
     assert rows["bubble_fraction_measured"].value == pytest.approx(rw.median(fractions))
     assert rows["bubble_ratio"].value == pytest.approx(rw.median(fractions) / theory)
-    # the larger rank's total bounds memory: 14000 (rank 0) vs 13900
-    assert rows["zero1_state_bytes"].value == 14000
-    assert rows["zero3_state_bytes"].value == 10000
-    assert rows["zero3_state_bytes_ratio"].value == pytest.approx(10 / 14)
-    assert rows["zero3_state_bytes_ratio"].met is True
-    assert rows["zero3_state_bytes_ratio_textbook"].value == pytest.approx(8 / 12)
+    assert rows["bubble_ratio"].target.text == "<= 1.1"
+    assert rows["throughput_ratio"].target.text == ">= 1.1"
+    # replayed at the measured costs: stage 0 F 20 ms, B 40 ms; stage 1 F 30 ms, B 50 ms
+    stages = sr.idle_fraction(sr.replay(raw["plan"], [{"F": 0.02, "B": 0.04},
+                                                      {"F": 0.03, "B": 0.05}]))  # fmt: skip
+    assert rows["bubble_fraction_stages"].value == pytest.approx(stages)
+    assert stages > theory  # the slower stage 1 leaves stage 0 idle in every cycle
+    dispatch = [(1.0 - 0.05 - 0.48) / 16, (0.9 - 0.64) / 16]  # rep with T = 1.0 (median)
+    priced = sr.idle_fraction(
+        sr.replay(raw["plan"], [{"F": 0.02, "B": 0.04}, {"F": 0.03, "B": 0.05}], dispatch, 0.001)
+    )
+    assert rows["bubble_fraction_timeline"].value == pytest.approx(priced)
+    runs = [rep["dsnd"] for rep in raw["reps"][1:]]
+    own = rw.median(sr.idle_fraction(sr.replay_run(raw["plan"], run, 0.001)) for run in runs)
+    assert rows["bubble_fraction_replay"].value == pytest.approx(own)
+    assert rows["bubble_ratio_replay"].value == pytest.approx(rw.median(fractions) / own)
+    assert "x 16/16 messages) and 1.000 ms from a send" in rows["bubble_fraction_timeline"].note
+    assert not any("zero" in metric for metric in rows)  # ``dsnd bench zero-memory``'s
     first = [row.metric for row in r.pipeline_rows(raw)][:1]
     assert first == ["throughput_ratio"]
     lines = rw.json_lines(r.pipeline_rows(raw)).split("\n")
@@ -452,15 +454,95 @@ def test_pp4_rows_are_bubbles_only_without_targets():
     assert rows[0].note.endswith("; 4 ranks share 2 cores, no target")
 
 
-def test_pipeline_rows_put_the_schedule_phases_between_bubble_and_zero_rows():
+def test_pipeline_rows_put_the_schedule_phases_after_the_bubble_rows():
     raw = _raw(ours=[9.0, 1.0, 1.0, 2.0], theirs=[9.0, 1.5, 2.0, 2.0])
     plain = [row.metric for row in r.pipeline_rows(raw)]
-    raw["schedules"], raw["pp4"] = _section(), _section(pp4=True)
+    pp4_raw = {**_raw(ours=[9.0, 2.0, 2.0], theirs=[9.0, 1.9, 2.4], p=4),
+               "schedules": _section(pp4=True)}  # fmt: skip
+    raw["schedules"], raw["pp4"] = _section(), pp4_raw
     metrics = [row.metric for row in r.pipeline_rows(raw)]
-    cut = plain.index("bubble_fraction_theory") + 1
     schedules = [row.metric for row in sr.schedule_rows(raw["schedules"])]
-    pp4 = [row.metric for row in sr.schedule_rows(raw["pp4"], prefix="pp4_", compare=False)]
-    assert metrics == plain[:cut] + schedules + pp4 + plain[cut:]
+    pp4 = [f"pp4_{metric}" for metric in plain]
+    pp4 += [row.metric for row in sr.schedule_rows(pp4_raw["schedules"], "pp4_", compare=False)]
+    assert metrics == plain + schedules + pp4
+
+
+def test_pp4_against_deepspeed_has_a_throughput_target_and_bubbles_without():
+    raw = _raw(ours=[9.0, 1.0], theirs=[9.0, 1.0])
+    raw["pp4"] = {**_raw(ours=[9.0, 2.0, 2.0], theirs=[9.0, 1.9, 2.4], p=4),
+                  "schedules": _section(pp4=True)}  # fmt: skip
+    rows = {row.metric: row for row in r.pipeline_rows(raw)}
+    assert rows["pp4_throughput_ratio"].value == pytest.approx((1.9 / 2 + 2.4 / 2) / 2)
+    assert rows["pp4_throughput_ratio"].target == r.THROUGHPUT_TARGET
+    assert rows["pp4_throughput_ratio"].note.endswith("; 4 ranks share 2 cores")
+    assert rows["pp4_bubble_fraction_theory"].value == pytest.approx(3 / 11)
+    assert rows["pp4_bubble_ratio"].target is None
+    assert rows["pp4_bubble_ratio"].note.endswith("; 4 ranks share 2 cores, no target")
+    assert "x 16/32/32/16 messages" in rows["pp4_bubble_fraction_timeline"].note
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_replay_at_equal_costs_and_free_messages_is_the_theory(p, m):
+    stages = sr.replay(_plan("1f1b", p, m), [{"F": 1.0, "B": 2.0}] * p)
+    assert sr.idle_fraction(stages) == pytest.approx(r.bubble_theory(p, m))
+
+
+def test_replay_prices_each_message_on_both_sides_and_in_flight():
+    # p=2, m=1: F0, send (d), latency L, recv (d), F1, B1, send (d), L, recv (d), B0
+    f, b, d, lat = 1.0, 2.0, 0.5, 0.25
+    stages = sr.replay(_plan("1f1b", 2, 1), [{"F": f, "B": b}] * 2, [d, d], lat)
+    makespan, busy = 2 * (f + b) + 4 * d + 2 * lat, f + b + 2 * d
+    # stage 1's span ends with its send; stage 0's with its backward, the step's last action
+    assert stages == [pytest.approx((makespan, busy)), pytest.approx((2 * f + b + 3 * d + lat,
+                                                                       busy))]  # fmt: skip
+    assert sr.idle_fraction(stages) == pytest.approx((makespan - busy) / makespan)
+
+
+def test_replay_with_a_slower_last_stage():
+    # stage 1 (F 1.5, B 2.5) never starves: stage 0 turns a gradient into the next activation
+    # in B + F = 3 < 4. It ends at 1 + 8 * 4 = 33, stage 0 one B later, at 35.
+    stages = sr.replay(_plan("1f1b", 2, 8), [{"F": 1.0, "B": 2.0}, {"F": 1.5, "B": 2.5}])
+    assert stages == [(35.0, 24.0), (33.0, 32.0)]
+    assert sr.idle_fraction(stages) == pytest.approx((11 + 3) / 70)
+    with pytest.raises(ValueError):
+        sr.idle_fraction([(0.0, 0.0)])
+
+
+def test_replay_run_takes_each_instruction_as_long_as_it_took():
+    plan = _plan("1f1b", 2, 8)
+
+    def run(f: list[float], b: float, between: float = 0.0, recv: float = 0.0) -> dict:
+        """Stage 0's F(i) takes f[i], every other compute b, each receive `recv` (no waits),
+        sends 0; `between` per pipelined instruction outside them."""
+        stages = [
+            [f[m] if (s, op) == (0, "F") else b if op in ("F", "B")
+             else recv if op.startswith("recv") else 0.0 for op, m, _ in program]
+            for s, program in enumerate(plan["programs"])
+        ]  # fmt: skip
+        pipe = [sum(t) + between * (len(t) - 2) for t in stages]  # all but reduce and step
+        return {"instr_s": stages, "wait_s": [0.0, 0.0], "pipe_s": pipe}
+
+    steady = sr.replay_run(plan, run([2.0] * 8, 2.0), 0.0)
+    assert steady == sr.replay(plan, [{"F": 2.0, "B": 2.0}] * 2)  # sums of the same numbers
+    # stage 0's forwards alternate 1 and 3 (the same mean): each slow one makes stage 1 wait,
+    # and a fast one cannot give that back
+    mixed = sr.replay_run(plan, run([1.0, 3.0] * 4, 2.0), 0.0)
+    assert sr.idle_fraction(mixed) > sr.idle_fraction(steady)
+    assert sr.replay_run(plan, run([2.0] * 8, 2.0), 0.5)[0][0] > steady[0][0]  # latency
+    # time between instructions and a receive's own time are the stage's, like a dispatch
+    spaced = sr.replay_run(plan, run([2.0] * 8, 2.0, between=0.5), 0.0)
+    assert spaced == [pytest.approx(x) for x in sr.replay(plan, [{"F": 2.5, "B": 2.5}] * 2,
+                                                          [0.5, 0.5])]  # fmt: skip
+    assert sr.replay_run(plan, run([2.0] * 8, 2.0, recv=0.5), 0.0)[0][1] == 32.0 + 8 * 0.5
+
+
+def test_dispatch_seconds_is_what_neither_computes_nor_waits_per_message():
+    runs = [
+        {"pipe_s": [1.0, 0.9], "wait_s": [0.2, 0.1], "ops": [{"F": 0.2, "B": 0.4}] * 2},
+        {"pipe_s": [2.0, 0.9], "wait_s": [0.2, 0.1], "ops": [{"F": 0.2, "B": 0.4}] * 2},
+        {"pipe_s": [0.8, 0.9], "wait_s": [0.2, 0.1], "ops": [{"F": 0.2, "B": 0.4}] * 2},
+    ]
+    assert sr.dispatch_seconds(_plan("1f1b", 2, 8), runs) == pytest.approx([0.2 / 16, 0.2 / 16])
 
 
 def test_schedule_rows_in_the_table():
@@ -636,10 +718,13 @@ def test_pipeline_bench_resolves_its_runs_with_the_run_keys():
     from dsnd.bench.pipeline_rank import pipeline_configs, pp4_configs
 
     runs = pipeline_configs(2, 8, ["model.hidden_size=128"])
-    every = [runs["pipe"], runs["zero1"], runs["zero3"], *runs["schedules"].values()]
+    every = [runs["pipe"], *runs["schedules"].values()]
     assert {res.model.hidden_size for res in every} == {128}
     pp4 = pp4_configs(4, 8, ["model.hidden_size=128"])
-    assert {(res.model.hidden_size, res.model.num_layers) for res in pp4.values()} == {(128, 8)}
+    every = [pp4["pipe"], *pp4["schedules"].values()]
+    assert {(res.model.hidden_size, res.model.num_layers, res.topology.pp) for res in every} == {
+        (128, 8, 4)}  # fmt: skip
+    assert pp4["pipe"].plan.schedule == "1f1b"
 
 
 def test_partition_bench_runs_half_of_the_repetitions():

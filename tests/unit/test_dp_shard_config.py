@@ -63,3 +63,12 @@ def test_mics_keys_are_refused_by_name_pointing_at_dp_shard(key):
     msg = _error([Z3, f"ds.zero_optimization.{key}={value}"], 4)
     assert f"zero_optimization: '{key}' is refused: DeepSpeed 0.19.8 removed MiCS" in msg
     assert "parallel.dp_shard" in msg
+
+
+def test_reshard_after_forward_false_needs_zero3():
+    msg = _error(["deepspeed=ds_configs/zero2.json", "parallel.reshard_after_forward=false"], 2)
+    assert msg.startswith("parallel.reshard_after_forward=false needs ZeRO stage 3 (only it "
+                          "partitions parameters); ")  # fmt: skip
+    assert msg.endswith("zero2.json sets zero_optimization.stage=2")
+    res = resolve(load(None, [Z3, "parallel.reshard_after_forward=false"]), 2)
+    assert res.run.parallel.reshard_after_forward is False

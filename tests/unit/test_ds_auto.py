@@ -147,7 +147,7 @@ def test_warmup_decay_with_a_string_total_is_refused_before_start():
 def test_model_state_formula_matches_what_deepspeed_was_measured_to_keep():
     from dsnd.plan.memory import model_state_bytes
 
-    psi = 217664  # dsnd bench pipeline's memory phase measured these bytes at dp=2
+    psi = 217664  # dsnd bench zero-memory measured these bytes at dp=2
     assert model_state_bytes(1, psi, 2, bf16=False)["device"] == {
         "params": 870656, "grads": 870656, "master": 435328, "optimizer": 870656}  # fmt: skip
     assert model_state_bytes(3, psi, 2, bf16=False)["device"] == {

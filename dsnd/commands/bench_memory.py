@@ -1,0 +1,51 @@
+"""The measuring functions of ``dsnd bench zero-memory | activation-checkpointing | overhead``
+(registered in `dsnd.commands.bench.BENCHES`): each runs its rank program and turns rank 0's raw
+JSON into rows.
+
+- zero-memory: `dsnd.bench.zero_memory_rank` on 4 ranks (pp=2 x dp=2, ZeRO 0-3), rows by
+  `dsnd.bench.memory_results.zero_memory_rows`;
+- activation-checkpointing: `dsnd.bench.checkpointing_rank` on 1 rank, rows by
+  `dsnd.bench.memory_results.checkpointing_rows`;
+- overhead: `dsnd.bench.overhead_rank` on 1 rank, rows by
+  `dsnd.bench.overhead_results.overhead_rows`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from dsnd.commands.bench import _ranks
+
+
+def _sets(args: argparse.Namespace) -> list[str]:
+    return [f"--set={item}" for item in args.sets]
+
+
+def zero_memory(args: argparse.Namespace, tmp: str) -> list:
+    from dsnd.bench.memory_results import zero_memory_rows
+    from dsnd.bench.zero_memory_rank import ZERO_WORLD
+
+    raw = _ranks("dsnd.bench.zero_memory_rank", ZERO_WORLD, os.path.join(tmp, "raw.json"),
+                 args.steps, args.warmup, args.micro_batches, _sets(args))  # fmt: skip
+    return zero_memory_rows(raw)
+
+
+def activation_checkpointing(args: argparse.Namespace, tmp: str) -> list:
+    from dsnd.bench.checkpointing_rank import CHECKPOINTING_WORLD
+    from dsnd.bench.memory_results import checkpointing_rows
+
+    raw = _ranks("dsnd.bench.checkpointing_rank", CHECKPOINTING_WORLD,
+                 os.path.join(tmp, "raw.json"), args.steps, args.warmup, args.micro_batches,
+                 _sets(args))  # fmt: skip
+    return checkpointing_rows(raw)
+
+
+def overhead(args: argparse.Namespace, tmp: str) -> list:
+    from dsnd.bench.overhead_rank import OVERHEAD_WORLD
+    from dsnd.bench.overhead_results import overhead_rows
+
+    extra = ["--log-dir", os.path.join(tmp, "run"), *_sets(args)]
+    raw = _ranks("dsnd.bench.overhead_rank", OVERHEAD_WORLD, os.path.join(tmp, "raw.json"),
+                 args.steps, args.warmup, args.micro_batches, extra)  # fmt: skip
+    return overhead_rows(raw)
