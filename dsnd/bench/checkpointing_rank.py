@@ -16,14 +16,20 @@ Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.memory_results` turns the
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from dsnd.bench.pipeline_rank import _batches, _ds_json, _samples, rank_parser, start_rank
+from dsnd.bench.pipeline_rank import (
+    _batches,
+    _ds_json,
+    _samples,
+    rank_parser,
+    start_rank,
+    write_raw,
+)
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.distributed.groups import build_groups
@@ -79,10 +85,7 @@ def bench(runs: dict[str, Resolved], steps: int, warmup: int) -> list[dict[str, 
 def main(argv: list[str] | None = None) -> None:
     parser = rank_parser("dsnd.bench.checkpointing_rank", steps=10, warmup=1)
     args = parser.parse_args(argv)
-    info = start_rank()
-    if info.world_size != CHECKPOINTING_WORLD:
-        raise SystemExit(f"dsnd bench activation-checkpointing runs on {CHECKPOINTING_WORLD} "
-                         f"rank, got {info.world_size}")  # fmt: skip
+    info = start_rank("dsnd bench activation-checkpointing", CHECKPOINTING_WORLD)
     runs = checkpointing_configs(args.sets)
     init_world(info, timeout_s=300)
     try:
@@ -98,8 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                    "interval": res.run.parallel.activation_checkpoint_interval},
         "reps": records,
     }  # fmt: skip
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(raw, f)
+    write_raw(args.out, raw)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ writes them all to OUT.json and `dsnd.bench.comm_results` turns them into rows.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +41,7 @@ import torch.distributed as dist
 
 from dsnd.bench.comm_count import CommCounter, summarize
 from dsnd.bench.comm_results import WORLDS
-from dsnd.bench.pipeline_rank import _ds_json, _samples, rank_parser, start_rank
+from dsnd.bench.pipeline_rank import _ds_json, _samples, rank_parser, start_rank, write_raw
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import batch_for_step
@@ -221,10 +220,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = rank_parser("dsnd.bench.comm_rank", steps=1, warmup=1)
     parser.add_argument("--phase", choices=tuple(PHASES), required=True)
     args = parser.parse_args(argv)
-    info = start_rank()
     world, keys = PHASES[args.phase]
-    if info.world_size != world:
-        raise SystemExit(f"phase {args.phase} runs on {world} ranks, got {info.world_size}")
+    info = start_rank(f"phase {args.phase}", world)
     # resolved before the world starts, so that DeepSpeed's checks see it
     runs = {name: resolve(load(None, [*sets, *args.sets]), world) for name, sets in keys.items()}
     init_world(info, timeout_s=300)
@@ -233,8 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         shutdown()
     if raw is not None:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(raw, f)
+        write_raw(args.out, raw)
 
 
 if __name__ == "__main__":

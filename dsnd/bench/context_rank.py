@@ -19,7 +19,6 @@ writes the raw numbers to OUT.json; `dsnd.bench.context_results` turns them into
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsnd.bench.pipeline_rank import _ds_json, _samples, rank_parser, start_rank
+from dsnd.bench.pipeline_rank import _ds_json, _samples, rank_parser, start_rank, write_raw
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import batch_for_step
@@ -102,10 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
     args = parser.parse_args(argv)
     args.warmup = max(1, args.warmup)  # the measured step is the first; it is not timed
-    info = start_rank()
-    if info.world_size != CONTEXT_WORLD:
-        raise SystemExit(f"dsnd bench context runs on {CONTEXT_WORLD} ranks, got "
-                         f"{info.world_size}")  # fmt: skip
+    info = start_rank("dsnd bench context", CONTEXT_WORLD)
     seqs = [int(s) for s in args.seqs.split(",")]
     runs = {(seq, name): resolve(load(None, context_sets(seq, name, args.sets)), CONTEXT_WORLD)
             for seq in seqs for name in LAYOUTS}  # fmt: skip
@@ -114,8 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     for (seq, name), res in runs.items():
         raw["runs"][f"{seq}/{name}"] = measure(res, args.steps, args.warmup)
     if info.rank == 0:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(raw, f)
+        write_raw(args.out, raw)
     shutdown()
 
 

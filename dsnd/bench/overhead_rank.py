@@ -20,14 +20,13 @@ raw numbers to OUT.json; `dsnd.bench.overhead_results` turns them into rows.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from dsnd.bench.pipeline_rank import _ds_json, rank_parser, start_rank
+from dsnd.bench.pipeline_rank import _ds_json, rank_parser, start_rank, write_raw
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step
@@ -118,10 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = rank_parser("dsnd.bench.overhead_rank", steps=40, warmup=5)
     parser.add_argument("--log-dir", required=True)
     args = parser.parse_args(argv)
-    info = start_rank()
-    if info.world_size != OVERHEAD_WORLD:
-        raise SystemExit(f"dsnd bench overhead runs on {OVERHEAD_WORLD} rank, got "
-                         f"{info.world_size}")  # fmt: skip
+    info = start_rank("dsnd bench overhead", OVERHEAD_WORLD)
     res = overhead_config(args.log_dir, args.sets)
     init_world(info, timeout_s=300)
     try:
@@ -134,8 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                    "zero_stage": res.plan.zero_stage, "optimizer": res.ds["optimizer"]["type"]},
         "reps": records,
     }  # fmt: skip
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(raw, f)
+    write_raw(args.out, raw)
 
 
 if __name__ == "__main__":

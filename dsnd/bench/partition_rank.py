@@ -20,7 +20,6 @@ Rank 0 writes the raw numbers to OUT.json; `dsnd.bench.partition_results` turns 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +35,7 @@ from dsnd.bench.pipeline_rank import (
     merge_runs,
     rank_parser,
     start_rank,
+    write_raw,
 )
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve, zero_stage
@@ -119,10 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = rank_parser("dsnd.bench.partition_rank", steps=10, warmup=3)
     parser.add_argument("--log-dir", required=True)
     args = parser.parse_args(argv)
-    info = start_rank()
-    if info.world_size != PARTITION_WORLD:
-        raise SystemExit(f"dsnd bench partition runs on {PARTITION_WORLD} ranks, got "
-                         f"{info.world_size}")  # fmt: skip
+    info = start_rank("dsnd bench partition", PARTITION_WORLD)
     # before the world: DeepSpeed's checks see it; the profile comes from the launcher's cache
     runs = partition_configs(info.world_size, args.micro_batches, args.log_dir, args.sets)
     init_world(info, timeout_s=300)
@@ -133,8 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutdown()
     if info.rank == 0:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(partition_raw(runs, gathered, args.warmup), f)
+        write_raw(args.out, partition_raw(runs, gathered, args.warmup))
 
 
 if __name__ == "__main__":

@@ -379,31 +379,36 @@ def rank_parser(module: str, steps: int, warmup: int) -> argparse.ArgumentParser
     return parser
 
 
-def start_rank() -> WorldInfo:
-    """One thread, warnings only, each line marked with the rank; this rank's world."""
+def start_rank(what: str, world: int) -> WorldInfo:
+    """One thread, warnings only, each line marked with the rank; this rank's world, which must
+    have the `world` ranks `what` (a bench or one of its phases) runs on."""
     torch.set_num_threads(1)
     info = world_info(dict(os.environ))
     logging.basicConfig(level=logging.WARNING, format=f"[r{info.rank}] %(levelname)s %(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if info.world_size != world:
+        raise SystemExit(f"{what} runs on {world} ranks, got {info.world_size}")
     return info
+
+
+def write_raw(path: str, raw: dict[str, Any]) -> None:
+    """The raw measurements rank 0 hands to the bench command."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(raw, f)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = rank_parser("dsnd.bench.pipeline_rank", steps=40, warmup=10)
     parser.add_argument("--phase", choices=tuple(PHASES), default="pipeline")
     args = parser.parse_args(argv)
-    info = start_rank()
     world, resolve_runs, phase = PHASES[args.phase]
-    if info.world_size != world:
-        raise SystemExit(f"dsnd bench pipeline's {args.phase} phase runs on {world} ranks, got "
-                         f"{info.world_size}")  # fmt: skip
+    info = start_rank(f"dsnd bench pipeline's {args.phase} phase", world)
     # resolved before the world starts, so that DeepSpeed's checks see it
     runs = resolve_runs(world, args.micro_batches, args.sets)
     init_world(info, timeout_s=300)
     raw = phase(runs, info.rank, args)
     if info.rank == 0:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(raw, f)
+        write_raw(args.out, raw)
 
 
 if __name__ == "__main__":

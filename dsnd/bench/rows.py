@@ -23,6 +23,11 @@ def median(values: Iterable[float]) -> float:
     return float(statistics.median(items))
 
 
+class Skipped(Exception):
+    """A bench with nothing to measure on this machine (no GPU, say): the command says why in one
+    line and exits 0."""
+
+
 @dataclass(frozen=True)
 class Target:
     """A range a metric should fall in: lo <= value <= hi (either side open when None)."""

@@ -21,14 +21,20 @@ plan's `stage_parameters`), its data-parallel size and the bytes at each point t
 from __future__ import annotations
 
 import gc
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsnd.bench.pipeline_rank import _batches, _ds_json, _samples, rank_parser, start_rank
+from dsnd.bench.pipeline_rank import (
+    _batches,
+    _ds_json,
+    _samples,
+    rank_parser,
+    start_rank,
+    write_raw,
+)
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.distributed.groups import build_groups
@@ -120,10 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = rank_parser("dsnd.bench.zero_memory_rank", steps=1, warmup=1)
     args = parser.parse_args(argv)
     args.warmup = max(1, args.warmup)  # the optimizer's state exists from the first step on
-    info = start_rank()
-    if info.world_size != ZERO_WORLD:
-        raise SystemExit(f"dsnd bench zero-memory runs on {ZERO_WORLD} ranks, got "
-                         f"{info.world_size}")  # fmt: skip
+    info = start_rank("dsnd bench zero-memory", ZERO_WORLD)
     runs = zero_configs(ZERO_WORLD, args.sets)  # before the world starts: DeepSpeed's checks
     init_world(info, timeout_s=300)
     try:
@@ -135,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     if info.rank == 0:
         raw = {"layout": layout(runs[0]), "warmup": args.warmup, "steps": args.steps,
                "stages": {str(s): [g[str(s)] for g in gathered] for s in ZERO_STAGES}}  # fmt: skip
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(raw, f)
+        write_raw(args.out, raw)
 
 
 if __name__ == "__main__":

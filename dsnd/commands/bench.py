@@ -192,7 +192,7 @@ def _measure(name: str):
 
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
-    from dsnd.bench.rows import format_table, json_lines
+    from dsnd.bench.rows import Skipped, format_table, json_lines
     from dsnd.launch.local_ranks import RanksFailed
 
     measure = _measure(args.name)
@@ -202,6 +202,8 @@ def run_bench(args: argparse.Namespace) -> int:
         except RanksFailed as e:
             print(f"dsnd: bench {args.name} failed: {e}", file=sys.stderr)
             return 1
-    if rows:  # a bench that found nothing to measure (no GPU) has said so
-        print(json_lines(rows) if args.json else format_table(rows))
+        except Skipped as e:
+            print(f"dsnd bench {args.name}: skipped: {e}")
+            return 0
+    print(json_lines(rows) if args.json else format_table(rows))
     return 0

@@ -745,3 +745,13 @@ def test_partition_runs_differ_only_in_the_partition(tmp_path):
     assert len(os.listdir(tmp_path / "profile-cache")) == 2  # the profile's JSON and its lock
     assert parameters.run.parallel.partition == "parameters"
     assert profile.run.parallel.partition == "profile"
+
+
+def test_gpu_bench_without_cuda_says_skipped_in_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the bench measures instead")  # not on CI's CPUs
+    assert cli.main(["bench", "gpu"]) == 0
+    out = capsys.readouterr().out
+    assert out == "dsnd bench gpu: skipped: torch sees no CUDA device\n"
