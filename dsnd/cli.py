@@ -79,15 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="check the config, then start every rank")
     _add_config_args(launch)
-    where = launch.add_mutually_exclusive_group(required=True)
+    where = launch.add_mutually_exclusive_group()
     where.add_argument("--nprocs", type=int, help="ranks on this machine (deepspeed --num_gpus)")
     where.add_argument("--hostfile", help="DeepSpeed hostfile: 'HOST slots=N' per line")
     launch.add_argument(
         "--launcher",
-        choices=("dsnd", "pdsh", "openmpi", "mpich"),
+        choices=("dsnd", "pdsh", "openmpi", "mpich", "slurm"),
         default="dsnd",
         help="dsnd (default): a dsnd agent per host (ssh) supervises its ranks; pdsh: deepspeed "
-        "--hostfile; openmpi, mpich: mpirun",
+        "--hostfile; openmpi, mpich: mpirun; slurm: srun (hosts: --hostfile's Slurm node names, "
+        "else the allocation's)",
     )
     launch.add_argument(
         "--max-restarts",

@@ -7,6 +7,7 @@ as DeepSpeed's launcher or torchrun would set them, and imports this checkout.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,22 @@ def last_log_text(log_dir: str, rank: int, marker: str) -> str:
     with open(os.path.join(log_dir, "logs", f"rank_{rank:05d}.log")) as f:
         lines = [line for line in f if marker in line]
     return lines[-1].split(marker, 1)[1].strip()
+
+
+def metrics_rows(log_dir) -> list[dict]:
+    """The rows of `log_dir`/metrics.jsonl written so far: none before the first, and not a line
+    rank 0 is still writing."""
+    try:
+        with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
+def assert_same_steps(got: list[dict], want: list[dict]) -> None:
+    """The same steps, each with a bit-identical loss, gradient norm and learning rate."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", "lr"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])

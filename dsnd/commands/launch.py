@@ -7,9 +7,10 @@ With the default launcher (`dsnd`) every host runs a dsnd agent (`dsnd.launch.ag
 for remote hosts) that starts and watches its ranks; this process supervises the agents
 (`dsnd.launch.supervisor`). Before that, `preflight` asks every host for its versions, the
 rendezvous port and the checkpoint directory. `--max-restarts N` relaunches a failed job from its
-last committed checkpoint. The `pdsh`, `openmpi` and `mpich` launchers hand the job to
-`deepspeed --hostfile` or `mpirun` instead (restarts still apply; failure detection and the
-coordinated SIGTERM save are theirs, weaker: see README "Faults").
+last committed checkpoint. The `pdsh`, `openmpi`, `mpich` and `slurm` launchers hand the job to
+`deepspeed --hostfile`, `mpirun` or `srun` instead (restarts still apply; failure detection is
+theirs, weaker: see README "Launching on a cluster"). With `slurm` the hosts are the hostfile's
+(Slurm node names) or, without one, the allocation's.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from dsnd.commands.prestart import check_before_start, check_inputs
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.config.schema import RunConfig
+from dsnd.distributed.slurm import derived_port
 from dsnd.errors import EXIT_DIVERGED, UserError
 from dsnd.launch import commands, preflight
 from dsnd.launch.environment import describe, passed_env
 from dsnd.launch.hostfile import (
+    allocation_hosts,
     deepspeed_env_paths,
     parse_hostfile,
     read_deepspeed_env,
@@ -103,8 +106,12 @@ def _settle(args: argparse.Namespace) -> None:
     job id, and the rendezvous port (a free one for --nprocs, as torchrun --standalone does)."""
     args.cwd = os.getcwd()
     args.config = os.path.abspath(args.config) if args.config else None
-    args.job_id = new_job_id()
-    if args.master_port is None:
+    in_allocation = args.launcher == "slurm" and "SLURM_JOB_ID" in os.environ
+    # a requeued Slurm job keeps its id, and so its own checkpoints
+    args.job_id = os.environ["SLURM_JOB_ID"] if in_allocation else new_job_id()
+    if args.master_port is None and in_allocation:
+        args.master_port = derived_port(os.environ["SLURM_JOB_ID"])  # as srun's tasks would
+    elif args.master_port is None:
         args.master_port = free_port() if args.nprocs is not None else DEFAULT_PORT
     elif not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port must be in 1..65535, got {args.master_port}")
@@ -117,6 +124,11 @@ def _slots(args: argparse.Namespace) -> dict[str, list[int]]:
         if args.include or args.exclude:
             raise UserError("--include/--exclude need --hostfile")
         return {"localhost": list(range(args.nprocs))}
+    if args.hostfile is None:
+        if args.launcher != "slurm":
+            raise UserError("dsnd launch needs --nprocs N or --hostfile FILE (or --launcher "
+                            "slurm inside a Slurm allocation)")  # fmt: skip
+        return select_slots(allocation_hosts(dict(os.environ)), args.include, args.exclude)
     hostfile = os.path.abspath(args.hostfile)
     return select_slots(parse_hostfile(hostfile), args.include, args.exclude)
 
@@ -134,6 +146,11 @@ def external_argv(
     """`deepspeed` or `mpirun` argv for the pdsh / openmpi / mpich launchers."""
     train_args = _train_args(args, sets)
     addr = _master_addr(args, slots)
+    if args.launcher == "slurm":
+        argv = commands.srun_argv(None if args.nprocs is not None else slots, args.nprocs, addr,
+                                  args.master_port, step_name(args.job_id), sys.executable,
+                                  train_args)  # fmt: skip
+        return [_tool("srun"), *argv[1:]]
     if args.nprocs is not None:
         argv = commands.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
         return [_tool("deepspeed"), *argv[1:]]
@@ -228,14 +245,35 @@ def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
     return lines + held
 
 
-def _run(argv: list[str], env: dict[str, str], forwarded: list[str]) -> int:
-    """Run an external launcher; Ctrl-C and SIGTERM are passed on to it (and their names added
-    to `forwarded`); its exit code is returned."""
+def step_name(job_id: str) -> str:
+    """The name of the Slurm job step a launch starts (how a stop request finds it)."""
+    return f"dsnd-{job_id}"
+
+
+def _stop_slurm_step(name: str) -> None:
+    """SIGTERM to every task of the job step `name`: srun itself, signalled, would end the step
+    at once, where the tasks, signalled, save and stop after one same step."""
+    found = subprocess.run(commands.squeue_steps_argv(name), capture_output=True, text=True)
+    steps = found.stdout.split()
+    if steps:
+        subprocess.run(commands.scancel_argv("TERM", steps))
+    else:
+        print(f"dsnd: no running Slurm step named {name} to stop "
+              f"({found.stderr.strip() or 'squeue lists none'})", file=sys.stderr)  # fmt: skip
+
+
+def _run(argv: list[str], env: dict[str, str], forwarded: list[str],
+         slurm_step: str | None = None) -> int:  # fmt: skip
+    """Run an external launcher; Ctrl-C and SIGTERM are passed on to it (to the tasks of
+    `slurm_step` with srun) and their names added to `forwarded`; its exit code is returned."""
     proc = subprocess.Popen(argv, env=env)
 
     def forward(signum, _frame):
         forwarded.append(signal.Signals(signum).name)
-        proc.send_signal(signum)
+        if slurm_step is not None:
+            _stop_slurm_step(slurm_step)
+        else:
+            proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -334,7 +372,8 @@ def _launch_external(args, slots, env_file, rows, res) -> int:
 
     def attempt(sets: list[str]) -> tuple[str | None, bool]:
         argv = external_argv(args, slots, env_file, sets)
-        rc = _run(argv, {**os.environ, **env_file}, forwarded)
+        slurm_step = step_name(args.job_id) if args.launcher == "slurm" else None
+        rc = _run(argv, {**os.environ, **env_file}, forwarded, slurm_step)
         return (None if rc == 0 else f"{os.path.basename(argv[0])} exited with code {rc}",
                 bool(forwarded) or rc == EXIT_DIVERGED)  # fmt: skip
 

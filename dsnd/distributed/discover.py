@@ -4,6 +4,8 @@ Sources, first match wins:
   env://       RANK / WORLD_SIZE / LOCAL_RANK (DeepSpeed's launcher, torchrun)
   Open MPI     OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK (+ _LOCAL_SIZE)
   MPICH/Intel  PMI_RANK / PMI_SIZE / MPI_LOCALRANKID (+ MPI_LOCALNRANKS)
+  Slurm        SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID / SLURM_STEP_NODELIST
+               (a task `srun` started: see `dsnd.distributed.slurm`)
   mpi4py       when only PMIx/Hydra traces are present (see `dsnd.distributed.init`)
   single       none of the above: a world of one.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dsnd.distributed.slurm import slurm_world
 from dsnd.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -30,8 +33,11 @@ class WorldInfo:
     local_rank: int
     master_addr: str
     master_port: int
-    source: str  # "env", "openmpi", "mpich", "mpi4py" or "single"
+    source: str  # "env", "openmpi", "mpich", "slurm", "mpi4py" or "single"
     all_local: bool = True  # every rank on this host (so loopback can rendezvous)
+    # MASTER_ADDR:MASTER_PORT is a store torchrun's agent serves for the whole job, restarts
+    # included (TORCHELASTIC_USE_AGENT_STORE=True): see `dsnd.distributed.elastic_store`
+    agent_store: bool = False
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -63,14 +69,27 @@ def discover(env: Mapping[str, str]) -> WorldInfo | None:
         local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
         addr = env.get("MASTER_ADDR", LOOPBACK)
         size = _int(env, "WORLD_SIZE")
-        return WorldInfo(_int(env, "RANK"), size, local, addr, port, "env")
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torch writes str(True)
+        return WorldInfo(_int(env, "RANK"), size, local, addr, port, "env", agent_store=agent)
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
     for source in ("openmpi", "mpich"):
         found = _mpi_world(env, source)
         if found:
             rank, size, local, all_local = found
+            # `srun --mpi=pmi2` sets PMI_RANK/PMI_SIZE but no local rank: Slurm's own variables
+            # then tell the same world and the local rank. (A rank that mpirun started inside an
+            # allocation inherits its daemon's SLURM_PROCID, which MPI's variables contradict.)
+            slurm = slurm_world(env) if source == "mpich" and in_step else None
+            if slurm is not None and slurm[:2] == (rank, size):
+                return WorldInfo(*slurm[:5], "slurm", slurm[5])
             addr = env.get("MASTER_ADDR") or (LOOPBACK if all_local else "")
             return WorldInfo(rank, size, local, addr, port, source, all_local)
-    if any(marker in env for marker in MPI_MARKERS):
+    mpi = any(marker in env for marker in MPI_MARKERS)
+    if in_step or not mpi:  # an MPI rank in a batch script is MPI's, not Slurm's
+        slurm = slurm_world(env)
+        if slurm is not None:
+            return WorldInfo(*slurm[:5], "slurm", slurm[5])
+    if mpi:
         return None
     return WorldInfo(0, 1, 0, env.get("MASTER_ADDR", LOOPBACK), port, "single")
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dsnd.distributed.discover import LOOPBACK, WorldInfo, discover
+from dsnd.distributed.elastic_store import process_group_store
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ def init_world(info: WorldInfo, timeout_s: float, backend: str = "auto") -> None
         # no rendezvous needed (and no port to collide on) for a world of one
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    elif info.agent_store:  # torchrun's store outlives its restarts: one of this attempt's own
+        store = process_group_store(info.master_addr, info.master_port, info.rank,
+                                    info.world_size, timeout)  # fmt: skip
+        dist.init_process_group(backend, store=store, rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)  # fmt: skip
     else:
         dist.init_process_group(
             backend,

@@ -2,8 +2,8 @@
 
 Every rank runs `python -m dsnd train <train_args...>`. Through DeepSpeed's runner that is
 `deepspeed ... --module dsnd train ...`; its per-node `launch.py` appends `--local_rank=N`, which
-dsnd's CLI strips. Through mpirun, dsnd starts the ranks itself and the rank order is fixed by
-`placement()`: hosts in hostfile order, each host's ranks consecutive.
+dsnd's CLI strips. Through mpirun or srun, dsnd starts the ranks itself and the rank order is
+fixed by `placement()`: hosts in hostfile order, each host's ranks consecutive.
 """
 
 from __future__ import annotations
@@ -114,6 +114,50 @@ def mpirun_argv(
             argv += ["-genv", key, value]
         return argv + program
     raise ValueError(f"unknown MPI flavor {flavor!r}; expected 'openmpi' or 'mpich'")
+
+
+def srun_argv(
+    slots: dict[str, list[int]] | None,
+    nprocs: int | None,
+    master_addr: str,
+    master_port: int,
+    step_name: str,
+    python: str,
+    train_args: list[str],
+) -> list[str]:
+    """`srun` for the hosts of `slots` (Slurm node names), or for `nprocs` tasks on one node.
+
+    srun starts the same number of tasks on every node, rank r on the node `placement(slots)`
+    gives it (`--distribution=block`); a rank that fails ends the step (`--kill-on-bad-exit`).
+    The step is named `step_name` so that a stop request can signal exactly it (`scancel_argv`).
+    """
+    if slots is not None:
+        counts = {int(item.rpartition(":")[2]) for item in _host_counts(slots)}
+        if len(counts) != 1:
+            shown = ", ".join(f"{h}:{len(s)}" for h, s in slots.items())
+            raise UserError(f"srun starts the same number of tasks on every node; the hosts have "
+                            f"{shown}: select as many slots on each")  # fmt: skip
+        per_node, nodes = counts.pop(), len(slots)
+        where = [f"--nodelist={','.join(slots)}"]
+    else:
+        per_node, nodes, where = nprocs, 1, []
+    return [
+        "srun", f"--nodes={nodes}", f"--ntasks={nodes * per_node}",
+        f"--ntasks-per-node={per_node}", *where, "--distribution=block", "--kill-on-bad-exit=1",
+        f"--job-name={step_name}", f"--export=ALL,MASTER_ADDR={master_addr},"
+        f"MASTER_PORT={master_port}", python, "-u", "-m", "dsnd", "train", *train_args,
+    ]  # fmt: skip
+
+
+def squeue_steps_argv(step_name: str) -> list[str]:
+    """The ids (`JOB.STEP`) of the running job steps named `step_name`."""
+    return ["squeue", "--steps", "--noheader", "--format=%i", f"--name={step_name}"]
+
+
+def scancel_argv(signal_name: str, step_ids: list[str]) -> list[str]:
+    """Send `signal_name` to the tasks of job steps `step_ids` (each task gets it, as from the
+    time-limit `--signal`; srun itself, signalled, would end the step at once)."""
+    return ["scancel", f"--signal={signal_name}", *step_ids]
 
 
 SSH = ["ssh", "-o", "BatchMode=yes"]  # never wait for a password prompt

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from dsnd.distributed.slurm import expand_hostlist, expand_tasks_per_node
 from dsnd.errors import UserError
 
 _DIGITS = re.compile(r"[0-9]+")
@@ -68,6 +69,25 @@ def parse_hostfile(path: str) -> list[Host]:
     except (OSError, UnicodeDecodeError):
         raise UserError(f"{path}: hostfile not found") from None
     return parse_hostfile_text(text, path)
+
+
+def allocation_hosts(env: dict[str, str]) -> list[Host]:
+    """The hosts of the Slurm allocation this process runs in (SLURM_JOB_NODELIST, with
+    SLURM_TASKS_PER_NODE as each host's slots), as a hostfile would list them."""
+    nodelist, tasks = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not tasks:
+        raise UserError("--launcher slurm without --hostfile or --nprocs takes the hosts of the "
+                        "Slurm allocation it runs in, and this process is in none (no "
+                        "SLURM_JOB_NODELIST / SLURM_TASKS_PER_NODE): run it inside sbatch or "
+                        "salloc, or pass --hostfile with Slurm node names")  # fmt: skip
+    try:
+        names, counts = expand_hostlist(nodelist), expand_tasks_per_node(tasks)
+    except ValueError as e:
+        raise UserError(f"SLURM_JOB_NODELIST / SLURM_TASKS_PER_NODE: {e}") from None
+    if len(names) != len(counts):
+        raise UserError(f"SLURM_JOB_NODELIST={nodelist} names {len(names)} nodes but "
+                        f"SLURM_TASKS_PER_NODE={tasks} counts {len(counts)}")  # fmt: skip
+    return [Host(name, n) for name, n in zip(names, counts, strict=True)]
 
 
 def _parse_filter(spec: str, flag: str) -> dict[str, list[int]]:

@@ -16,17 +16,11 @@ then a flipped byte, then a run that has nothing left to do.
 
 from __future__ import annotations
 
-import json
 import os
 
-from tests.procs import free_port, run_cli
+from tests.procs import free_port, metrics_rows, run_cli
 
 TIMEOUT = 400
-
-
-def _rows(log_dir) -> list[dict]:
-    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def _flip_byte(path: str, offset: int = 200) -> None:
@@ -52,7 +46,7 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
     assert sorted(os.listdir(root)) == [".dsnd.lock", ".tmp-step_00000004", "latest",
                                         "step_00000002"]  # fmt: skip
     assert (root / "latest").read_text() == "step_00000002\n"
-    first = _rows(log_dir)
+    first = metrics_rows(log_dir)
     assert [r["step"] for r in first] == [1, 2, 3, 4]
 
     resumed = launch()
@@ -60,7 +54,7 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
     out = resumed.stdout + resumed.stderr
     assert "removed" in out and ".tmp-step_00000004" in out
     assert f"resumed from {root}/step_00000002 at step 2" in out
-    rows = _rows(log_dir)[4:]
+    rows = metrics_rows(log_dir)[4:]
     assert [r["step"] for r in rows] == [3, 4, 5, 6]
     for again, before in zip(rows[:2], first[2:], strict=True):
         for key in ("loss", "grad_norm", "lr"):
@@ -89,7 +83,7 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
                    timeout=TIMEOUT)  # fmt: skip
     assert auto.returncode == 0, auto.stdout[-3000:] + auto.stderr[-3000:]
     assert "skipping checkpoint" in auto.stderr and "layer_002-model.safetensors" in auto.stderr
-    after = _rows(log_dir)[8:]
+    after = metrics_rows(log_dir)[8:]
     assert [r["step"] for r in after] == [5, 6]
     for got, want in zip(after, rows[2:], strict=True):  # pp=2 -> pp=1: same losses to 1e-4
         assert abs(got["loss"] - want["loss"]) <= 1e-4 * abs(want["loss"]), got["step"]
@@ -99,4 +93,4 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
                    timeout=TIMEOUT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "is at step 6, train.steps=6: nothing to train" in done.stdout
-    assert len(_rows(log_dir)) == 10
+    assert len(metrics_rows(log_dir)) == 10

@@ -18,7 +18,6 @@ runs of llama-tiny on this machine:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -31,18 +30,10 @@ import uuid
 import pytest
 
 from tests.cluster import processes_with_env
-from tests.procs import ROOT, rank_env, run_cli
+from tests.procs import ROOT, metrics_rows, rank_env, run_cli
 
 TIMEOUT = 400
 QUIET = ["--set", "log.tensorboard=false", "--set", "dist.timeout_s=60"]
-
-
-def _rows(log_dir) -> list[dict]:
-    try:
-        with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
-    except FileNotFoundError:
-        return []
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -124,7 +115,7 @@ def test_divergence_stops_without_a_nan_checkpoint_and_is_not_restarted(tmp_path
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
         "latest", "step_00000001"]  # fmt: skip
     assert _verify(root).returncode == 0
-    assert [r["step"] for r in _rows(log_dir)] == [1]
+    assert [r["step"] for r in metrics_rows(log_dir)] == [1]
     assert run.leftovers() == []
 
 
@@ -142,14 +133,14 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     run = Launch("train.steps=40", "checkpoint.every=0", f"log.dir={log_dir}", "train.seed=7",
                  f"checkpoint.resume={given}", cwd=str(work),
                  extra=("--max-restarts", "1"))  # fmt: skip
-    run.wait_for(lambda: len(_rows(log_dir)) >= 2, "step 4")
+    run.wait_for(lambda: len(metrics_rows(log_dir)) >= 2, "step 4")
     shutil.rmtree(work)
     run.kill_rank(1)
     rc, out, err = run.finish()
     assert rc == 0, out[-3000:] + err[-3000:]
     assert "dsnd: attempt 1 of 2 failed: rank 1 on host localhost was killed by SIGKILL" in err
     assert (out + err).count(f"resumed from {given} at step 2") == 2, err[-3000:]  # both
-    rows = _rows(log_dir)  # the killed attempt's steps 3..k, then the restart's 3..40
+    rows = metrics_rows(log_dir)  # the killed attempt's steps 3..k, then the restart's 3..40
     killed, restarted = rows[:-38], rows[-38:]
     assert [r["step"] for r in restarted] == list(range(3, 41))
     assert [r["step"] for r in killed] == list(range(3, 3 + len(killed))) and len(killed) >= 2
@@ -161,12 +152,12 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     shutil.copytree(other / "checkpoints", fresh / "checkpoints")
     run = Launch("train.steps=40", "checkpoint.every=0", f"log.dir={fresh}",
                  "checkpoint.resume=never", extra=("--max-restarts", "1"))  # fmt: skip
-    run.wait_for(lambda: len(_rows(fresh)) >= 2, "step 2")
+    run.wait_for(lambda: len(metrics_rows(fresh)) >= 2, "step 2")
     run.kill_rank(1)
     rc, out, err = run.finish()
     assert rc == 0, out[-3000:] + err[-3000:]
     assert "resumed from" not in out + err
-    steps = [r["step"] for r in _rows(fresh)]
+    steps = [r["step"] for r in metrics_rows(fresh)]
     assert steps[-40:] == list(range(1, 41)) and steps.count(1) == 2
     assert run.leftovers() == []
 
@@ -174,7 +165,7 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
 def test_one_writer_per_checkpoint_dir_and_no_silent_resume_of_another_run(tmp_path):
     log_dir = tmp_path / "run"
     first = Launch("train.steps=100000", "checkpoint.every=0", f"log.dir={log_dir}")
-    first.wait_for(lambda: len(_rows(log_dir)) >= 1, "step 1")
+    first.wait_for(lambda: len(metrics_rows(log_dir)) >= 1, "step 1")
     second = _train("train.steps=2", f"log.dir={tmp_path / 'other'}",
                     f"checkpoint.dir={log_dir / 'checkpoints'}")  # fmt: skip
     assert second.returncode == 2, second.stderr[-3000:]
@@ -198,7 +189,7 @@ def test_one_writer_per_checkpoint_dir_and_no_silent_resume_of_another_run(tmp_p
                     "other settings (train.seed 1234 -> 99); name it in checkpoint.resume to "
                     "continue from it anyway, or start fresh with checkpoint.resume=never or "
                     "another checkpoint.dir")  # fmt: skip
-    assert [r["step"] for r in _rows(log_dir)][-2:] == [1, 2]  # nothing trained
+    assert [r["step"] for r in metrics_rows(log_dir)][-2:] == [1, 2]  # nothing trained
 
 
 def _read_only(path) -> list[str]:
@@ -231,7 +222,7 @@ def test_read_only_checkpoint_dir_is_one_line_before_anything_runs(tmp_path):
         f"dsnd: error: preflight: checkpoint directory {root} is not writable here (Read-only "
         "file system)"]  # fmt: skip
     assert sorted(os.listdir(root)) == before and _verify(root).returncode == 0
-    assert [r["step"] for r in _rows(log_dir)] == [1, 2]
+    assert [r["step"] for r in metrics_rows(log_dir)] == [1, 2]
 
 
 def test_the_rank_whose_disk_filled_is_named_not_its_peer(tmp_path):

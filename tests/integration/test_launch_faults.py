@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -26,7 +25,7 @@ import uuid
 import pytest
 
 from tests.cluster import environ_of, processes_with_env
-from tests.procs import ROOT, free_port, rank_env
+from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, rank_env
 
 STEPS = 12
 TIMEOUT = 400
@@ -65,11 +64,7 @@ class Launch:
         return self.start().finish()
 
     def rows(self) -> list[dict]:
-        try:
-            with open(self.log_dir / "metrics.jsonl") as f:
-                return [json.loads(line) for line in f]
-        except FileNotFoundError:
-            return []
+        return metrics_rows(self.log_dir)
 
     def wait_for(self, ready, what: str, timeout: float = TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -89,13 +84,6 @@ class Launch:
 
     def leftovers(self) -> list[int]:
         return processes_with_env("DSND_TEST_RUN", self.tag)
-
-
-def same_steps(got: list[dict], want: list[dict]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for a, b in zip(got, want, strict=True):
-        for key in ("loss", "grad_norm", "lr"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +126,8 @@ def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster
     assert f"resumed from {run.root}/step_00000006 at step 6" in out + err
     rows, want = run.rows(), reference[0].rows()
     # the relaunch's rows are the last six (the killed attempt may have finished step 7 first)
-    same_steps(rows[-(STEPS - 6) :], want[6:])
-    same_steps(rows[: len(rows) - (STEPS - 6)], want[: len(rows) - (STEPS - 6)])
+    assert_same_steps(rows[-(STEPS - 6) :], want[6:])
+    assert_same_steps(rows[: len(rows) - (STEPS - 6)], want[: len(rows) - (STEPS - 6)])
     assert run.leftovers() == []
 
 
@@ -158,7 +146,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues_exactly(reference, 
     rc, out, err = run.run()
     assert rc == 0, out[-3000:] + err[-3000:]
     assert f"resumed from {run.root}/step_{stopped:08d} at step {stopped}" in out + err
-    same_steps(run.rows()[stopped:], reference[0].rows()[stopped:])
+    assert_same_steps(run.rows()[stopped:], reference[0].rows()[stopped:])
 
 
 def test_sigstop_ends_the_job_within_the_timeout_naming_the_rank(cluster, tmp_path):

@@ -11,15 +11,10 @@ import sys
 
 import pytest
 
-from tests.procs import ROOT, free_port, rank_env, run_cli
+from tests.procs import ROOT, free_port, metrics_rows, rank_env, run_cli
 
 BIN = os.path.dirname(sys.executable)
 TIMEOUT = 400
-
-
-def metrics(log_dir) -> list[dict]:
-    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def check_rows(rows: list[dict], steps: int) -> None:
@@ -43,7 +38,7 @@ def train_three_steps_like(argv: list[str], log_dir, reference: list[dict]) -> N
     proc = subprocess.run(argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
                           timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = metrics(log_dir)
+    rows = metrics_rows(log_dir)
     check_rows(rows, 3)
     for got, want in zip(rows, reference[:3], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
@@ -56,7 +51,7 @@ def nprocs2_zero3(tmp_path_factory):
                     "--set", "train.steps=20", "--set", "ds.zero_optimization.stage=3",
                     "--set", f"log.dir={log_dir}"], timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return metrics(log_dir)
+    return metrics_rows(log_dir)
 
 
 @pytest.mark.launch
@@ -98,6 +93,6 @@ def test_dsnd_launch_pipeline_of_two_stages_zero3_trains(tmp_path):
                     "--set", "train.steps=12", "--set", f"log.dir={log_dir}"],
                    timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = metrics(log_dir)
+    rows = metrics_rows(log_dir)
     check_rows(rows, 12)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, [r["loss"] for r in rows]

@@ -27,7 +27,7 @@ def launches(monkeypatch, tmp_path):
     """Record would-be launches instead of starting them; isolate cwd, HOME and the accelerator."""
     started: list[tuple[list[str], dict[str, str]]] = []
 
-    def fake_run(argv, env, forwarded):
+    def fake_run(argv, env, forwarded, slurm_step=None):
         started.append((argv, env))
         return 0
 
@@ -239,6 +239,68 @@ def test_hostfile_exclude_changes_the_world_the_batch_is_checked_for(capsys, tmp
         f"dsnd: error: {PACKAGED_DS}: cannot derive gradient_accumulation_steps: "
         "train_batch_size=16 / (train_micro_batch_size_per_gpu=2 * dp=3) does not divide exactly\n"
     )
+
+
+def test_slurm_dry_run_from_a_hostfile_of_node_names(capsys, tmp_path):
+    hf = hostfile(tmp_path, "gpu07 slots=2\ngpu08 slots=2\n")
+    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--launcher", "slurm", "--dry-run",
+                       "--set", "parallel.pp=2", "--master-port", "4321")  # fmt: skip
+    assert (rc, err) == (0, "")
+    command, rows = table(out)
+    assert rows == expected_rows([("gpu07", 2), ("gpu08", 2)], pp=2, dp=2, tp=1)
+    args = command.split()
+    assert os.path.basename(args[0]) == "srun"
+    job = args[-1]
+    assert args[1:10] == [
+        "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=gpu07,gpu08",
+        "--distribution=block", "--kill-on-bad-exit=1", f"--job-name=dsnd-{job}",
+        "--export=ALL,MASTER_ADDR=gpu07,MASTER_PORT=4321", sys.executable,
+    ]  # fmt: skip
+
+
+def test_slurm_inside_an_allocation_takes_its_nodes_job_id_and_port(capsys, monkeypatch,
+                                                                    launches):  # fmt: skip
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    rc, out, err = run(capsys, "launch", "--launcher", "slurm", "--dry-run", "--json",
+                       "--include", "gpu08")  # fmt: skip
+    assert (rc, err) == (0, "")
+    plan = json.loads(out)
+    assert [(r["host"], r["local_rank"]) for r in plan["ranks"]] == [("gpu08", 0), ("gpu08", 1)]
+    command = plan["command"]
+    assert command[1:5] == ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--nodelist=gpu08"]
+    assert "--export=ALL,MASTER_ADDR=gpu08,MASTER_PORT=19711" in command  # 15000 + 4711
+    assert command[-2:] == ["--job-id", "4711"]  # a requeue keeps the job's own checkpoints
+    # launched for real: srun is run once, its step named for the stop request to find
+    rc, out, err = run(capsys, "launch", "--launcher", "slurm", "--max-restarts", "1")
+    assert rc == 0 and len(launches) == 1
+    assert "--job-name=dsnd-4711" in launches[0][0]
+
+
+def test_slurm_refuses_uneven_nodes_and_a_missing_allocation(capsys, tmp_path, monkeypatch):
+    hf = hostfile(tmp_path, "a slots=3\nb slots=1\n")
+    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--launcher", "slurm", "--dry-run")
+    assert (rc, out) == (2, "")
+    assert err == ("dsnd: error: srun starts the same number of tasks on every node; the hosts "
+                   "have a:3, b:1: select as many slots on each\n")  # fmt: skip
+    for name in ("SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    rc, out, err = run(capsys, "launch", "--launcher", "slurm", "--dry-run")
+    assert (rc, out) == (2, "")
+    assert "no SLURM_JOB_NODELIST / SLURM_TASKS_PER_NODE" in err and err.count("\n") == 1
+    rc, out, err = run(capsys, "launch", "--dry-run")
+    assert (rc, err) == (2, "dsnd: error: dsnd launch needs --nprocs N or --hostfile FILE (or "
+                            "--launcher slurm inside a Slurm allocation)\n")  # fmt: skip
+
+
+def test_slurm_nprocs_is_one_node(capsys):
+    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--launcher", "slurm", "--dry-run",
+                       "--json", "--master-port", "4000")  # fmt: skip
+    assert (rc, err) == (0, "")
+    command = json.loads(out)["command"]
+    assert command[1:5] == ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                            "--distribution=block"]  # fmt: skip
 
 
 @pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
@@ -453,7 +515,8 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "no --nprocs or --hostfile": (
             ["launch", D],
-            "one of the arguments --nprocs --hostfile is required (see 'dsnd launch --help')",
+            "dsnd launch needs --nprocs N or --hostfile FILE (or --launcher slurm inside a Slurm "
+            "allocation)",
         ),
         "--nprocs not a number": (
             [*L, "four", D],
@@ -466,7 +529,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "unknown launcher": (
             ["launch", "--hostfile", hf["ok"], "--launcher", "srun", D],
             "argument --launcher: invalid choice: 'srun' (choose from dsnd, pdsh, openmpi, "
-            "mpich) "
+            "mpich, slurm) "
             "(see 'dsnd launch --help')",
         ),
         "unknown command": (

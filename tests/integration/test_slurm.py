@@ -1,0 +1,160 @@
+"""dsnd under a real Slurm (tests/slurm.py: munged, slurmctld, a slurmd at 127.0.0.1 and one at
+127.0.0.2), pp=2 x dp=2 at ZeRO-3, llama-tiny, two tasks per node:
+
+- `dsnd launch --launcher slurm --hostfile` builds the srun line; srun starts 2 tasks on each
+  node; the losses equal the plain single-process PyTorch reference within 1e-4;
+- launch/sbatch_train.sh as users submit it, its ranks finding rank, world, rendezvous host and
+  port in Slurm's variables alone; at step 3 the job's batch script gets the time-limit signal
+  (`scancel --batch --signal=USR1`, what its `#SBATCH --signal=B:USR1@300` sends): it sends
+  SIGTERM to every task (`scancel --signal=TERM`), every rank stops after the same step, the
+  checkpoint of that step is committed, the step exits 0 and the job requeues itself; the
+  requeued job (same job id) resumes that checkpoint and its steps equal the uninterrupted
+  run's bit for bit;
+- SIGTERM to `dsnd launch --launcher slurm` reaches the tasks (not srun, which would end the
+  step at once): they save the step they are on and the launch exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, rank_env
+from tests.slurm import start_slurm
+
+STEPS = 8
+TIMEOUT = 400
+SETS = ["parallel.pp=2", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}",
+        f"train.steps={STEPS}", "checkpoint.every=4", "log.tensorboard=false",
+        "dist.timeout_s=60"]  # fmt: skip
+pytestmark = pytest.mark.launch
+
+
+def _args(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = start_slurm(str(tmp_path_factory.mktemp("slurm")), nhosts=2, cpus=2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_losses() -> list[float]:
+    """The plain single-process PyTorch run's losses for the same run config."""
+    sets = [s for s in SETS if not s.startswith("parallel.pp")] + ["parallel.pp=1"]
+    code = ("import json, sys; from dsnd.config.load import load; "
+            "from dsnd.config.resolve import resolve; from tests.reference import reference_rows;"
+            "res = resolve(load(None, sys.argv[1:]), 1);"
+            "print(json.dumps([r['loss'] for r in reference_rows(res)]))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, *sets], cwd=ROOT, env=rank_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _launch(slurm, tmp_path, name: str) -> tuple[subprocess.Popen, str]:
+    log_dir = str(tmp_path / name)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} slots=2\n" for h in slurm.hosts))
+    argv = [sys.executable, "-m", "dsnd", "launch", "--launcher", "slurm", "--hostfile",
+            str(hostfile), "--master-port", str(free_port()),
+            *_args([*SETS, f"log.dir={log_dir}"])]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=ROOT, env=rank_env(slurm.env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return proc, log_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory) -> tuple[list[dict], str]:
+    proc, log_dir = _launch(slurm, tmp_path_factory.mktemp("srun"), "whole")
+    out, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, out[-4000:] + slurm.log_text()
+    return metrics_rows(log_dir), out
+
+
+def test_srun_pp2_dp2_zero3_across_two_slurm_nodes_equals_the_reference(
+    slurm, uninterrupted, reference_losses
+):
+    rows, out = uninterrupted
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in rows] == pytest.approx(reference_losses, rel=1e-4)
+    # the step ran on both Slurm nodes, two tasks each
+    job = next(line for line in slurm.run("scontrol", "show", "job", "--oneliner").stdout
+               .splitlines() if "JobName=dsnd-" in line)  # fmt: skip
+    assert "NodeList=127.0.0.[1-2]" in job and "NumTasks=4" in job, job
+    assert "JobState=COMPLETED" in job and "ExitCode=0:0" in job, job
+
+
+def _wait_rows(log_dir: str, count: int, alive) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while len(metrics_rows(log_dir)) < count:
+        assert alive(), f"the job ended before step {count}"
+        assert time.monotonic() < deadline, f"no step {count} in {TIMEOUT} s"
+        time.sleep(0.2)
+
+
+def test_time_limit_signal_saves_requeues_and_the_job_continues_exactly(
+    slurm, uninterrupted, tmp_path
+):
+    log_dir, output = tmp_path / "log", tmp_path / "job.out"
+    # sbatch passes on the environment it is run in, as from a user's shell
+    env = rank_env({"DSND_PYTHON": sys.executable})
+    submit = slurm.run("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--time=30",
+                       f"--output={output}", f"--chdir={ROOT}",
+                       os.path.join(ROOT, "launch", "sbatch_train.sh"),
+                       *_args([*SETS, f"log.dir={log_dir}"]), env=env)  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip()
+    _wait_rows(
+        str(log_dir),
+        3,
+        lambda: slurm.job(job).get("JobState") in ("PENDING", "CONFIGURING", "RUNNING"),
+    )
+    signalled = slurm.run("scancel", "--batch", "--signal=USR1", job)
+    assert signalled.returncode == 0, signalled.stderr
+    # requeued, held as long as a job credential lives (tests/slurm.py: 10 s), then run again
+    info = slurm.wait_job(job, ("PENDING", "COMPLETED", "FAILED"), TIMEOUT)
+    assert info["JobState"] == "PENDING" and info["Restarts"] == "1", info
+    info = slurm.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED"), TIMEOUT)
+    text = output.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (
+        text[-3000:],
+        info,
+        slurm.log_text(),
+    )
+    rows = metrics_rows(str(log_dir))
+    stops = re.findall(r"stopped at step (\d+) on request \(SIGTERM\)", text)
+    assert len(stops) == 1 and 3 <= int(stops[0]) < STEPS, text[-4000:]
+    stopped = int(stops[0])
+    root = log_dir / "checkpoints"
+    assert "time limit near; stopping every task after its current step" in text
+    assert "saved before the time limit; requeued to continue" in text
+    assert f"resumed from {root}/step_{stopped:08d} at step {stopped}" in text
+    assert f"job {job} attempt 2 on 127.0.0.[1-2]" in text
+    assert os.path.isdir(root / f"step_{stopped:08d}")
+    assert_same_steps(rows, uninterrupted[0])  # attempt 1's steps, then the requeued attempt's
+
+
+def test_sigterm_to_dsnd_launch_reaches_the_tasks_which_save_and_exit_0(slurm, uninterrupted,
+                                                                       tmp_path):  # fmt: skip
+    proc, log_dir = _launch(slurm, tmp_path, "stopped")
+    _wait_rows(log_dir, 2, lambda: proc.poll() is None)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, out[-4000:]
+    rows = metrics_rows(log_dir)
+    stopped = rows[-1]["step"]
+    assert 2 <= stopped < STEPS, rows
+    assert f"stopped at step {stopped} on request (SIGTERM)" in out
+    assert open(os.path.join(log_dir, "checkpoints", "latest")).read() == f"step_{stopped:08d}\n"
+    assert_same_steps(rows, uninterrupted[0][:stopped])
