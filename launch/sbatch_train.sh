@@ -12,8 +12,9 @@
 #   SIGTERM to every task, they finish one same step, save it and exit 0, and the job requeues
 #   itself: the next attempt (same job id) resumes that checkpoint.
 # - A failed step (a rank crashed, a node died) requeues the job, up to MAX_RESTARTS times
-#   (default 3); every attempt resumes the job's own newest committed checkpoint. A bad input
-#   (exit 2) or a diverged run (exit 3) is not requeued.
+#   (default 3; counted in dsnd-JOBID.failures in the submit directory, so time-limit requeues
+#   do not use them up); every attempt resumes the job's own newest committed checkpoint. A bad
+#   input (exit 2) or a diverged run (exit 3) is not requeued.
 # - `scancel --signal=TERM JOBID` stops the job the same way without requeueing it; a new
 #   sbatch continues from its checkpoint (checkpoint.resume: auto, the default).
 # Environment: DSND_PYTHON (default: python), MAX_RESTARTS (default: 3).
@@ -32,6 +33,8 @@ set -uo pipefail
 python=${DSND_PYTHON:-python}
 max_restarts=${MAX_RESTARTS:-3}
 attempt=${SLURM_RESTART_COUNT:-0}
+failures_file="${SLURM_SUBMIT_DIR:-.}/dsnd-${SLURM_JOB_ID}.failures"
+failures=$(cat "$failures_file" 2>/dev/null || echo 0)
 stopping=0
 
 stop_before_the_limit() {
@@ -54,9 +57,10 @@ done
 if [ "$stopping" = 1 ] && [ "$rc" = 0 ]; then
   echo "dsnd: job ${SLURM_JOB_ID}: saved before the time limit; requeued to continue"
   scontrol requeue "${SLURM_JOB_ID}"
-elif [ "$rc" != 0 ] && [ "$rc" != 2 ] && [ "$rc" != 3 ] && [ "$attempt" -lt "$max_restarts" ]; then
+elif [ "$rc" != 0 ] && [ "$rc" != 2 ] && [ "$rc" != 3 ] && [ "$failures" -lt "$max_restarts" ]; then
+  echo "$((failures + 1))" >"$failures_file"
   echo "dsnd: job ${SLURM_JOB_ID}: step failed with code $rc; requeued" \
-    "(restart $((attempt + 1)) of $max_restarts)"
+    "(restart $((failures + 1)) of $max_restarts)"
   scontrol requeue "${SLURM_JOB_ID}"
 fi
 exit "$rc"

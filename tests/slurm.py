@@ -34,12 +34,12 @@ class SlurmCluster:
     workdir: str
     env: dict[str, str]  # SLURM_CONF for every Slurm command run against this cluster
 
-    def run(self, *argv: str, timeout: float = 30,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    def run(self, *argv: str, timeout: float = 30, env: dict[str, str] | None = None,
+            cwd=None) -> subprocess.CompletedProcess:  # fmt: skip
         """A Slurm client command (sbatch, squeue, scancel, scontrol ...) against this cluster,
         in this process's environment plus `env`."""
         return subprocess.run(list(argv), env={**os.environ, **(env or {}), **self.env},
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                              cwd=cwd, capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, ExitCode, Restarts, ...)."""

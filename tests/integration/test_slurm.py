@@ -8,8 +8,10 @@
   (`scancel --batch --signal=USR1`, what its `#SBATCH --signal=B:USR1@300` sends): it sends
   SIGTERM to every task (`scancel --signal=TERM`), every rank stops after the same step, the
   checkpoint of that step is committed, the step exits 0 and the job requeues itself; the
-  requeued job (same job id) resumes that checkpoint and its steps equal the uninterrupted
-  run's bit for bit;
+  requeued job (same job id) resumes that checkpoint; two steps later one of its tasks is
+  SIGKILLed: srun ends the step, the script requeues the job as a failure (restart 1 of 3), and
+  the third attempt resumes the job's own newest checkpoint and finishes; every step any
+  attempt ran equals the uninterrupted run's bit for bit;
 - SIGTERM to `dsnd launch --launcher slurm` reaches the tasks (not srun, which would end the
   step at once): they save the step they are on and the launch exits 0.
 """
@@ -23,13 +25,16 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
+from tests.cluster import environ_of, processes_with_env
 from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, rank_env
 from tests.slurm import start_slurm
 
-STEPS = 8
+STEPS = 12
+TAG = "DSND_TEST_RUN"
 TIMEOUT = 400
 SETS = ["parallel.pp=2", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}",
         f"train.steps={STEPS}", "checkpoint.every=4", "log.tensorboard=false",
@@ -103,46 +108,59 @@ def _wait_rows(log_dir: str, count: int, alive) -> None:
         time.sleep(0.2)
 
 
-def test_time_limit_signal_saves_requeues_and_the_job_continues_exactly(
+def _kill_task(tag: str, procid: int) -> None:
+    """SIGKILL the `dsnd train` task with SLURM_PROCID `procid` of the run tagged `tag`."""
+    for pid in processes_with_env(TAG, tag):
+        if environ_of(pid).get("SLURM_PROCID") == str(procid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"dsnd\0train" in f.read():
+                    os.kill(pid, signal.SIGKILL)
+                    return
+    raise AssertionError(f"task {procid} is not running")
+
+
+def test_sbatch_script_time_limit_save_requeue_and_failure_requeue_continue_exactly(
     slurm, uninterrupted, tmp_path
 ):
-    log_dir, output = tmp_path / "log", tmp_path / "job.out"
+    log_dir, output, tag = tmp_path / "log", tmp_path / "job.out", uuid.uuid4().hex
     # sbatch passes on the environment it is run in, as from a user's shell
-    env = rank_env({"DSND_PYTHON": sys.executable})
+    env = rank_env({"DSND_PYTHON": sys.executable, TAG: tag})
     submit = slurm.run("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--time=30",
-                       f"--output={output}", f"--chdir={ROOT}",
-                       os.path.join(ROOT, "launch", "sbatch_train.sh"),
-                       *_args([*SETS, f"log.dir={log_dir}"]), env=env)  # fmt: skip
+                       f"--output={output}", os.path.join(ROOT, "launch", "sbatch_train.sh"),
+                       *_args([*SETS, f"log.dir={log_dir}"]), env=env, cwd=tmp_path)  # fmt: skip
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip()
-    _wait_rows(
-        str(log_dir),
-        3,
-        lambda: slurm.job(job).get("JobState") in ("PENDING", "CONFIGURING", "RUNNING"),
-    )
+    queued = ("PENDING", "CONFIGURING", "RUNNING")
+    _wait_rows(str(log_dir), 3, lambda: slurm.job(job).get("JobState") in queued)
+    # attempt 1: what `#SBATCH --signal=B:USR1@300` sends the script before the time limit
     signalled = slurm.run("scancel", "--batch", "--signal=USR1", job)
     assert signalled.returncode == 0, signalled.stderr
     # requeued, held as long as a job credential lives (tests/slurm.py: 10 s), then run again
     info = slurm.wait_job(job, ("PENDING", "COMPLETED", "FAILED"), TIMEOUT)
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1", info
+    stops = re.findall(r"stopped at step (\d+) on request \(SIGTERM\)", output.read_text())
+    assert len(stops) == 1 and 3 <= int(stops[0]) < STEPS - 4, output.read_text()[-4000:]
+    stopped = int(stops[0])
+    # attempt 2: a task dies (SIGKILL, as by the OOM killer) two steps after resuming
+    _wait_rows(str(log_dir), stopped + 2, lambda: slurm.job(job).get("JobState") in queued)
+    _kill_task(tag, 3)
     info = slurm.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED"), TIMEOUT)
     text = output.read_text()
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (
-        text[-3000:],
-        info,
-        slurm.log_text(),
-    )
-    rows = metrics_rows(str(log_dir))
-    stops = re.findall(r"stopped at step (\d+) on request \(SIGTERM\)", text)
-    assert len(stops) == 1 and 3 <= int(stops[0]) < STEPS, text[-4000:]
-    stopped = int(stops[0])
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "2"), (
+        text[-3000:], info, slurm.log_text())  # fmt: skip
     root = log_dir / "checkpoints"
     assert "time limit near; stopping every task after its current step" in text
     assert "saved before the time limit; requeued to continue" in text
     assert f"resumed from {root}/step_{stopped:08d} at step {stopped}" in text
-    assert f"job {job} attempt 2 on 127.0.0.[1-2]" in text
-    assert os.path.isdir(root / f"step_{stopped:08d}")
-    assert_same_steps(rows, uninterrupted[0])  # attempt 1's steps, then the requeued attempt's
+    assert re.search(r"step failed with code \d+; requeued \(restart 1 of 3\)", text), text
+    assert (tmp_path / f"dsnd-{job}.failures").read_text() == "1\n"
+    assert f"job {job} attempt 3 on 127.0.0.[1-2]" in text
+    resumed = [int(n) for n in re.findall(r"resumed from \S+/step_(\d+) at step", text)]
+    assert resumed[0] == stopped and len(resumed) == 2, resumed
+    # every step any attempt ran equals the uninterrupted run's bit for bit, and all were run
+    rows, want = metrics_rows(str(log_dir)), {r["step"]: r for r in uninterrupted[0]}
+    assert {r["step"] for r in rows} == set(want) and rows[-1]["step"] == STEPS
+    assert_same_steps(rows, [want[r["step"]] for r in rows])
 
 
 def test_sigterm_to_dsnd_launch_reaches_the_tasks_which_save_and_exit_0(slurm, uninterrupted,
