@@ -12,6 +12,9 @@ is torchrun's rendezvous id, TORCHELASTIC_RUN_ID; checkpoint.resume=never, so no
 checkpoint would be taken). Both agents must exit 0; every step's loss equals the single-process
 plain-PyTorch reference within rel 1e-4; step 5, run again after the restart, equals its first
 run bit for bit; no process of the job is left.
+
+And preemption: SIGTERM to a `torchrun --standalone` job reaches every worker; they stop after
+one same step and commit it.
 """
 
 from __future__ import annotations
@@ -198,3 +201,35 @@ def test_torchrun_two_agents_restart_from_the_jobs_checkpoint(cluster, tmp_path,
     worst = max(abs(r["loss"] - want[r["step"]]) / abs(want[r["step"]]) for r in rows)
     print(f"torchrun job: {wall:.1f} s wall, losses max rel diff {worst:.2e} vs reference")
     assert [r["loss"] for r in rows] == pytest.approx([want[r["step"]] for r in rows], rel=1e-4)
+
+
+@pytest.mark.launch
+def test_sigterm_to_torchrun_reaches_every_worker_which_saves_one_step(tmp_path, reference):
+    """Preemption: torchrun passes SIGTERM to its workers (then exits 1 itself, raising its
+    SignalException); they stop after one same step and commit it."""
+    tag, log_dir = uuid.uuid4().hex, str(tmp_path / "log")
+    argv = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "dsnd", "train",
+            "--set", "parallel.pp=2", "--set", f"log.dir={log_dir}",
+            *[a for s in SETS for a in ("--set", s)]]  # fmt: skip
+    agent = start(argv, rank_env({TAG: tag}), tmp_path / "agent.log")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while logged(log_dir) < 2:
+            assert agent.poll() is None, (tmp_path / "agent.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no step 2"
+            time.sleep(0.05)
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(timeout=TIMEOUT)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    text = (tmp_path / "agent.log").read_text()
+    assert code == 1 and "SignalException" in text, text[-4000:]
+    rows = metrics_rows(log_dir)
+    stopped = rows[-1]["step"]
+    assert 2 <= stopped < STEPS and f"stopped at step {stopped} on request (SIGTERM)" in text
+    with open(os.path.join(log_dir, "checkpoints", "latest")) as f:
+        assert f.read() == f"step_{stopped:08d}\n"
+    want = [r["loss"] for r in reference[:stopped]]
+    assert [r["loss"] for r in rows] == pytest.approx(want, rel=1e-4)
+    assert processes_with_env(TAG, tag) == []
