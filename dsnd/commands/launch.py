@@ -143,7 +143,7 @@ def _master_addr(args: argparse.Namespace, slots: dict[str, list[int]]) -> str:
 def external_argv(
     args: argparse.Namespace, slots: dict[str, list[int]], env: dict[str, str], sets: list[str]
 ) -> list[str]:
-    """`deepspeed` or `mpirun` argv for the pdsh / openmpi / mpich launchers."""
+    """`deepspeed`, `mpirun` or `srun` argv for the pdsh / openmpi / mpich / slurm launchers."""
     train_args = _train_args(args, sets)
     addr = _master_addr(args, slots)
     if args.launcher == "slurm":
@@ -250,16 +250,19 @@ def step_name(job_id: str) -> str:
     return f"dsnd-{job_id}"
 
 
-def _stop_slurm_step(name: str) -> None:
-    """SIGTERM to every task of the job step `name`: srun itself, signalled, would end the step
-    at once, where the tasks, signalled, save and stop after one same step."""
+def _stop_slurm_step(name: str) -> bool:
+    """SIGTERM to every task of the job step `name` (srun itself, signalled, would end the step
+    at once, where the tasks, signalled, save and stop after one same step); False when Slurm
+    lists no such step (yet)."""
     found = subprocess.run(commands.squeue_steps_argv(name), capture_output=True, text=True)
     steps = found.stdout.split()
     if steps:
         subprocess.run(commands.scancel_argv("TERM", steps))
-    else:
-        print(f"dsnd: no running Slurm step named {name} to stop "
-              f"({found.stderr.strip() or 'squeue lists none'})", file=sys.stderr)  # fmt: skip
+        return True
+    print(f"dsnd: no running Slurm step named {name} to stop "
+          f"({found.stderr.strip() or 'squeue lists none'}): signalling srun",
+          file=sys.stderr)  # fmt: skip
+    return False
 
 
 def _run(argv: list[str], env: dict[str, str], forwarded: list[str],
@@ -270,9 +273,7 @@ def _run(argv: list[str], env: dict[str, str], forwarded: list[str],
 
     def forward(signum, _frame):
         forwarded.append(signal.Signals(signum).name)
-        if slurm_step is not None:
-            _stop_slurm_step(slurm_step)
-        else:
+        if slurm_step is None or not _stop_slurm_step(slurm_step):
             proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
