@@ -130,7 +130,7 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     work = tmp_path / "work"
     work.mkdir()
     log_dir = tmp_path / "tuned"
-    run = Launch("train.steps=40", "checkpoint.every=0", f"log.dir={log_dir}", "train.seed=7",
+    run = Launch("train.steps=24", "checkpoint.every=0", f"log.dir={log_dir}", "train.seed=7",
                  f"checkpoint.resume={given}", cwd=str(work),
                  extra=("--max-restarts", "1"))  # fmt: skip
     run.wait_for(lambda: len(metrics_rows(log_dir)) >= 2, "step 4")
@@ -140,9 +140,9 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     assert rc == 0, out[-3000:] + err[-3000:]
     assert "dsnd: attempt 1 of 2 failed: rank 1 on host localhost was killed by SIGKILL" in err
     assert (out + err).count(f"resumed from {given} at step 2") == 2, err[-3000:]  # both
-    rows = metrics_rows(log_dir)  # the killed attempt's steps 3..k, then the restart's 3..40
-    killed, restarted = rows[:-38], rows[-38:]
-    assert [r["step"] for r in restarted] == list(range(3, 41))
+    rows = metrics_rows(log_dir)  # the killed attempt's steps 3..k, then the restart's 3..24
+    killed, restarted = rows[:-22], rows[-22:]
+    assert [r["step"] for r in restarted] == list(range(3, 25))
     assert [r["step"] for r in killed] == list(range(3, 3 + len(killed))) and len(killed) >= 2
     for a, b in zip(killed, restarted, strict=False):  # the same start: the same steps
         assert (a["step"], a["loss"], a["grad_norm"]) == (b["step"], b["loss"], b["grad_norm"])
@@ -150,7 +150,7 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     # never: the foreign checkpoint stays unused by the restart too
     fresh = tmp_path / "fresh"
     shutil.copytree(other / "checkpoints", fresh / "checkpoints")
-    run = Launch("train.steps=40", "checkpoint.every=0", f"log.dir={fresh}",
+    run = Launch("train.steps=24", "checkpoint.every=0", f"log.dir={fresh}",
                  "checkpoint.resume=never", extra=("--max-restarts", "1"))  # fmt: skip
     run.wait_for(lambda: len(metrics_rows(fresh)) >= 2, "step 2")
     run.kill_rank(1)
@@ -158,7 +158,7 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     assert rc == 0, out[-3000:] + err[-3000:]
     assert "resumed from" not in out + err
     steps = [r["step"] for r in metrics_rows(fresh)]
-    assert steps[-40:] == list(range(1, 41)) and steps.count(1) == 2
+    assert steps[-24:] == list(range(1, 25)) and steps.count(1) == 2
     assert run.leftovers() == []
 
 

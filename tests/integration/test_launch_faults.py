@@ -150,7 +150,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues_exactly(reference, 
 
 
 def test_sigstop_ends_the_job_within_the_timeout_naming_the_rank(cluster, tmp_path):
-    timeout_s = 20
+    timeout_s = 12
     run = Launch(cluster, tmp_path, "stopped", "--set", f"dist.timeout_s={timeout_s}").start()
     run.wait_for(lambda: len(run.rows()) >= 2, "step 2")
     os.kill(run.rank_pid(1), signal.SIGSTOP)
@@ -162,7 +162,7 @@ def test_sigstop_ends_the_job_within_the_timeout_naming_the_rank(cluster, tmp_pa
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(
         r"dsnd: job failed: rank 1 on host 127\.0\.0\.2 was stopped \(SIGSTOP "
-        rf"or a debugger\) for 2\d s \(dist\.timeout_s={timeout_s}\)",
+        rf"or a debugger\) for 1\d s \(dist\.timeout_s={timeout_s}\)",
         last,
     ), err
     assert run.leftovers() == []
