@@ -1,5 +1,7 @@
 """Real launches: `dsnd launch --nprocs`, `mpirun -np 4 dsnd train`, `deepspeed --num_gpus 4
-launch/train.py`. Every launcher trains the same global batch, so all give the same losses."""
+launch/train.py`. Every launcher trains the same global batch, so all give the same losses.
+pp=2 x dp=2 at ZeRO-3 through real launchers, against the single-process reference: test_slurm.py
+(srun across two Slurm nodes) and test_torchrun.py (two torchrun agents)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def train_three_steps_like(argv: list[str], log_dir, reference: list[dict]) -> N
 def nprocs2_zero3(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("launch") / "log"
     proc = run_cli(["launch", "--nprocs", "2", "--master-port", str(free_port()),
-                    "--set", "train.steps=20", "--set", "ds.zero_optimization.stage=3",
+                    "--set", "train.steps=10", "--set", "ds.zero_optimization.stage=3",
                     "--set", f"log.dir={log_dir}"], timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return metrics_rows(log_dir)
@@ -56,7 +58,7 @@ def nprocs2_zero3(tmp_path_factory):
 
 @pytest.mark.launch
 def test_dsnd_launch_two_ranks_zero3_trains(nprocs2_zero3):
-    check_rows(nprocs2_zero3, 20)
+    check_rows(nprocs2_zero3, 10)
     first, last = nprocs2_zero3[0]["loss"], nprocs2_zero3[-1]["loss"]
     assert last < first - 0.5, f"loss did not fall: {first} -> {last}"
 
@@ -82,17 +84,3 @@ def test_deepspeed_launcher_four_ranks_runs_launch_script(tmp_path, nprocs2_zero
     assert (log_dir / "config.yaml").is_file() and (log_dir / "deepspeed.json").is_file()
     saved = json.loads((log_dir / "deepspeed.resolved.json").read_text())
     assert saved["gradient_accumulation_steps"] == 2  # 16 = 2 micro x 2 accumulation x 4 ranks
-
-
-@pytest.mark.launch
-def test_dsnd_launch_pipeline_of_two_stages_zero3_trains(tmp_path):
-    """Issue 3's acceptance: 4 ranks, pp=2 x dp=2, ZeRO-3 inside every stage; the loss falls."""
-    log_dir = tmp_path / "log"
-    proc = run_cli(["launch", "--nprocs", "4", "--master-port", str(free_port()),
-                    "--set", "parallel.pp=2", "--set", "ds.zero_optimization.stage=3",
-                    "--set", "train.steps=12", "--set", f"log.dir={log_dir}"],
-                   timeout=TIMEOUT)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = metrics_rows(log_dir)
-    check_rows(rows, 12)
-    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, [r["loss"] for r in rows]
