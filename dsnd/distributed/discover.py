@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dsnd.distributed.slurm import slurm_world
+from dsnd.distributed.slurm import in_step, slurm_world
 from dsnd.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -61,6 +61,11 @@ def _mpi_world(env: Mapping[str, str], prefix: str) -> tuple[int, int, int, bool
     return rank, size, local, local_size == size
 
 
+def _slurm(env: Mapping[str, str]) -> WorldInfo | None:
+    found = slurm_world(env)
+    return None if found is None else WorldInfo(*found[:5], "slurm", found[5])
+
+
 def discover(env: Mapping[str, str]) -> WorldInfo | None:
     """The world described by `env`, or None when only mpi4py can tell (MPI without rank
     variables). A world of one when no launcher is present."""
@@ -71,7 +76,7 @@ def discover(env: Mapping[str, str]) -> WorldInfo | None:
         size = _int(env, "WORLD_SIZE")
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torch writes str(True)
         return WorldInfo(_int(env, "RANK"), size, local, addr, port, "env", agent_store=agent)
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    step = in_step(env)
     for source in ("openmpi", "mpich"):
         found = _mpi_world(env, source)
         if found:
@@ -79,16 +84,16 @@ def discover(env: Mapping[str, str]) -> WorldInfo | None:
             # `srun --mpi=pmi2` sets PMI_RANK/PMI_SIZE but no local rank: Slurm's own variables
             # then tell the same world and the local rank. (A rank that mpirun started inside an
             # allocation inherits its daemon's SLURM_PROCID, which MPI's variables contradict.)
-            slurm = slurm_world(env) if source == "mpich" and in_step else None
-            if slurm is not None and slurm[:2] == (rank, size):
-                return WorldInfo(*slurm[:5], "slurm", slurm[5])
+            slurm = _slurm(env) if source == "mpich" and step else None
+            if slurm is not None and (slurm.rank, slurm.world_size) == (rank, size):
+                return slurm
             addr = env.get("MASTER_ADDR") or (LOOPBACK if all_local else "")
             return WorldInfo(rank, size, local, addr, port, source, all_local)
     mpi = any(marker in env for marker in MPI_MARKERS)
-    if in_step or not mpi:  # an MPI rank in a batch script is MPI's, not Slurm's
-        slurm = slurm_world(env)
+    if step or not mpi:  # an MPI rank in a batch script is MPI's, not Slurm's
+        slurm = _slurm(env)
         if slurm is not None:
-            return WorldInfo(*slurm[:5], "slurm", slurm[5])
+            return slurm
     if mpi:
         return None
     return WorldInfo(0, 1, 0, env.get("MASTER_ADDR", LOOPBACK), port, "single")

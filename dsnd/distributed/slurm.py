@@ -106,12 +106,17 @@ def _int(env: Mapping[str, str], *names: str) -> int:
         raise UserError(f"environment variable {names[0]}={value!r} is not an integer") from None
 
 
+def in_step(env: Mapping[str, str]) -> bool:
+    """Whether this process runs in a job step (srun), not in a batch script itself."""
+    return "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+
+
 def slurm_world(env: Mapping[str, str]) -> tuple[int, int, int, str, int, bool] | None:
     """(rank, world, local rank, rendezvous host, port, every rank on one node) of a task that
     `srun` started, or None when this process is no Slurm task."""
     if "SLURM_PROCID" not in env:
         return None
-    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+    if not in_step(env):
         tasks = env.get("SLURM_NTASKS", "1").strip() or "1"
         if tasks != "1":
             raise UserError(
