@@ -38,6 +38,7 @@ from dsnd.engine.loss_scale import current_scale, scale_numbers
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.model.count import layer_table
+from dsnd.model.export_dir import ExportOrigin
 from dsnd.model.hf_io import export_hf
 from dsnd.pipeline.runner import StageRunner
 from dsnd.progress import RankLogFile
@@ -235,10 +236,13 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                     log.warning("stopped at step %d on request (%s); relaunch to resume",
                                 step + 1, why)  # fmt: skip
                 break
-        if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
-            export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data)
         if (res.ds.get("comms_logger") or {}).get("enabled"):
             _comms_summary(run.log.dir)
+        if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
+            said = export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data,
+                             ExportOrigin(st.root, run.train.steps))  # fmt: skip
+            if said:  # rank 0: the run's closing line says where the model went
+                log.info("%s", said)
     finally:
         if reporter:
             reporter.close()

@@ -28,14 +28,7 @@ from dsnd.checkpoint.layout import (
     latest,
     sha256_file,
 )
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from dsnd.model.export_dir import fsync
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -47,7 +40,7 @@ def write_atomic(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync(os.path.dirname(path) or ".")
 
 
 def temporary_dir(root: str, name: str) -> str:
@@ -70,7 +63,7 @@ def publish(root: str, tmp_dir: str, name: str) -> str:
     if os.path.exists(final):  # a previous run's checkpoint of the same step: replace it
         shutil.rmtree(final)
     os.replace(tmp_dir, final)
-    _fsync_dir(root)
+    fsync(root)
     write_atomic(os.path.join(root, LATEST), (name + "\n").encode())
     return final
 

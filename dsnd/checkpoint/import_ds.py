@@ -8,10 +8,14 @@ Input: what `engine.save_checkpoint(DIR)` wrote, ZeRO stage 1, 2 or 3 — a `Pip
    `torch.load(weights_only=True)`, `dsnd.engine.ds_checkpoint`) name every trained parameter
    with its full shape; each must map to the run config's model and the model must be complete
    (`ds_names`); no tensor parallelism, no frozen parameters, ZeRO optimizer files present;
+   the step, samples and LR-scheduler position a resume takes as they are within the ranges a
+   dsnd manifest allows (`dsnd.checkpoint.schema`: a step beyond what a step directory's name
+   holds is refused here, not by the resume), each refusal naming the DeepSpeed file and key;
    OUT must not exist (or be an empty directory).
 2. DeepSpeed's universal-checkpoint conversion (`ds_to_universal`) joins every parameter's fp32
    master and Adam moments over the data-parallel partitions and pipeline stages, into a
-   temporary directory beside OUT (removed at the end, whatever happens).
+   temporary directory beside OUT (removed at the end, whatever happens). The learning rate
+   and betas it took from data-parallel rank 0's optimizer file are checked the same way.
 3. dsnd writes per-layer safetensors files (fp32 master as the weight, exp_avg and exp_avg_sq),
    the trainer state (step, Adam's step, learning rate, betas, DeepSpeed's LR-scheduler state)
    and a manifest, and commits them as OUT/step_<step> with OUT/latest
@@ -40,6 +44,7 @@ from dsnd.checkpoint.commit import publish, temporary_dir, write_atomic, write_m
 from dsnd.checkpoint.ds_names import Shapes, dsnd_names, layer_indices, naming
 from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, step_dir_name
 from dsnd.checkpoint.save import software_versions
+from dsnd.checkpoint.schema import BETAS, COUNT, LR, POSITION, STEP, Rule, value_problem
 from dsnd.checkpoint.verify import check_intact
 from dsnd.config.schema import RunConfig
 from dsnd.engine import ds_checkpoint
@@ -164,10 +169,27 @@ def read_source(path: str) -> Source:
             f"{files[0]}: holds {len(frozen)} frozen parameter(s) ({name}, ...); "
             "dsnd trains every parameter (it has no Adam state for these)"
         )
-    if not isinstance(first.get("global_steps"), int):
+    if first.get("global_steps") is None:
         raise UserError(f"{files[0]}: no 'global_steps' (not written by DeepSpeed's "
                         "save_checkpoint)")  # fmt: skip
+    for key, rule in _STATE_NUMBERS.items():
+        _refuse_number(files[0], key, first.get(key), rule)
     return Source(tag_dir, files, first, shapes, stage_names)
+
+
+# the model-state file's numbers the manifest takes as they are, with the manifest's own rules
+# (global_samples may be absent: the samples are then counted from the batch size)
+_STATE_NUMBERS: dict[str, Rule] = {"global_steps": STEP, "global_samples": ("null or " + COUNT[0],
+                                   lambda v: v is None or COUNT[1](v))}  # fmt: skip
+
+
+def _refuse_number(where: str, key: str, value: object, rule: Rule) -> None:
+    """UserError "<where>: '<key>' is <value>, expected <rule>" unless `value` keeps `rule`:
+    checked on the DeepSpeed file itself, so the refusal names the file and the key a user can
+    look at (not the manifest dsnd would have written from them)."""
+    what = value_problem(value, rule)
+    if what:
+        raise UserError(f"{where}: '{key}' {what}")
 
 
 def check_out(out: str) -> str:
@@ -199,6 +221,8 @@ def _scheduler_state(state: dict, where: str) -> dict | None:
         raise UserError(f"{where}: the LR scheduler's state ({keys}) is not one of DeepSpeed's "
                         "schedulers (those of the JSON's 'scheduler' section, which dsnd "
                         "continues)")  # fmt: skip
+    _refuse_number(where, "lr_scheduler.last_batch_iteration", sched["last_batch_iteration"],
+                   POSITION)  # fmt: skip
     return sched
 
 
@@ -312,6 +336,24 @@ def _trainer_state(universal: str, names: list[str], optim: dict, sched: dict | 
     }
 
 
+def _param_group_file(tag_dir: str) -> str:
+    """The optimizer file DeepSpeed's conversion takes the param groups (lr, betas) from: data-
+    parallel rank 0's of model-parallel rank 0, the first file of its order."""
+    for prefix in ("", "fp16_", "bf16_"):
+        path = os.path.join(tag_dir, f"{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        if os.path.isfile(path):
+            return path
+    return os.path.join(tag_dir, "*_optim_states.pt")
+
+
+def _check_param_group(trainer: dict, tag_dir: str, zero_stage: int) -> None:
+    """The learning rate and betas a resume would set, checked where they came from."""
+    inner = "optimizer_state_dict" if zero_stage == 3 else "base_optimizer_state"
+    group = f"optimizer_state_dict.{inner}.param_groups[0]"
+    for key, rule in (("lr", LR), ("betas", BETAS)):
+        _refuse_number(_param_group_file(tag_dir), f"{group}.{key}", trainer[key], rule)
+
+
 def _write_layers(work: str, universal: str, source: Source, mapping: dict[str, str],
                   layers: dict[str, int]) -> tuple[list[str], dict]:  # fmt: skip
     """Each layer's model and optimizer file in `work`; (the files, manifest["params"])."""
@@ -350,11 +392,12 @@ def import_deepspeed(path: str, out: str, run: RunConfig, model: ModelSpec) -> t
         with tempfile.TemporaryDirectory(prefix=".dsnd-import-", dir=parent) as tmp:
             universal = _convert(source, tmp)
             optim = load_file(os.path.join(universal, "zero", "optimizer_state.pt"))
+            zero_stage = int(optim.get("zero_stage", 1))
             trainer = _trainer_state(universal, list(mapping), optim, sched)
+            _check_param_group(trainer, source.tag_dir, zero_stage)
             os.makedirs(work)
             files, params = _write_layers(work, universal, source, mapping, layers)
         parts = _parts(source, mapping, layers, model.num_layers + 3)
-        zero_stage = int(optim.get("zero_stage", 1))
         manifest = _manifest(source, run, model, trainer, zero_stage, params, parts)
         write_manifest(work, manifest, files)
         check_intact(work)  # what `dsnd ckpt verify` checks, before it becomes a checkpoint

@@ -37,7 +37,12 @@ MANIFEST_SUM = "manifest.sha256"
 TMP_PREFIX = ".tmp-"
 MODEL_SUFFIX = "-model.safetensors"
 OPTIM_SUFFIX = "-optim.safetensors"
-_STEP_DIR = re.compile(r"step_(\d{8})")
+STEP_DIGITS = 8
+_STEP_DIR = re.compile(rf"step_(\d{{{STEP_DIGITS}}})")
+MAX_STEP = 10**STEP_DIGITS - 1
+"""The largest step a checkpoint can hold: a step directory's name has exactly STEP_DIGITS
+digits (`step_of` reads no other), so `latest`, `auto` resume and verify could not find a later
+one. Every writer and importer refuses a step beyond it."""
 
 
 class CheckpointError(UserError):
@@ -45,7 +50,9 @@ class CheckpointError(UserError):
 
 
 def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+    if not 0 <= step <= MAX_STEP:  # its name would not be read back (see MAX_STEP)
+        raise ValueError(f"step {step} is outside [0, {MAX_STEP}]")
+    return f"step_{step:0{STEP_DIGITS}d}"
 
 
 def model_file(layer: int) -> str:

@@ -4,13 +4,20 @@ reads, with the type it must have (pure; no files).
 A manifest passes its own checksum before it gets here, so a wrong type is a hand edit or a
 foreign writer, not disk damage; either way it must end as one line naming the key, never as a
 KeyError or TypeError deep inside a load.
+
+The trainer's numbers are checked by value too: a resume sets them as they are, so a NaN learning
+rate would surface as a "divergence" steps later and a scheduler position of -1e9 as a silently
+restarted warmup. `dsnd ckpt import` checks the DeepSpeed checkpoint's numbers with the same rules
+(`value_problem`), naming the source file and key.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 
+from dsnd.checkpoint.layout import MAX_STEP, STEP_DIGITS
 from dsnd.checkpoint.safetensors_header import DTYPE_BYTES
 
 Rule = tuple[str, Callable[[object], bool]]  # (what the value must be, the test)
@@ -24,6 +31,14 @@ def _number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _finite(v: object) -> bool:
+    return _number(v) and math.isfinite(v)
+
+
+def _int_in(low: int, high: int) -> Callable[[object], bool]:
+    return lambda v: _int(v) and low <= v <= high
+
+
 def _list_of(test: Callable[[object], bool]) -> Callable[[object], bool]:
     return lambda v: isinstance(v, list) and all(test(x) for x in v)
 
@@ -35,15 +50,23 @@ FLAG: Rule = ("true or false", lambda v: isinstance(v, bool))
 NUMBER: Rule = ("a number", _number)
 TABLE: Rule = ("an object", lambda v: isinstance(v, dict))
 TABLE_OR_NULL: Rule = ("an object or null", lambda v: v is None or isinstance(v, dict))
-NUMBERS_OR_NULL: Rule = ("a list of numbers or null", lambda v: v is None or _list_of(_number)(v))
 COUNTS: Rule = ("a list of non-negative integers", _list_of(COUNT[1]))
 TEXTS: Rule = ("a list of strings", _list_of(TEXT[1]))
+STEP: Rule = (f"an integer in [0, {MAX_STEP}] (a step directory's name holds {STEP_DIGITS} "
+              "digits)", _int_in(0, MAX_STEP))  # fmt: skip
+LR: Rule = ("a finite number >= 0", lambda v: _finite(v) and v >= 0)
+BETAS: Rule = ("null or two numbers in [0, 1)", lambda v: v is None or (
+    isinstance(v, list) and len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v)))  # fmt: skip
+# an iteration DeepSpeed counts from -1 (none yet): a scheduler's position (one more per optimizer
+# step) and the loss scaler's last overflow
+POSITION: Rule = (f"an integer in [-1, {MAX_STEP}]", _int_in(-1, MAX_STEP))
+LOSS_SCALE: Rule = ("a finite number > 0", lambda v: _finite(v) and v > 0)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 SHA256: Rule = ("64 lowercase hex digits", lambda v: bool(_HEX64.fullmatch(str(v))))
 DTYPE: Rule = ("a safetensors dtype", lambda v: isinstance(v, str) and v in DTYPE_BYTES)
 
 TOP: dict[str, Rule] = {
-    "step": COUNT, "consumed_samples": COUNT, "zero_stage": COUNT, "parts": COUNTS,
+    "step": STEP, "consumed_samples": COUNT, "zero_stage": COUNT, "parts": COUNTS,
     "topology": TABLE, "model": TABLE, "versions": TABLE, "corpus": TABLE, "trainer": TABLE,
     "params": TABLE, "optim_keys": TEXTS,
 }  # fmt: skip
@@ -51,9 +74,9 @@ NESTED: dict[str, dict[str, Rule]] = {
     "topology": {"pp": SIZE, "tp": SIZE, "dp": SIZE, "world_size": SIZE},
     "trainer": {
         "optimizer_step": COUNT,
-        "lr": NUMBER,
+        "lr": LR,
         "lr_scheduler": TABLE_OR_NULL,
-        "betas": NUMBERS_OR_NULL,
+        "betas": BETAS,
     },  # fmt: skip
     "corpus": {"name": TEXT, "tokens": COUNT, "sha256": TEXT},
 }
@@ -63,6 +86,11 @@ NESTED_OPTIONAL: dict[str, dict[str, Rule]] = {
     # context-parallel ranks (absent before context parallelism: 1)
     "topology": {"cp": SIZE},
 }
+# inside trainer: a DeepSpeed scheduler's state, and fp16's loss scaler (engine.loss_scale)
+SCHEDULER: dict[str, Rule] = {"last_batch_iteration": POSITION}
+SCALER: dict[str, Rule] = {"cur_scale": LOSS_SCALE, "cur_iter": COUNT,
+                           "last_overflow_iter": POSITION, "cur_hysteresis": SIZE,
+                           "skipped_steps": COUNT}  # fmt: skip
 FILE_ENTRY: dict[str, Rule] = {"bytes": COUNT, "sha256": SHA256}
 PARAM_ENTRY: dict[str, Rule] = {"file": TEXT, "shape": COUNTS}
 DEFAULT_DTYPE = "F32"  # what every checkpoint without a "dtype" per parameter holds
@@ -85,6 +113,22 @@ def table_problems(where: str, table: object, rules: dict[str, Rule],
                 out.append(f"{where} has no '{key}'")
         elif not test(table[key]):
             out.append(f"'{key}' of {where} is {_show(table[key])}, expected {what}")
+    return out
+
+
+def value_problem(value: object, rule: Rule) -> str | None:
+    """The problem "is <value>, expected <what>" when `value` breaks `rule`, else None."""
+    what, test = rule
+    return None if test(value) else f"is {_show(value)}, expected {what}"
+
+
+def _trainer_problems(trainer: dict) -> list[str]:
+    """The scheduler's position and the loss scaler's numbers, when the trainer holds them."""
+    out = []
+    if isinstance(trainer.get("lr_scheduler"), dict):
+        out += table_problems("trainer.lr_scheduler", trainer["lr_scheduler"], SCHEDULER)
+    if isinstance(trainer.get("loss_scaler"), dict):  # fields a static scaler lacks may be absent
+        out += table_problems("trainer.loss_scaler", trainer["loss_scaler"], {}, SCALER)
     return out
 
 
@@ -165,6 +209,7 @@ def manifest_problems(manifest: dict) -> list[str]:
         return out
     for key, rules in NESTED.items():
         out += table_problems(key, manifest[key], rules, NESTED_OPTIONAL.get(key))
+    out += _trainer_problems(manifest["trainer"]) if isinstance(manifest["trainer"], dict) else []
     return out + model_problems(manifest["model"]) + _params_problems(manifest["params"])
 
 

@@ -11,7 +11,8 @@ safetensors only.
   checksum and keys, each file's place (inside the step directory, listed, no symbolic links),
   size and SHA-256, then each tensor file's safetensors header against the manifest and its
   values (NaN or infinity is a problem).
-- export: the weights of an intact checkpoint as a transformers directory (`write_hf_dir`).
+- export: the weights of an intact checkpoint as a transformers directory (`write_hf_dir`): OUT
+  new, empty, or an earlier export of the same checkpoint root, which is replaced whole.
 - import: what DeepSpeed's `save_checkpoint` wrote (DS_CHECKPOINT_DIR: the directory, meaning
   the tag its `latest` names, or one tag directory; ZeRO 1-3, `PipelineEngine` or plain engine)
   as the dsnd checkpoint root OUT (OUT/step_<step>, OUT/latest), continued by any layout with
@@ -45,7 +46,6 @@ from dsnd.checkpoint.verify import (
     read_manifest,
     verify,
 )
-from dsnd.errors import UserError
 
 UNCHECKED = "not checked: the manifest failed"
 
@@ -175,20 +175,23 @@ def run_verify(path: str) -> int:
 
 
 def run_export(path: str, out: str) -> int:
+    from dsnd.model.export_dir import ExportOrigin, check_target, replacing
     from dsnd.model.hf_io import write_hf_dir
     from dsnd.model.spec import from_manifest
 
     step_dir = step_dir_of(path)
     check_intact(step_dir)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UserError(f"{out}: already exists and is not an empty directory")
     manifest = read_manifest(step_dir)
+    # the run is the checkpoint root the step directory lies in, as the trainer's export says
+    origin = ExportOrigin(os.path.dirname(os.path.abspath(step_dir)), manifest["step"])
+    check_target(out, origin, out)  # before reading every tensor
     model = from_manifest(manifest["model"])  # read_manifest checked its keys and types
     from dsnd.checkpoint.load import read_full_model  # torch/DeepSpeed: only for export
 
     tensors = read_full_model(step_dir, manifest)
-    write_hf_dir(out, model, tensors, model.directory)
-    print(f"wrote {out}: {model.family.name}, {len(tensors)} tensors from {step_dir}")
+    earlier = write_hf_dir(out, model, tensors, model.directory, origin)
+    print(f"wrote {out}: {model.family.name}, {len(tensors)} tensors from {step_dir}"
+          f"{replacing(earlier)}")  # fmt: skip
     return 0
 
 

@@ -14,17 +14,35 @@ from dsnd.checkpoint.root import check_writable
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.data.check import check_data
+from dsnd.errors import UserError
+from dsnd.model.export_dir import ExportOrigin, check_target
 from dsnd.model.hf_io import check_init_from
 
 log = logging.getLogger(__name__)
 
 
 def check_inputs(res: Resolved) -> None:
-    """What a dry run checks too (it writes nothing): the data against the model's vocabulary
-    and `model.init_from` against the model (names, shapes, config)."""
+    """What a dry run checks too (it writes nothing): the data against the model's vocabulary,
+    `model.init_from` against the model (names, shapes, config) and the export's target."""
     check_data(res.run.data, res.model.vocab_size)
     if res.run.model.init_from:
         check_init_from(res.run.model.init_from, res.model)
+    _check_export_target(res.run)
+
+
+def _check_export_target(run) -> None:
+    """`checkpoint.export_hf` is written after the last step: a directory it may not replace
+    (`dsnd.model.export_dir`) is found now, not then."""
+    path = run.checkpoint.export_hf
+    if not path:
+        return
+    where = f"checkpoint.export_hf={path}"
+    for other, key in ((run.log.dir, "log.dir"), (checkpoint_root(run), "checkpoint.dir")):
+        mine, theirs = os.path.realpath(path), os.path.realpath(other)
+        if os.path.commonpath([mine, theirs]) == mine:  # the same directory, or holding it
+            raise UserError(f"{where}: holds {key} {other} (an export replaces its directory "
+                            "whole); name a directory of its own")  # fmt: skip
+    check_target(path, ExportOrigin(checkpoint_root(run), run.train.steps), where)
 
 
 def check_before_start(res: Resolved, job_id: str | None) -> str | None:
@@ -39,6 +57,7 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
     check_writable(run.log.dir, "log.dir")
     if run.checkpoint.export_hf:  # written after the last step: find out now, not then
         check_writable(run.checkpoint.export_hf, "checkpoint.export_hf")
+        _check_export_target(run)
     resume = choose_resume(run, job_id)
     if resume is not None:
         manifest = read_manifest(resume)

@@ -180,7 +180,9 @@ class CheckpointConfig:
     )
     export_hf: str | None = doc(
         "At the end of the run write the model here as a transformers directory (config.json, "
-        "model.safetensors) that AutoModelForCausalLM.from_pretrained loads; null = none.",
+        "model.safetensors) that AutoModelForCausalLM.from_pretrained loads; null = none. A new "
+        "or empty directory, or this run's earlier export (replaced whole); anything else is "
+        "refused before the start.",
         None,
     )
 

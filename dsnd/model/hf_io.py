@@ -10,10 +10,12 @@
   time), one data-parallel replica sends them to global rank 0, which joins the tensor-parallel
   shards (`Shard.combine`, vocabulary padding dropped) and writes them with `write_hf_dir`.
 - `write_hf_dir`: full tensors by dsnd name -> HF names, `config.json` and `model.safetensors`,
-  which `AutoModelForCausalLM.from_pretrained` loads. A tied weight is written once, under the
-  embedding's name (HF ties the head to it). `dsnd ckpt export` uses it too. safetensors 0.8's
-  `save_file` writes a private temporary file (mode 0600) and renames it, so the weights came
-  out 0600 beside a 0644 config.json; they get the mode the umask gives any new file instead.
+  which `AutoModelForCausalLM.from_pretrained` loads, written whole beside the target and renamed
+  into place, over nothing but the same run's earlier export (`dsnd.model.export_dir`). A tied
+  weight is written once, under the embedding's name (HF ties the head to it). `dsnd ckpt
+  export` uses it too. safetensors 0.8's `save_file` writes a private temporary file (mode 0600)
+  and renames it, so the weights came out 0600 beside a 0644 config.json; they get the mode the
+  umask gives any new file instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 
 from dsnd.errors import UserError
 from dsnd.model.count import full_shapes
+from dsnd.model.export_dir import ExportOrigin, replacing, umask, write_whole
 from dsnd.model.hf_weights import from_hf_name, to_hf_names
 from dsnd.model.spec import TOKENIZER_FILES, ModelSpec, load_model
 from dsnd.model.specs import LayerStack
@@ -151,17 +154,26 @@ def _join(pieces: list[tuple[torch.Tensor, Shard | None]]) -> torch.Tensor:
 
 
 def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
-                 tokenizer_from: str | None = None) -> None:  # fmt: skip
+                 tokenizer_from: str | None = None, origin: ExportOrigin | None = None,
+                 where: str | None = None) -> dict | None:  # fmt: skip
     """Write full tensors keyed by dsnd name as an HF directory: `config.json` (the model's
     full config, architectures set), `model.safetensors` (HF names; a tied weight under the
-    embedding's name), and the tokenizer files of `tokenizer_from` when it has any."""
+    embedding's name), and the tokenizer files of `tokenizer_from` when it has any, with the
+    marker of `origin`'s run, replacing only that run's earlier export (`export_dir`; refusals
+    start with `where`, default `path`). Returns the replaced export's marker (None: none)."""
     named: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         hf_name = to_hf_names(name, model)[0]  # a tie: the embedding's
         if hf_name in named:
             raise ValueError(f"two dsnd tensors map to the HF name {hf_name!r}")
         named[hf_name] = tensor.detach().to("cpu").contiguous()
-    os.makedirs(path, exist_ok=True)
+    return write_whole(path, origin or ExportOrigin(None, None),
+                       lambda tmp: _write_files(tmp, model, named, tokenizer_from),
+                       where)  # fmt: skip
+
+
+def _write_files(path: str, model: ModelSpec, named: dict[str, torch.Tensor],
+                 tokenizer_from: str | None) -> None:  # fmt: skip
     config = copy.deepcopy(model.config)
     config.architectures = [model.family.architectures[0]]
     # the dtype the tensors are written in (a bf16 model directory trained in fp32 exports fp32:
@@ -170,29 +182,16 @@ def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
     config.save_pretrained(path)
     weights = os.path.join(path, _WEIGHTS)
     save_file(named, weights, metadata={"format": "pt"})
-    os.chmod(weights, 0o666 & ~_umask())
+    os.chmod(weights, 0o666 & ~umask())
     for name in TOKENIZER_FILES if tokenizer_from else ():
         if os.path.isfile(os.path.join(tokenizer_from, name)):
             shutil.copyfile(os.path.join(tokenizer_from, name), os.path.join(path, name))
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it (os.umask can only swap it, which would
-    race with any other thread creating a file meanwhile)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:  # no /proc (not Linux)
-        pass
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
-
-
-def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.ProcessGroup) -> None:
-    """Write the full model (every stage's parameters) as an HF directory at `path` (rank 0).
+def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.ProcessGroup,
+              origin: ExportOrigin) -> str | None:  # fmt: skip
+    """Write the full model (every stage's parameters) as an HF directory at `path` (rank 0,
+    `write_hf_dir`); on rank 0 returns the line saying where it went, None elsewhere.
 
     Collective over the world: every rank must call it.
     """
@@ -210,11 +209,12 @@ def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.Pr
     parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if parts is None:
-        return
+        return None
     pieces: dict[str, list[tuple[torch.Tensor, Shard | None]]] = {}
     for part in parts:
         for name, piece in part.items():
             pieces.setdefault(name, []).append(piece)
-    write_hf_dir(
-        path, model, {name: _join(found) for name, found in pieces.items()}, model.directory
-    )
+    earlier = write_hf_dir(path, model, {name: _join(found) for name, found in pieces.items()},
+                           model.directory, origin, f"checkpoint.export_hf={path}")  # fmt: skip
+    return (f"exported step {origin.step} as a transformers directory ({len(pieces)} tensors) "
+            f"to {path}{replacing(earlier)}")  # fmt: skip

@@ -19,12 +19,16 @@ layouts, equal the uninterrupted DeepSpeed runs.
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 
 import pytest
+import torch
 
 from dsnd import cli
 from dsnd.checkpoint.verify import verify
+from dsnd.engine import ds_checkpoint
 from tests.distributed.parity import RTOL, case, run_cases
 
 STEPS, SAVE_AT = 6, 3
@@ -68,6 +72,7 @@ def test_deepspeed_checkpoints_continue_in_dsnd(tmp_path, capsys):
         "global_step3: the checkpoint has 1 tied module(s) (tied_modules.embed) but preset "
         "llama-tiny has 0 (tie_word_embeddings=False)\n"
     ), err
+    _refuses_numbers_dsnd_cannot_resume(tmp_path, capsys)
     (tmp_path / "dsnd").mkdir()
     ours = run_cases(tmp_path / "dsnd", 4, cases)
 
@@ -81,3 +86,54 @@ def test_deepspeed_checkpoints_continue_in_dsnd(tmp_path, capsys):
             for got, ref in zip(rows, want, strict=True):
                 for key in ("loss", "grad_norm", "lr"):
                     assert got[key] == pytest.approx(ref[key], rel=RTOL), (label, got["step"], key)
+
+
+def _edited(source, out, pattern: str, edit) -> str:
+    """A copy of the DeepSpeed checkpoint `source` with `edit(state)` applied to every file of
+    its tag matching `pattern`; the copied tag directory."""
+    shutil.copytree(source, out)
+    tag = os.path.join(out, f"global_step{SAVE_AT}")
+    for path in glob.glob(os.path.join(tag, pattern)):
+        state = ds_checkpoint.load(path)
+        edit(state)
+        torch.save(state, path)
+    return tag
+
+
+def _set_lr(state: dict, lr: float) -> None:
+    inner = state["optimizer_state_dict"]
+    groups = (inner.get("base_optimizer_state") or inner["optimizer_state_dict"])["param_groups"]
+    for group in groups:
+        group["lr"] = lr
+
+
+def _refuses_numbers_dsnd_cannot_resume(tmp_path, capsys) -> None:
+    """Numbers edited in the files DeepSpeed saved: a NaN learning rate (ZeRO-3 and ZeRO-1's
+    optimizer files), a step beyond what a step directory's name holds and a scheduler position
+    before its start (model-state files): one line naming the file and key, nothing written."""
+    bad = {  # name: (source, files, edit, what the refusal names)
+        "nan-lr-z3": ("plain-z3", "*_optim_states.pt", lambda s: _set_lr(s, float("nan")),
+                      "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+                      "optimizer_state_dict.param_groups[0].lr' is nan, expected a finite "
+                      "number >= 0"),
+        "nan-lr-z1": ("pipe-z1", "*_optim_states.pt", lambda s: _set_lr(s, float("nan")),
+                      "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+                      "base_optimizer_state.param_groups[0].lr' is nan, expected a finite "
+                      "number >= 0"),
+        "step-1e12": ("plain-z3", "*_model_states.pt", lambda s: s.update(global_steps=10**12),
+                      "zero_pp_rank_0_mp_rank_00_model_states.pt: 'global_steps' is "
+                      "1000000000000, expected an integer in [0, 99999999] (a step "
+                      "directory's name holds 8 digits)"),
+        "sched-1e9": ("pipe-z1", "mp_rank_*_model_states.pt",
+                      lambda s: s["lr_scheduler"].update(last_batch_iteration=-10**9),
+                      "mp_rank_00_model_states.pt: 'lr_scheduler.last_batch_iteration' is "
+                      "-1000000000, expected an integer in [-1, 99999999]"),
+    }  # fmt: skip
+    for name, (source, pattern, edit, what) in bad.items():
+        tag = _edited(tmp_path / f"ds-{source}", tmp_path / f"bad-{name}", pattern, edit)
+        out = tmp_path / f"refused-{name}"
+        preset = SOURCES[source][2]
+        rc = cli.main(["ckpt", "import", tag, str(out), "--set", f"model.preset={preset}"])
+        err = capsys.readouterr().err
+        assert (rc, err) == (2, f"dsnd: error: {tag}/{what}\n"), name
+        assert not out.exists() and not glob.glob(str(tmp_path / ".dsnd-import-*")), name

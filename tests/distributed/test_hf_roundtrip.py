@@ -9,6 +9,9 @@ trains a step first, so the export must differ: it reads the trained weights.
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,6 +22,7 @@ from dsnd.model import build_model
 from dsnd.model.hf_io import check_init_from, write_hf_dir
 from tests.distributed.parity import run_cases
 from tests.models import spec_of
+from tests.procs import last_log_text
 
 
 def _hf_model(preset: str) -> torch.nn.Module:
@@ -81,11 +85,30 @@ def test_hf_checkpoint_roundtrip_through_pipeline_stages(tmp_path):
     ]
     for name, preset, zero, steps, pp in plan:
         src = tmp_path / f"in-{preset}"
-        cases.append(_case(name, preset, zero, src, tmp_path / name, steps, pp))
+        cases.append(_case(name, preset, zero, src, tmp_path / "hf" / name, steps, pp))
+    # the same run resumed for one more step: its export replaces the earlier one, whole
+    log_dir, trained = tmp_path / "llama-z0-trained", tmp_path / "hf" / "llama-z0-trained"
+    cases.append(_case("llama-z0-trained-more", "llama-tiny", 0, tmp_path / "in-llama-tiny",
+                       trained, 2, 2, f"log.dir={log_dir}"))  # fmt: skip
     rows = run_cases(tmp_path, 2, cases)
     assert rows["llama-z0"] == [] and len(rows["llama-z0-trained"]) == 1
+    assert [r["step"] for r in rows["llama-z0-trained-more"]] == [2]
     for name, preset, _, steps, _ in plan:
-        _check_export(tmp_path / name, models[preset], TOKENS, steps)
+        _check_export(tmp_path / "hf" / name, models[preset], TOKENS, steps)
+    _check_replaced(log_dir, str(trained), [name for name, *_ in plan])
+
+
+def _check_replaced(log_dir, export: str, exports: list[str]) -> None:
+    """The run's closing line names the directory; the export there is step 2's, of this run,
+    and nothing of the swap is left beside it."""
+    from dsnd.model.export_dir import read_marker
+
+    said = last_log_text(str(log_dir), 0, "exported step ")
+    assert re.fullmatch(rf"2 as a transformers directory \(\d+ tensors\) to {re.escape(export)} "
+                        r"\(replacing the export of step 1 there\)", said), said  # fmt: skip
+    marker = read_marker(export)
+    assert (marker["checkpoint_root"], marker["step"]) == (f"{log_dir}/checkpoints", 2), marker
+    assert sorted(os.listdir(os.path.dirname(export))) == sorted(exports)
 
 
 @pytest.mark.dist
@@ -108,18 +131,20 @@ def test_hf_roundtrip_tensor_parallel_and_init_independent_of_tp(tmp_path):
     ]
     for name, preset, zero, extra in plan:
         src = tmp_path / f"in-{preset}"
-        cases.append(_case(name, preset, zero, src, tmp_path / name, 0, 2, *extra))
+        cases.append(_case(name, preset, zero, src, tmp_path / "hf" / name, 0, 2, *extra))
     for preset in ("llama-tiny", "gpt2-tiny"):
         for steps in (0, 1):
             for layout, extra in (("tp1", ()), ("tp2", tp2)):
                 name = f"own-{preset}-{steps}-{layout}"
-                cases.append(_case(name, preset, 3, None, tmp_path / name, steps, 2, *extra))
+                cases.append(_case(name, preset, 3, None, tmp_path / "hf" / name, steps, 2,
+                                   *extra))  # fmt: skip
     run_cases(tmp_path, 4, cases)
     for name, preset, _, _ in plan:
-        _check_export(tmp_path / name, models[preset], TOKENS, 0)
+        _check_export(tmp_path / "hf" / name, models[preset], TOKENS, 0)
     for preset in ("llama-tiny", "gpt2-tiny"):
         for steps in (0, 1):
-            one, two = (load_file(tmp_path / f"own-{preset}-{steps}-{t}" / "model.safetensors")
+            one, two = (load_file(tmp_path / "hf" / f"own-{preset}-{steps}-{t}" /
+                                  "model.safetensors")
                         for t in ("tp1", "tp2"))  # fmt: skip
             assert sorted(one) == sorted(two), preset
             for key in one:

@@ -27,6 +27,7 @@ from dsnd.checkpoint.contents import expected_tensors, tensor_file
 from dsnd.checkpoint.layout import (
     MANIFEST,
     MANIFEST_SUM,
+    MAX_STEP,
     CheckpointError,
     check_root,
     model_file,
@@ -39,6 +40,8 @@ from dsnd.checkpoint.verify import check_intact, member, read_manifest
 from dsnd.model.families import FAMILIES
 from tests.procs import run_cli
 from tests.unit.test_ckpt_cli import LEGACY_MODEL, STEP, write_checkpoint
+
+STEP_RANGE = f"an integer in [0, {MAX_STEP}] (a step directory's name holds 8 digits)"
 
 MODEL_1, OPTIM_1 = model_file(1), optim_file(1)
 NORM = "layers.1.input_layernorm.weight"  # shape [64]
@@ -235,7 +238,30 @@ MANIFEST_EDITS = {
                                        "'loss_scaler' of trainer is 65536, expected an object "
                                        "or null"),
     "step as a string": (lambda m: m.update(step="10"),
-                         "'step' of the manifest is '10', expected a non-negative integer"),
+                         f"'step' of the manifest is '10', expected {STEP_RANGE}"),
+    # trainer numbers a resume would take as they are: refused by name, with the valid range
+    "step beyond a step directory's name": (lambda m: m.update(step=10**12),
+                                            f"'step' of the manifest is 1000000000000, expected "
+                                            f"{STEP_RANGE}"),
+    "lr NaN": (lambda m: m["trainer"].update(lr=float("nan")),
+               "'lr' of trainer is nan, expected a finite number >= 0"),
+    "lr negative": (lambda m: m["trainer"].update(lr=-0.001),
+                    "'lr' of trainer is -0.001, expected a finite number >= 0"),
+    "beta of 1": (lambda m: m["trainer"].update(betas=[0.9, 1.0]),
+                  "'betas' of trainer is [0.9, 1.0], expected null or two numbers in [0, 1)"),
+    "scheduler far before its start": (
+        lambda m: m["trainer"].update(lr_scheduler={"last_batch_iteration": -10**9}),
+        "'last_batch_iteration' of trainer.lr_scheduler is -1000000000, expected an integer in "
+        f"[-1, {MAX_STEP}]"),
+    "scheduler state without its position": (
+        lambda m: m["trainer"].update(lr_scheduler={"last_epoch": 3}),
+        "trainer.lr_scheduler has no 'last_batch_iteration'"),
+    "fp16 loss scale infinite": (
+        lambda m: m["trainer"].update(loss_scaler={"cur_scale": float("inf"), "cur_iter": 3}),
+        "'cur_scale' of trainer.loss_scaler is inf, expected a finite number > 0"),
+    "fp16 loss scaler iteration negative": (
+        lambda m: m["trainer"].update(loss_scaler={"cur_scale": 2.0, "cur_iter": -4}),
+        "'cur_iter' of trainer.loss_scaler is -4, expected a non-negative integer"),
     "topology without pp": (lambda m: m["topology"].pop("pp"), "topology has no 'pp'"),
     "optim_keys not a list": (lambda m: m.update(optim_keys="exp_avg"),
                               "'optim_keys' of the manifest is 'exp_avg', expected a list of "

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from dsnd import cli
 from dsnd.checkpoint.commit import write_manifest
 from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
+from dsnd.model.export_dir import EXPORT_MARKER
 from dsnd.model.specs import build_model
 from tests.models import spec_of
 
@@ -302,7 +303,11 @@ def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp
     count = len(build_model(spec_of(preset), seed=3).state_dict())
     family = spec_of(preset).family.name
     assert out == f"wrote {out_dir}: {family}, {count} tensors from {step_dir}\n"
-    assert sorted(os.listdir(out_dir)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out_dir)) == ["config.json", EXPORT_MARKER, "model.safetensors"]
+    with open(os.path.join(out_dir, EXPORT_MARKER), encoding="utf-8") as f:
+        marker = json.load(f)
+    assert marker == {"format": "dsnd-export/1", "checkpoint_root": pristine[preset],
+                      "step": STEP, "files": ["config.json", "model.safetensors"]}  # fmt: skip
     hf, info = AutoModelForCausalLM.from_pretrained(
         out_dir, dtype=torch.float32, output_loading_info=True
     )
@@ -364,8 +369,72 @@ def test_export_refuses_a_non_empty_output(capsys, ckpt, tmp_path):
     (tmp_path / "hf" / "keep.txt").write_text("mine")
     rc, out, err = run(capsys, "ckpt", "export", root, str(tmp_path / "hf"))
     assert (rc, out) == (2, "")
-    assert err == f"dsnd: error: {tmp_path / 'hf'}: already exists and is not an empty directory\n"
+    assert err == (f"dsnd: error: {tmp_path / 'hf'}: holds keep.txt and no {EXPORT_MARKER}, so it "
+                   "is not an export dsnd wrote; name a new or empty directory (dsnd replaces "
+                   "only its own earlier export of the same run)\n")  # fmt: skip
     assert os.listdir(tmp_path / "hf") == ["keep.txt"]
+
+
+def _contents(path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+def test_export_replaces_its_own_earlier_export_whole(capsys, pristine, tmp_path):
+    """An export of the same run (checkpoint root) into its earlier export replaces the whole
+    directory: afterwards it holds exactly what an export into a new directory holds, and
+    nothing is left beside it."""
+    root = tmp_path / "run"
+    shutil.copytree(pristine["llama-tiny"], root)
+    hf = tmp_path / "hf"
+    assert run(capsys, "ckpt", "export", str(root), str(hf))[0] == 0
+    assert sorted(os.listdir(hf)) == ["config.json", EXPORT_MARKER, "model.safetensors"]
+    shutil.rmtree(root)  # the run went on: its root now holds another model's weights
+    shutil.copytree(pristine["gpt2-tiny"], root)
+    rc, out, err = run(capsys, "ckpt", "export", str(root), str(hf))
+    assert (rc, err) == (0, ""), err
+    assert out.endswith(f"from {root / step_dir_name(STEP)} (replacing the export of step "
+                        f"{STEP} there)\n")  # fmt: skip
+    fresh = tmp_path / "fresh"
+    assert run(capsys, "ckpt", "export", str(root), str(fresh))[0] == 0
+    assert _contents(hf) == _contents(fresh)  # nothing of the llama export is left
+    assert sorted(os.listdir(tmp_path)) == ["fresh", "hf", "run"]
+
+
+def test_export_refuses_another_runs_export_and_files_it_did_not_write(capsys, pristine,
+                                                                        tmp_path):  # fmt: skip
+    hf = tmp_path / "hf"
+    assert run(capsys, "ckpt", "export", pristine["llama-tiny"], str(hf))[0] == 0
+    before = _contents(hf)
+    rc, out, err = run(capsys, "ckpt", "export", pristine["gpt2-tiny"], str(hf))
+    assert (rc, out) == (2, "")
+    assert err == (f"dsnd: error: {hf}: holds dsnd's export of another run (checkpoint root "
+                   f"{pristine['llama-tiny']}, step {STEP}); this run's is "
+                   f"{pristine['gpt2-tiny']}: name another directory, or remove that "
+                   "export\n")  # fmt: skip
+    (hf / "notes.txt").write_text("mine")
+    rc, out, err = run(capsys, "ckpt", "export", pristine["llama-tiny"], str(hf))
+    assert (rc, out) == (2, "")
+    assert err == (f"dsnd: error: {hf}: holds notes.txt, which dsnd's export there did not "
+                   "write (replacing the export would delete it); move it away or name another "
+                   "directory\n")  # fmt: skip
+    assert _contents(hf) == before | {"notes.txt": b"mine"}
+
+
+def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(pristine, tmp_path):
+    """safetensors refuses tensors sharing memory while writing, after config.json was written:
+    the earlier export stays as it was, and no partial directory is left beside it."""
+    from dsnd.model.hf_io import ExportOrigin, write_hf_dir
+
+    spec, origin = spec_of("llama-tiny"), ExportOrigin(pristine["llama-tiny"], STEP)
+    hf = tmp_path / "hf"
+    tensors = build_model(spec, seed=3).state_dict()
+    write_hf_dir(str(hf), spec, tensors, origin=origin)
+    before = _contents(hf)
+    shared = dict(tensors, **{"layers.6.lm_head.weight": tensors["layers.0.embed_tokens.weight"]})
+    with pytest.raises(RuntimeError, match="share memory"):
+        write_hf_dir(str(hf), spec, shared, origin=origin)
+    assert _contents(hf) == before
+    assert os.listdir(tmp_path) == ["hf"]
 
 
 @pytest.mark.parametrize("preset", PRESET_NAMES)
@@ -498,6 +567,27 @@ def test_the_allow_list_holds_what_deepspeed_pickles_and_nothing_more(tmp_path):
 def test_import_refuses_what_dsnd_cannot_continue(capsys, tmp_path, state, want):
     _ds_tag(tmp_path / "ds", **state)
     assert want in _import_refused(capsys, tmp_path, str(tmp_path / "ds"))
+
+
+STEP_RANGE = "expected an integer in [0, 99999999] (a step directory's name holds 8 digits)"
+
+
+@pytest.mark.parametrize(("state", "want"), [
+    ({"global_steps": True}, f"'global_steps' is True, {STEP_RANGE}"),
+    ({"global_steps": -3}, f"'global_steps' is -3, {STEP_RANGE}"),
+    ({"global_steps": 10**12}, f"'global_steps' is 1000000000000, {STEP_RANGE}"),
+    ({"global_samples": -48}, "'global_samples' is -48, expected null or a non-negative integer"),
+    ({"lr_scheduler": {"last_batch_iteration": -10**9}},
+     "'lr_scheduler.last_batch_iteration' is -1000000000, expected an integer in "
+     "[-1, 99999999]"),
+    ({"lr_scheduler": {"last_batch_iteration": 2.5}},
+     "'lr_scheduler.last_batch_iteration' is 2.5, expected an integer in [-1, 99999999]"),
+])  # fmt: skip
+def test_import_refuses_trainer_numbers_dsnd_cannot_resume(capsys, tmp_path, state, want):
+    """Blamed on the DeepSpeed file and key they come from (not on the manifest dsnd would
+    have written from them), before anything is written."""
+    tag = _ds_tag(tmp_path / "ds", **state)
+    assert _import_refused(capsys, tmp_path, tag) == f"{tag}/mp_rank_00_model_states.pt: {want}"
 
 
 def test_import_refuses_another_model_and_an_existing_out(capsys, tmp_path):

@@ -92,7 +92,8 @@ def test_exported_weights_get_the_mode_the_umask_gives(tmp_path):
     finally:
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
-    assert modes == {"config.json": 0o640, "model.safetensors": 0o640}
+    assert modes == {"config.json": 0o640, "model.safetensors": 0o640, "dsnd-export.json": 0o640}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750  # written in a temporary dir, renamed
 
 
 def test_from_hf_rejects_unknown_names():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -94,4 +95,55 @@ def test_an_export_directory_that_cannot_be_written(capsys, tmp_path):
     target = tmp_path / "file" / "hf"
     assert refused(capsys, *train(f"checkpoint.export_hf={target}")) == (
         f"checkpoint.export_hf {target} is not writable (Not a directory); nothing was started"
+    )
+
+
+def _export(path, root, step: int = 2) -> None:
+    """An export dsnd wrote at `path` for the run whose checkpoint root is `root`."""
+    from dsnd.model.hf_io import ExportOrigin, write_hf_dir
+    from dsnd.model.specs import build_model
+    from tests.models import spec_of
+
+    spec = spec_of("llama-tiny")
+    write_hf_dir(str(path), spec, build_model(spec, seed=0).state_dict(),
+                 origin=ExportOrigin(str(root), step))  # fmt: skip
+
+
+def test_an_export_directory_holding_what_dsnd_did_not_write(capsys, tmp_path):
+    """Refused before anything starts (and by a dry run), nothing in it touched; an earlier
+    export of the same run is fine (the export at the end replaces it whole)."""
+    target, root, other = tmp_path / "hf", tmp_path / "ck", tmp_path / "other"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    sets = (f"checkpoint.dir={root}", f"checkpoint.export_hf={target}")
+    assert refused(capsys, *train(*sets)) == (
+        f"checkpoint.export_hf={target}: holds config.json and no dsnd-export.json, so it is not "
+        "an export dsnd wrote; name a new or empty directory (dsnd replaces only its own earlier "
+        "export of the same run)"
+    )
+    assert os.listdir(target) == ["config.json"]
+    os.remove(target / "config.json")
+    _export(target, other)
+    dry_run = ["launch", "--nprocs", "1", "--dry-run", *(a for s in sets for a in ("--set", s))]
+    assert refused(capsys, *dry_run) == (
+        f"checkpoint.export_hf={target}: holds dsnd's export of another run (checkpoint root "
+        f"{other}, step 2); this run's is {root}: name another directory, or remove that export"
+    )
+    shutil.rmtree(target)
+    _export(target, root)
+    assert cli.main(dry_run) == 0
+
+
+def test_an_export_directory_holding_the_runs_own_directories(capsys, tmp_path):
+    """The swap replaces the export's directory whole: log.dir or the checkpoint root in it
+    would go too (found before the start; at the end of the run they already hold files)."""
+    logs = tmp_path / "run"
+    assert refused(capsys, *train(f"log.dir={logs}", f"checkpoint.export_hf={logs}")) == (
+        f"checkpoint.export_hf={logs}: holds log.dir {logs} (an export replaces its directory "
+        "whole); name a directory of its own"
+    )
+    ck = tmp_path / "ck"
+    assert refused(capsys, *train(f"checkpoint.dir={ck}", f"checkpoint.export_hf={ck}")) == (
+        f"checkpoint.export_hf={ck}: holds checkpoint.dir {ck} (an export replaces its directory "
+        "whole); name a directory of its own"
     )
