@@ -9,8 +9,8 @@ for remote hosts) that starts and watches its ranks; this process supervises the
 rendezvous port and the checkpoint directory. `--max-restarts N` relaunches a failed job from its
 last committed checkpoint. The `pdsh`, `openmpi`, `mpich` and `slurm` launchers hand the job to
 `deepspeed --hostfile`, `mpirun` or `srun` instead (restarts still apply; failure detection is
-theirs, weaker: see docs/launching.md, "Launching on a cluster"). With `slurm` the hosts are the hostfile's
-(Slurm node names) or, without one, the allocation's.
+theirs, weaker: docs/launching.md, "Launching on a cluster"). With `slurm` the hosts are the
+hostfile's (Slurm node names) or, without one, the allocation's.
 """
 
 from __future__ import annotations
