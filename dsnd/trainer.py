@@ -241,8 +241,11 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             said = export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data,
                              ExportOrigin(st.root, run.train.steps))  # fmt: skip
-            if said:  # rank 0: the run's closing line says where the model went
+            if said:  # rank 0: says where the model went
                 log.info("%s", said)
+        if reporter:  # the closing line: where everything the run wrote is
+            log.info("outputs: metrics %s, checkpoints %s%s", reporter.metrics.path, st.root,
+                     f", export {run.checkpoint.export_hf}" if run.checkpoint.export_hf else "")
     finally:
         if reporter:
             reporter.close()
