@@ -30,8 +30,10 @@ from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.deepspeed_json import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
-from dsnd.data import SampleSet, batch_for_step, load_corpus
+from dsnd.data import SampleSet, batch_for_step
 from dsnd.data.corpus import Corpus
+from dsnd.data.layout import sample_sets, step_layout
+from dsnd.data.sources import load_data
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.loss_scale import current_scale, scale_numbers
@@ -49,26 +51,14 @@ from dsnd.telemetry import check_skips_agree, gather_stats, step_numbers, stop_a
 log = logging.getLogger(__name__)
 
 
-def split_samples(corpus, run) -> tuple[SampleSet, SampleSet | None]:
-    """Training samples and, when evaluation is on, the held-out last `eval.fraction` of them."""
-    if not run.eval.every:
-        return SampleSet(corpus.tokens, run.model.seq_len, name=corpus.name), None
-    window = run.model.seq_len + 1
-    count = len(corpus.tokens) // window
-    cut = (count - max(1, int(count * run.eval.fraction))) * window
-    return (
-        SampleSet(corpus.tokens[:cut], run.model.seq_len, name=corpus.name),
-        SampleSet(corpus.tokens[cut:], run.model.seq_len, name=f"{corpus.name} (held out)"),
-    )
-
-
 def _evaluate(runner: StageRunner, res: Resolved, groups: ProcessGroups, held_out) -> float:
     """Mean loss over `eval.batches` fixed global batches of the held-out samples."""
     run, losses = res.run, []
     for k in range(run.eval.batches):
-        micro = batch_for_step(held_out, run.train.seed, k, res.batch.train, groups.coord.dp,
-                               res.topology.dp, res.batch.micro)  # fmt: skip
-        losses.append(runner.evaluate(micro))
+        where = (run.train.seed, k, res.batch.train, groups.coord.dp, res.topology.dp,
+                 res.batch.micro)  # fmt: skip
+        losses.append(runner.evaluate(batch_for_step(held_out, *where),
+                                      step_layout(held_out, *where)))  # fmt: skip
     return sum(losses) / len(losses)
 
 
@@ -136,9 +126,10 @@ class _Stage:
 def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
     run = res.run
     torch.manual_seed(run.train.seed)
-    corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
+    corpus = load_data(run.data, run.model)
     check_vocab(corpus.vocab_size, res.model.vocab_size, corpus.name)
-    samples, held_out = split_samples(corpus, run)
+    samples, held_out = sample_sets(corpus, run.model.seq_len, run.data.packing,
+                                    run.eval.fraction if run.eval.every else None)  # fmt: skip
     root = checkpoint_root(run)
     if dist.get_rank() == 0:
         for name in remove_temporaries(root):
@@ -188,9 +179,9 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
     scale = current_scale(engine)  # fp16: the loss scale this step's gradients carry
     t0 = time.perf_counter()
-    micro = batch_for_step(st.samples, run.train.seed, step, res.batch.train, groups.coord.dp,
-                           res.topology.dp, res.batch.micro)  # fmt: skip
-    result = st.runner.run(micro)
+    where = (run.train.seed, step, res.batch.train, groups.coord.dp, res.topology.dp,
+             res.batch.micro)  # fmt: skip
+    result = st.runner.run(batch_for_step(st.samples, *where), step_layout(st.samples, *where))
     loss, norm = st.runner.report(result)
     scaling = scale_numbers(engine, scale)
     if scaling.get("skipped"):  # overflowed at this scale: skipped by design, not diverged

@@ -11,32 +11,46 @@ from __future__ import annotations
 
 import torch
 from deepspeed.runtime import lr_schedules
+from torch.nn import functional as F
 
 from dsnd.config.resolve import Resolved
-from dsnd.data import SampleSet, batch_for_step, load_corpus
-from dsnd.model import build_model, lm_loss, param_groups
+from dsnd.data import batch_for_step
+from dsnd.data.layout import sample_sets, step_layout
+from dsnd.data.sampler import IGNORE_INDEX
+from dsnd.data.sources import load_data
+from dsnd.model import build_model, param_groups
+from dsnd.model.documents import Documents
 
 
 def reference_rows(res: Resolved) -> list[dict]:
+    """Metric rows of `train.steps` steps on one process. The loss of a step is what every layout
+    must give: the summed token losses of the global batch over its number of counted labels
+    (not -100), computed here as that sum, not as dsnd's weighted micro-batch means."""
     run, ds = res.run, res.ds
     torch.manual_seed(run.train.seed)
-    corpus = load_corpus(run.data.path, run.data.format, run.data.text_field, run.data.max_bytes)
-    samples = SampleSet(corpus.tokens, run.model.seq_len)
-    model = build_model(res.model, run.train.seed)
+    corpus = load_data(run.data, run.model)
+    samples, _ = sample_sets(corpus, run.model.seq_len, run.data.packing)
+    documents = Documents() if run.data.packing == "documents" else None
+    model = build_model(res.model, run.train.seed, documents)
     opt = reference_optimizer(param_groups(model), ds["optimizer"])
     sched = getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
     clip = ds.get("gradient_clipping", 0.0)
     rows = []
     for step in range(run.train.steps):
         lr = opt.param_groups[0]["lr"]
-        micro = batch_for_step(
-            samples, run.train.seed, step, res.batch.train, 0, 1, res.batch.micro
-        )
+        where = (run.train.seed, step, res.batch.train, 0, 1, res.batch.micro)
+        micro = batch_for_step(samples, *where)
+        layout = step_layout(samples, *where)
+        counted = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
         total = 0.0
-        for x, y in micro:
-            loss = lm_loss(model(x), y)
-            (loss / len(micro)).backward()
-            total += loss.item()
+        for k, (x, y) in enumerate(micro):
+            if documents is not None:
+                documents.use(layout.documents[k])
+            logits = model(x).float()
+            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                     ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+            (summed / counted).backward()
+            total += summed.item()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
         if clip > 0:
@@ -44,7 +58,7 @@ def reference_rows(res: Resolved) -> list[dict]:
         opt.step()
         opt.zero_grad()
         sched.step()
-        rows.append({"step": step + 1, "loss": total / len(micro), "lr": lr, "grad_norm": norm})
+        rows.append({"step": step + 1, "loss": total / counted, "lr": lr, "grad_norm": norm})
     return rows
 
 

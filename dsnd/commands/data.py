@@ -9,34 +9,13 @@ downloaded); a model trained on it needs a vocabulary at least as large.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 
 from dsnd.data.corpus import corpus_format, load_corpus
 from dsnd.data.token_file import meta_path, write_token_file
+from dsnd.data.tokenizer import load_tokenizer, tokenizer_vocab
 from dsnd.errors import UserError
-
-
-def load_tokenizer(path: str) -> Any:
-    """A transformers tokenizer from local directory `path`. Its loader raises whatever the
-    files provoke (OSError, ValueError, KeyError, TypeError, JSONDecodeError), all of them the
-    user's files to fix, so any exception becomes one line."""
-    if not os.path.isdir(path):
-        raise UserError(f"--tokenizer {path}: not a directory; expected 'byte' or a local "
-                        "transformers tokenizer directory")  # fmt: skip
-    try:
-        os.listdir(path)
-    except OSError as e:
-        raise UserError(f"--tokenizer {path}: cannot read the directory ({e.strerror})") from e
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # any failure: see the docstring
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(f"--tokenizer {path}: not a local transformers tokenizer "
-                        f"({type(e).__name__}: {first})") from e  # fmt: skip
 
 
 def _encode(data: bytes, tokenizer: str) -> tuple[np.ndarray, int]:
@@ -45,8 +24,7 @@ def _encode(data: bytes, tokenizer: str) -> tuple[np.ndarray, int]:
     tok = load_tokenizer(tokenizer)
     ids = np.asarray(tok(data.decode("utf-8", errors="replace"),
                          add_special_tokens=False)["input_ids"], dtype=np.int64)  # fmt: skip
-    # ids past len(tok) (gaps in a vocabulary) would make the sidecar refuse its own tokens
-    return ids, max(len(tok), int(ids.max()) + 1 if len(ids) else 0)
+    return ids, tokenizer_vocab(tok, ids)
 
 
 def _check_output(source: str, out: str) -> None:

@@ -8,7 +8,6 @@ greedy). Checksums are verified first, as for every load.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from dsnd.checkpoint.layout import resolve_step_dir
 from dsnd.checkpoint.load import read_full_model
 from dsnd.checkpoint.verify import check_intact, read_manifest
-from dsnd.data.tokenizer import ByteTokenizer
+from dsnd.data.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
 from dsnd.errors import UserError
 from dsnd.model import build_model
 from dsnd.model.spec import ModelSpec, from_manifest
@@ -53,12 +52,7 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec]:
 def tokenizer_of(spec: ModelSpec) -> Any:
     """The tokenizer of the run's model directory when it has one (what `dsnd data prepare
     --tokenizer DIR` encoded the corpus with), else dsnd's byte tokenizer."""
-    if spec.directory and any(
-        os.path.isfile(os.path.join(spec.directory, f))
-        for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
-    ):
-        from dsnd.commands.data import load_tokenizer
-
+    if has_tokenizer(spec.directory):
         return load_tokenizer(spec.directory)
     return ByteTokenizer()
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def check_inputs(res: Resolved) -> None:
     """What a dry run checks too (it writes nothing): the data against the model's vocabulary,
     `model.init_from` against the model (names, shapes, config) and the export's target."""
-    check_data(res.run.data, res.model.vocab_size)
+    check_data(res.run.data, res.model.vocab_size, res.run.model)
     if res.run.model.init_from:
         check_init_from(res.run.model.init_from, res.model)
     _check_export_target(res.run)
@@ -50,7 +50,7 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
     layout was checked when the config resolved to its plan); returns that checkpoint's step
     directory (None: start fresh). Raises UserError."""
     run = res.run
-    check_data(run.data, res.model.vocab_size)
+    check_data(run.data, res.model.vocab_size, run.model)
     root = checkpoint_root(run)
     check_root(root)
     check_writable(root, "checkpoint.dir")

@@ -295,6 +295,11 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     model = run_model(run)
     check_tp(model, par.tp, run.model.seq_len, par.sequence_parallel)
     check_cp(model, par, run.model.seq_len)
+    if run.data.packing == "documents" and par.cp > 1:
+        # each rank would hold a slice of every document mask, and ring / Ulysses attention
+        # take none: refused rather than attending across documents
+        raise UserError(f"data.packing=documents: not with parallel.cp={par.cp} (context "
+                        "parallel attention takes no document mask); use parallel.cp: 1")
     if par.pp > model.num_layers:
         raise UserError(f"parallel.pp={par.pp} exceeds the {model.num_layers} blocks of "
                         f"{model.source}")  # fmt: skip

@@ -143,13 +143,42 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     path: str | None = doc(
-        "Text, JSONL or pre-tokenized .bin file (dsnd data prepare) to train on; null = the "
-        "Python standard library's own source.",
+        "Text, JSONL or pre-tokenized .bin file (dsnd data prepare), or a Hugging Face dataset "
+        "(a save_to_disk directory, a .parquet or .arrow file) to train on; null = the Python "
+        "standard library's own source.",
         None,
     )
-    format: str = doc("auto (by extension: .jsonl/.json, .bin, else text), text, jsonl or "
-                      "tokens.", "auto")  # fmt: skip
-    text_field: str = doc("JSONL field holding each document's text.", "text")
+    format: str = doc(
+        "auto (by extension: .jsonl/.json, .bin, a directory / .parquet / .arrow = hf, else "
+        "text), text, jsonl, tokens, hf (a Hugging Face dataset's data.text_field) or chat (a "
+        "`messages` list of {role, content} per JSONL line or dataset row, rendered with the "
+        "tokenizer's chat template; only assistant tokens count in the loss).",
+        "auto",
+    )
+    text_field: str = doc("JSONL field / dataset column holding each document's text.", "text")
+    split: str = doc("The split to read when data.path is a Hugging Face DatasetDict.", "train")
+    vocab: str | None = doc(
+        "The tokenizer that turns text into ids (the key avoids 'token', which marks a secret "
+        "in saved configs): null = bytes for text, JSONL and the default corpus, the "
+        "model's tokenizer (model.init_from's directory, else model.config's) for hf and chat "
+        "data; model = the model's tokenizer for any text; byte; or a local transformers "
+        "tokenizer directory. Token files carry their own (dsnd data prepare).",
+        None,
+    )
+    packing: str = doc(
+        "How documents share a sample: stream = concatenated, attention and positions run "
+        "across document boundaries (nanoGPT's way); documents = positions restart at each "
+        "document and attention stays within it (block-diagonal causal mask), and no token "
+        "is predicted from the previous document. documents needs document boundaries (JSONL, "
+        "hf or chat data) and parallel.cp = 1.",
+        "stream",
+    )
+    allow_vocab_mismatch: bool = doc(
+        "Train although model.init_from has a tokenizer and the data is not tokenized with it "
+        "(byte tokens, or another tokenizer's): refused by default, as the pretrained weights "
+        "would read the ids as other tokens.",
+        False,
+    )
     max_bytes: int = doc("Read at most this many bytes of the corpus.", 4_000_000)
 
 
@@ -256,7 +285,8 @@ class RunConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.format": ("auto", "text", "jsonl", "tokens"),
+    "data.format": ("auto", "text", "jsonl", "tokens", "hf", "chat"),
+    "data.packing": ("stream", "documents"),
     "parallel.schedule": ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1"),
     "train.lr_scaling": ("none", "linear", "sqrt"),
     "dist.backend": ("auto", "gloo", "nccl"),

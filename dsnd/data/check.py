@@ -13,23 +13,58 @@ import hashlib
 
 import numpy as np
 
-from dsnd.config.schema import DataConfig
-from dsnd.data.corpus import corpus_format, load_corpus
-from dsnd.data.token_file import check_vocab, meta_path, read_token_file
-from dsnd.data.tokenizer import ByteTokenizer
+from dsnd.config.schema import DataConfig, ModelConfig
+from dsnd.data.corpus import corpus_format
+from dsnd.data.sources import data_tokenizer, load_data
+from dsnd.data.token_file import check_vocab, meta_path, read_meta, read_token_file
+from dsnd.data.tokenizer import BYTE, ByteTokenizer, has_tokenizer, same_tokenizer
 from dsnd.errors import UserError
 
 _CHUNK_TOKENS = 1 << 23  # per read: bounded memory for min/max, large enough to stream fast
 
 
-def check_data(data: DataConfig, model_vocab: int) -> None:
+def check_data(data: DataConfig, model_vocab: int, model: ModelConfig | None = None) -> None:
     """Refuse a corpus the model cannot train on: a bad path or format, a vocabulary smaller than
-    the corpus's token ids, or a token file whose sidecar does not describe it."""
-    if corpus_format(data.path, data.format) == "tokens":
+    the corpus's token ids, a token file whose sidecar does not describe it, data not tokenized
+    with the tokenizer of the pretrained weights of `model.init_from`, or document packing of
+    data without document boundaries."""
+    model = model or ModelConfig()
+    fmt = corpus_format(data.path, data.format)
+    if fmt == "tokens":
+        tokenizer = str(read_meta(data.path).get("tokenizer") or BYTE)
+        check_tokenizer_match(data, model, tokenizer, f"{meta_path(data.path)} names")
+        _check_packing(data, None)
         check_token_file(data.path, model_vocab)
-    else:
+        return
+    tokenizer = data_tokenizer(data, model)
+    check_tokenizer_match(data, model, tokenizer, "the data is tokenized with")
+    if tokenizer == BYTE:
         check_byte_vocab(data.path, model_vocab)
-        load_corpus(data.path, data.format, data.text_field, data.max_bytes)
+    corpus = load_data(data, model)
+    _check_packing(data, corpus.documents)
+    check_vocab(corpus.vocab_size, model_vocab, data.path)
+
+
+def check_tokenizer_match(data: DataConfig, model: ModelConfig, tokenizer: str,
+                          said: str) -> None:  # fmt: skip
+    """Pretrained weights read ids as their tokenizer's: data with ids of another (bytes, by
+    default) trains them on scrambled text, so it is refused unless
+    data.allow_vocab_mismatch says it is meant."""
+    own = model.init_from if has_tokenizer(model.init_from) else None
+    if own is None or data.allow_vocab_mismatch or same_tokenizer(tokenizer, own):
+        return
+    name = data.path if data.path is not None else "null (the Python standard library's sources)"
+    what = "byte tokens" if tokenizer == BYTE else f"the tokenizer of {tokenizer}"
+    raise UserError(f"data.path={name}: {said} {what}, but model.init_from={own} has its own "
+                    "tokenizer; set data.vocab: model to tokenize the data with it, or "
+                    "data.allow_vocab_mismatch: true to train on it as is")  # fmt: skip
+
+
+def _check_packing(data: DataConfig, documents: np.ndarray | None) -> None:
+    if data.packing == "documents" and documents is None:
+        name = data.path if data.path is not None else "null (the Python standard library)"
+        raise UserError(f"data.packing=documents: data.path={name} records no document "
+                        "boundaries; use JSONL, a Hugging Face dataset or chat data")  # fmt: skip
 
 
 def check_byte_vocab(path: str | None, model_vocab: int) -> None:

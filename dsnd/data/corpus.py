@@ -1,12 +1,16 @@
 """Load a training corpus as one flat array of byte tokens.
 
-Three sources, all read into memory at once (corpora here are small: the cap defaults to 4 MB):
+Four sources, all read into memory at once (corpora here are small: the cap defaults to 4 MB):
 
 * no path: the Python standard library's own ``.py`` sources — real, varied text present on every
   machine that runs dsnd, so a first run and every test need no download;
 * a plain text file: its raw bytes;
 * a JSONL file: one JSON object per line, the ``text_field`` of each joined with a blank line;
 * a pre-tokenized ``.bin`` file (`dsnd.data.token_file`), memory-mapped, not loaded.
+
+JSONL records are documents: the corpus records which document each byte belongs to, for
+``data.packing: documents``. Hugging Face datasets, chat data and text tokenized with a
+`transformers` tokenizer are `dsnd.data.sources`'.
 
 The fingerprint (sha256 of the token bytes) goes into checkpoint manifests so a resume can tell
 that it is reading the same data it was trained on.
@@ -19,15 +23,19 @@ import json
 import os
 import sys
 import sysconfig
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
+from dsnd.data.hf_dataset import is_dataset
 from dsnd.data.token_file import check_file, read_token_file
 from dsnd.errors import UserError
 
-FORMATS = ("auto", "text", "jsonl", "tokens")
+FORMATS = ("auto", "text", "jsonl", "tokens", "hf", "chat")
+_T = TypeVar("_T")
 
 # Directories of the stdlib tree that are not "the standard library's own sources": third-party
 # packages, the (huge, repetitive) test suites, and tooling that would dominate the first MBs.
@@ -51,6 +59,20 @@ class Corpus:
     name: str
     fingerprint: str
     vocab_size: int | None = None  # a pre-tokenized file's vocabulary (None: bytes, 256)
+    # whether each token counts as a prediction target (None: all do); chat data's assistant
+    # tokens, say
+    targets: np.ndarray | None = None
+    # the index of the document each token belongs to (None: not known, as in a token file)
+    documents: np.ndarray | None = None
+    tokenizer: str = "byte"  # what made the ids: "byte" or a tokenizer directory
+
+
+def fingerprint(tokens: np.ndarray, targets: np.ndarray | None = None) -> str:
+    """sha256 hex of the token bytes (and of the target mask, where some tokens do not count)."""
+    sha = hashlib.sha256(memoryview(np.ascontiguousarray(tokens)))
+    if targets is not None:
+        sha.update(memoryview(np.ascontiguousarray(targets, dtype=np.uint8)))
+    return sha.hexdigest()
 
 
 def load_corpus(
@@ -66,36 +88,54 @@ def load_corpus(
     checked here: only the sampler knows the sequence length.
     """
     fmt = corpus_format(path, fmt)
+    if fmt in ("hf", "chat"):  # `dsnd.data.sources` reads these, with their tokenizer
+        raise UserError(f"{path}: {fmt} data is read with a tokenizer (dsnd.data.sources)")
     if max_bytes is not None and max_bytes < 1:
         raise UserError(f"corpus max_bytes must be at least 1, got {max_bytes}")
+    documents = None
     if path is None:
         data, name = _stdlib_bytes(max_bytes), _stdlib_name()
     elif fmt == "tokens":  # max_bytes caps the file's bytes, as for text
         tokens, meta = read_token_file(path, None)
         if max_bytes is not None:
             tokens = tokens[: max_bytes // tokens.dtype.itemsize]
-        fingerprint = hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
-        return Corpus(tokens=tokens, name=path, fingerprint=fingerprint,
-                      vocab_size=meta["vocab_size"])  # fmt: skip
-    else:
-        read = _jsonl_bytes if fmt == "jsonl" else _text_bytes
-        try:
-            data = read(path, text_field, max_bytes)
-        except OSError as e:  # unreadable (permissions, I/O error) after the checks passed
-            raise UserError(f"{path}: cannot read ({e.strerror or e})") from e
+        return Corpus(tokens=tokens, name=path, fingerprint=fingerprint(tokens),
+                      vocab_size=meta["vocab_size"],
+                      tokenizer=str(meta.get("tokenizer") or "byte"))  # fmt: skip
+    elif fmt == "jsonl":
+        parts = _read(path, lambda: text_parts(jsonl_values(path, text_field), text_field,
+                                               max_bytes))  # fmt: skip
+        data, documents = join_documents(parts, max_bytes)
         name = path
+    else:
+        data, name = _read(path, lambda: _text_bytes(path, max_bytes)), path
     tokens = np.frombuffer(data, dtype=np.uint8).copy()
-    return Corpus(tokens=tokens, name=name, fingerprint=hashlib.sha256(data).hexdigest())
+    return Corpus(tokens=tokens, name=name, fingerprint=hashlib.sha256(data).hexdigest(),
+                  documents=documents)  # fmt: skip
+
+
+def _read(path: str, read: Callable[[], _T]) -> _T:
+    try:
+        return read()
+    except OSError as e:  # unreadable (permissions, I/O error) after the checks passed
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from e
 
 
 def corpus_format(path: str | None, fmt: str, what: str = "data.path") -> str:
-    """The format `path` is read as (`auto` resolved by extension), after refusing an unknown
-    format and a path that is missing or not a regular file; the stdlib corpus (no path) is
-    bytes, read as text."""
+    """The format `path` is read as (`auto` resolved by extension: a directory, .parquet or
+    .arrow is a Hugging Face dataset), after refusing an unknown format and a path that is
+    missing, or not a regular file where a file is read; the stdlib corpus (no path) is bytes,
+    read as text."""
     if fmt not in FORMATS:
         raise UserError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
     if path is None:
+        if fmt in ("hf", "chat"):
+            raise UserError(f"data.format={fmt} needs data.path (a dataset or JSONL file)")
         return "text"
+    if fmt == "hf" or (fmt in ("auto", "chat") and is_dataset(path)):
+        if not os.path.exists(path):
+            raise UserError(f"{what}: not found: {path}")
+        return fmt if fmt == "chat" else "hf"
     check_file(path, what)
     if fmt != "auto":
         return fmt
@@ -104,46 +144,59 @@ def corpus_format(path: str | None, fmt: str, what: str = "data.path") -> str:
     )
 
 
-def _text_bytes(path: str, _text_field: str, max_bytes: int | None) -> bytes:
+def _text_bytes(path: str, max_bytes: int | None) -> bytes:
     """The raw bytes of a file (no decoding: the byte tokenizer takes any bytes)."""
     with open(path, "rb") as f:
         return f.read() if max_bytes is None else f.read(max_bytes)
 
 
-def _jsonl_bytes(path: str, text_field: str, max_bytes: int | None) -> bytes:
-    """Join the `text_field` of each JSONL record; stop reading once `max_bytes` are collected.
+def join_documents(parts: list[bytes], max_bytes: int | None) -> tuple[bytes, np.ndarray]:
+    """(the documents joined with a blank line and cut at `max_bytes`, the index of the document
+    each byte belongs to: a separator belongs to the document before it, as an EOS would)."""
+    data = _DOC_SEPARATOR.join(parts)
+    sizes = [len(p) + len(_DOC_SEPARATOR) for p in parts]
+    if sizes:
+        sizes[-1] -= len(_DOC_SEPARATOR)
+    documents = np.repeat(np.arange(len(parts), dtype=np.int32), sizes)
+    if max_bytes is not None:
+        data, documents = data[:max_bytes], documents[:max_bytes]
+    return data, documents
 
-    Hugging Face's ``Dataset.to_json`` writes JSON Lines under a ``.json`` name, which is why
-    ``auto`` reads ``.json`` this way too.
-    """
+
+def text_parts(values: Iterable[tuple[str, object]], text_field: str,
+               max_bytes: int | None) -> list[bytes]:  # fmt: skip
+    """The UTF-8 bytes of each text value, until `max_bytes` (with separators) are collected."""
     parts: list[bytes] = []
     total = 0
+    for where, text in values:
+        encoded = _text_bytes_of(text, where, text_field)
+        parts.append(encoded)
+        total += len(encoded) + len(_DOC_SEPARATOR)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return parts
+
+
+def jsonl_values(path: str, field: str) -> Iterator[tuple[str, object]]:
+    """("path:line", the record's `field`) of each non-blank JSONL line, or a UserError naming
+    file:line when a line is not a JSON object holding `field`."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
-            encoded = _record_bytes(raw, path, lineno, text_field)
-            parts.append(encoded)
-            total += len(encoded) + len(_DOC_SEPARATOR)
-            if max_bytes is not None and total >= max_bytes:
-                break
-    data = _DOC_SEPARATOR.join(parts)
-    return data if max_bytes is None else data[:max_bytes]
+            where = f"{path}:{lineno}"
+            record = _parse_record(raw, where, field)
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: expected a JSON object with field {field!r}, "
+                                f"got {type(record).__name__}")  # fmt: skip
+            if field not in record:
+                keys = ", ".join(sorted(map(str, record))) or "none"
+                raise UserError(f"{where}: record has no field {field!r} (fields: {keys})")
+            yield where, record[field]
 
 
-def _record_bytes(raw: bytes, path: str, lineno: int, text_field: str) -> bytes:
-    """The UTF-8 text of one JSONL line, or a UserError naming file:line and the field."""
-    where = f"{path}:{lineno}"
-    record = _parse_record(raw, where, text_field)
-    if not isinstance(record, dict):
-        raise UserError(
-            f"{where}: expected a JSON object with field {text_field!r}, "
-            f"got {type(record).__name__}"
-        )
-    if text_field not in record:
-        keys = ", ".join(sorted(map(str, record))) or "none"
-        raise UserError(f"{where}: record has no field {text_field!r} (fields: {keys})")
-    text = record[text_field]
+def _text_bytes_of(text: object, where: str, text_field: str) -> bytes:
+    """The UTF-8 bytes of one record's text, or a UserError naming `where` and the field."""
     if not isinstance(text, str):
         raise UserError(
             f"{where}: field {text_field!r} must be a string, got {type(text).__name__}"

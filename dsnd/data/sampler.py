@@ -22,15 +22,22 @@ import torch
 
 from dsnd.errors import UserError
 
+IGNORE_INDEX = -100  # a label that does not count (Hugging Face's and torch's ignore index)
+
 
 class SampleSet:
     """Non-overlapping windows of ``seq_len + 1`` tokens; sample i is (window[:-1], window[1:]).
 
     Windows do not overlap so each token is a prediction target at most once per epoch; the
-    trailing tokens that do not fill a window are dropped.
+    trailing tokens that do not fill a window are dropped. A label is -100 (not counted) where
+    `targets` (one bool per token) says its token is no target, and, given `documents` (the
+    document index of each token: document packing), where it would predict the first token of
+    the next document from the end of the previous one.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "corpus") -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "corpus",
+                 targets: np.ndarray | None = None,
+                 documents: np.ndarray | None = None) -> None:  # fmt: skip
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -47,6 +54,15 @@ class SampleSet:
         self.name = name
         # A (count, seq_len + 1) view: gathering a batch is one fancy-index, no per-sample loop.
         self._windows = tokens[: count * window].reshape(count, window)
+        cut = [None if a is None else np.asarray(a)[: count * window].reshape(count, window)
+               for a in (targets, documents)]  # fmt: skip
+        self._targets, self._documents = cut
+
+    @property
+    def masked(self) -> bool:
+        """Whether some labels may not count or documents are kept apart (else every label of
+        every sample counts and attention runs across the whole sample)."""
+        return self._targets is not None or self._documents is not None
 
     def __len__(self) -> int:
         return self._windows.shape[0]
@@ -60,10 +76,37 @@ class SampleSet:
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples `indices` stacked to int64 tensors x, y of shape (len(indices), seq_len)."""
-        windows = torch.from_numpy(
-            self._windows[np.asarray(indices, dtype=np.int64)].astype(np.int64)
-        )
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        indices = np.asarray(indices, dtype=np.int64)
+        windows = torch.from_numpy(self._windows[indices].astype(np.int64))
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if self.masked:
+            y[~torch.from_numpy(self._counted(indices))] = IGNORE_INDEX
+        return x, y
+
+    def _counted(self, indices: np.ndarray) -> np.ndarray:
+        """(n, seq_len) bool: which labels of samples `indices` count."""
+        keep = np.ones((len(indices), self.seq_len), dtype=bool)
+        if self._targets is not None:
+            keep &= self._targets[indices][:, 1:]
+        if self._documents is not None:
+            docs = self._documents[indices]
+            keep &= docs[:, 1:] == docs[:, :-1]
+        return keep
+
+    def label_counts(self, indices: np.ndarray) -> np.ndarray:
+        """How many labels of each sample of `indices` count (int64, one per sample)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if not self.masked:
+            return np.full(len(indices), self.seq_len, dtype=np.int64)
+        return self._counted(indices).sum(axis=1, dtype=np.int64)
+
+    def document_ids(self, indices: np.ndarray) -> torch.Tensor | None:
+        """(n, seq_len) int64: the document each input token of samples `indices` belongs to
+        (None without document packing)."""
+        if self._documents is None:
+            return None
+        docs = self._documents[np.asarray(indices, dtype=np.int64)][:, :-1]
+        return torch.from_numpy(docs.astype(np.int64))
 
 
 @lru_cache(maxsize=4)

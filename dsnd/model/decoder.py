@@ -5,7 +5,8 @@ Each layer has `forward(tensor) -> tensor`, so it can be a DeepSpeed pipeline `L
 takes `tp` (a `TensorParallel`, or None on one rank). Blocks are the `transformers` layers
 themselves (attention, MLP, norms, rotary code are theirs); dsnd only adds what the HF model
 would pass in: position ids `arange(seq)`, the rotary (cos, sin), and no attention mask, which
-makes SDPA attention causal. Sequences therefore always start at position 0 (training without a
+makes SDPA attention causal (with packed documents, `dsnd.model.documents`' positions and
+block-diagonal mask instead). Sequences therefore always start at position 0 (training without a
 KV cache). Every layer records `init_std` (the config's `initializer_range`) for
 `dsnd.model.specs.init_layer`.
 """
@@ -18,6 +19,7 @@ from transformers import PretrainedConfig
 
 from dsnd.cp.context import ContextParallel, attention_config
 from dsnd.model.checks import rotary_checks
+from dsnd.model.documents import Documents, active
 from dsnd.model.family import Family, HFNames, TPPlan
 from dsnd.model.parallelize import parallelize
 from dsnd.tp import VocabParallelEmbedding, VocabParallelHead
@@ -60,8 +62,9 @@ class TokenEmbedding(nn.Module):
     tied_weight_attr = "embed_tokens.weight"
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None,
-                 cp: ContextParallel | None = None) -> None:  # fmt: skip
-        super().__init__()  # (no positions here: `cp` changes nothing)
+                 cp: ContextParallel | None = None,
+                 documents: Documents | None = None) -> None:  # fmt: skip
+        super().__init__()  # (no positions here: `cp` and `documents` change nothing)
         self.init_std = config.initializer_range
         self.embed_tokens = vocab_embedding(config, tp)
 
@@ -137,8 +140,10 @@ def rotary_block(layer_class: type[nn.Module], rotary_class: type[nn.Module],
     class Block(layer_class):  # type: ignore[valid-type, misc]
         def __init__(self, config: PretrainedConfig, layer_idx: int,
                      tp: TensorParallel | None = None,
-                     cp: ContextParallel | None = None) -> None:  # fmt: skip
+                     cp: ContextParallel | None = None,
+                     documents: Documents | None = None) -> None:  # fmt: skip
             super().__init__(attention_config(config, cp), layer_idx)
+            self.documents = documents
             self.init_std = config.initializer_range
             with torch.device("cpu"):
                 self.rotary_emb = rotary_class(config)
@@ -148,10 +153,15 @@ def rotary_block(layer_class: type[nn.Module], rotary_class: type[nn.Module],
                 parallelize(self, plan, self.tp)
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            position_ids = sequence_positions(hidden_states, self.tp, self.cp)
+            mask = None
+            if active(self.documents):  # packed documents: their own positions and mask
+                position_ids = self.documents.positions(hidden_states.device)
+                mask = self.documents.mask(hidden_states.device)
+            else:
+                position_ids = sequence_positions(hidden_states, self.tp, self.cp)
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
             extra = {"context_parallel": self.cp} if self.cp is not None else {}
-            return super().forward(hidden_states, attention_mask=None, position_ids=position_ids,
+            return super().forward(hidden_states, attention_mask=mask, position_ids=position_ids,
                                    position_embeddings=position_embeddings, **extra)  # fmt: skip
 
     Block.__qualname__ = Block.__name__ = layer_class.__name__.replace("DecoderLayer", "Block")

@@ -52,9 +52,10 @@ class HFNames:
 
 @dataclass(frozen=True)
 class Family:
-    """One architecture. The layer classes are called as `embedding(config, tp, cp)`,
-    `block(config, layer_idx, tp, cp)`, `final_norm(config, tp)`; `tp` and `cp` (the
-    context-parallel group) are None for a single rank.
+    """One architecture. The layer classes are called as `embedding(config, tp, cp, documents)`,
+    `block(config, layer_idx, tp, cp, documents)`, `final_norm(config, tp)`; `tp` and `cp` (the
+    context-parallel group) are None for a single rank, `documents` (`dsnd.model.documents`)
+    None unless packed documents are kept apart.
     `check(config, seq_len)` returns one line per config value dsnd cannot honour."""
 
     name: str

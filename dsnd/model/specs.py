@@ -26,6 +26,7 @@ from transformers.pytorch_utils import Conv1D
 from dsnd.cp.context import ContextParallel
 from dsnd.model.checkpointing import run_layers
 from dsnd.model.decoder import LMHead, tied_logits
+from dsnd.model.documents import Documents
 from dsnd.model.parallelize import materialize
 from dsnd.model.spec import ModelSpec
 from dsnd.tp import load_full
@@ -37,18 +38,21 @@ _MATRICES = (nn.Linear, Conv1D, nn.Embedding)
 
 
 def layer_specs(model: ModelSpec, tp: TensorParallel | None = None,
-                cp: ContextParallel | None = None) -> list[LayerSpec]:  # fmt: skip
+                cp: ContextParallel | None = None,
+                documents: Documents | None = None) -> list[LayerSpec]:  # fmt: skip
     """Embedding, `num_layers` blocks, final norm, head: `num_layers + 3` specs.
 
     With a tensor-parallel group of more than one rank each rank builds its shards (same
     names and full shapes, see `dsnd.model.parallelize`); with a context-parallel group of more
-    than one rank the embedding and blocks work on this rank's slice of each sequence.
+    than one rank the embedding and blocks work on this rank's slice of each sequence; with
+    `documents` they keep the packed documents of each sample apart (`dsnd.model.documents`).
     """
     fam, config = model.family, model.config
-    blocks = [LayerSpec(fam.block, config, i, tp, cp) for i in range(model.num_layers)]
+    blocks = [LayerSpec(fam.block, config, i, tp, cp, documents)
+              for i in range(model.num_layers)]  # fmt: skip
     if not model.tie_embeddings:
         return [
-            LayerSpec(fam.embedding, config, tp, cp),
+            LayerSpec(fam.embedding, config, tp, cp, documents),
             *blocks,
             LayerSpec(fam.final_norm, config, tp),
             LayerSpec(LMHead, config, tp),
@@ -56,10 +60,11 @@ def layer_specs(model: ModelSpec, tp: TensorParallel | None = None,
     attr = fam.embedding.tied_weight_attr
     head = {"forward_fn": tied_logits, "tied_weight_attr": attr}
     return [
-        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, tied_weight_attr=attr),
+        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, documents,
+                      tied_weight_attr=attr),
         *blocks,
         LayerSpec(fam.final_norm, config, tp),
-        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, **head),
+        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, documents, **head),
     ]
 
 
@@ -201,6 +206,7 @@ def _build(spec: LayerSpec, seed: int, index: int, init_std: float | None,
     return module
 
 
-def build_model(model: ModelSpec, seed: int) -> LayerStack:
-    """All layers of `model` on one rank, initialised from `seed`."""
-    return LayerStack(layer_specs(model), seed)
+def build_model(model: ModelSpec, seed: int, documents: Documents | None = None) -> LayerStack:
+    """All layers of `model` on one rank, initialised from `seed` (reading packed documents'
+    layout from `documents`, when given)."""
+    return LayerStack(layer_specs(model, documents=documents), seed)

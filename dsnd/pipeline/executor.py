@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsnd.data.layout import StepLayout
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import lm_loss
+from dsnd.model.documents import Documents
 from dsnd.pipeline.activations import ActivationMeter
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.tied import TiedWeights
@@ -93,6 +95,7 @@ class _Step:
     """What one step's instructions hand each other, keyed by (micro, chunk)."""
 
     batches: Batches
+    layout: StepLayout | None = None  # loss weights and document ids (`dsnd.data.layout`)
     inputs: dict = field(default_factory=dict)  # received activations (their .grad goes back)
     outputs: dict = field(default_factory=dict)  # stage outputs, or the loss on the last stage
     grads: dict = field(default_factory=dict)  # received output gradients
@@ -111,9 +114,11 @@ class Executor:
     """Runs programs of one stage: `step(program, batches)` and `evaluate(batches)`."""
 
     def __init__(self, engine: StageEngine, links: StageLinks, shape: StageShape,
-                 math: StageMath, role: StageRole, tied: TiedWeights | None) -> None:  # fmt: skip
+                 math: StageMath, role: StageRole, tied: TiedWeights | None,
+                 documents: Documents | None = None) -> None:  # fmt: skip
         self.engine, self.links, self.shape = engine, links, shape
         self.math, self.role, self.tied = math, role, tied
+        self.documents = documents  # what the layers read the micro-batch's documents from
         # set per program: forwards and backwards outside DeepSpeed's (`StageEngine.plain`;
         # zero-bubble programs always)
         self.plain = False
@@ -142,10 +147,12 @@ class Executor:
         return [*module.buffers(), *module.parameters(),
                 *(self.tied.borrowed_leaves() if self.tied else [])]  # fmt: skip
 
-    def step(self, program: list[Instr], batches: Batches) -> StepResult:
-        """Execute `program` (one optimizer step of this stage) on this rank's micro-batches."""
+    def step(self, program: list[Instr], batches: Batches,
+             layout: StepLayout | None = None) -> StepResult:  # fmt: skip
+        """Execute `program` (one optimizer step of this stage) on this rank's micro-batches
+        (with `layout`, their loss weights and documents)."""
         step_start = time.perf_counter()
-        state = _Step(batches)
+        state = _Step(batches, layout)
         times = state.result.times
         self.plain = self.engine.plain or any(x.op == S.BACKWARD_INPUT for x in program)
         self.links.reset_recv_wait()
@@ -188,8 +195,25 @@ class Executor:
 
     # ---- compute ---------------------------------------------------------------------------
 
+    def _documents_of(self, x: Instr, state: _Step) -> None:
+        """Point the layers at micro-batch x.micro's documents, before its forward and before
+        its backward (activation checkpointing recomputes the forward there)."""
+        if self.documents is not None:
+            docs = state.layout.documents if state.layout is not None else None
+            self.documents.use(None if docs is None else docs[x.micro])
+
+    def _loss(self, logits: torch.Tensor, x: Instr, state: _Step) -> torch.Tensor:
+        """Micro-batch x.micro's loss: its mean, times its weight in the global batch's mean over
+        counted labels (`dsnd.data.layout`; exactly 1 where every label counts)."""
+        weight = 1.0 if state.layout is None else state.layout.weights[x.micro]
+        if weight == 0.0:  # no label counts: no mean (0/0); zero gradients all the same
+            return logits.sum() * 0.0
+        loss = self.math.loss_fn(logits, state.batches[x.micro][1].to(self.engine.device))
+        return loss if weight == 1.0 else loss * weight
+
     def _forward(self, x: Instr, state: _Step) -> None:
         key = (x.micro, x.chunk)
+        self._documents_of(x, state)
         if self._virtual(x) == 0:
             inp = state.batches[x.micro][0].to(self.engine.device)
         else:
@@ -198,11 +222,12 @@ class Executor:
         with self.activations.forward(key):
             out = run(inp, x.chunk)
             if self._is_last(x):
-                out = self.math.loss_fn(out, state.batches[x.micro][1].to(self.engine.device))
+                out = self._loss(out, x, state)
                 state.losses.append(out.detach())
         state.outputs[key] = out
 
     def _backward(self, x: Instr, state: _Step) -> None:
+        self._documents_of(x, state)
         out = state.outputs.pop((x.micro, x.chunk))
         if self._is_last(x):
             (self.engine.backward_loss_plain if self.plain else self.engine.backward_loss)(out)
@@ -213,6 +238,7 @@ class Executor:
         self.activations.release((x.micro, x.chunk))
 
     def _backward_input(self, x: Instr, state: _Step) -> None:
+        self._documents_of(x, state)
         key = (x.micro, x.chunk)
         out = state.outputs.pop(key)
         grad = None if self._is_last(x) else state.grads.pop(key)
@@ -221,6 +247,7 @@ class Executor:
         state.pending_w[key] = self.engine.backward_input(out, grad, inputs, leaves)
 
     def _backward_weight(self, x: Instr, state: _Step) -> None:
+        self._documents_of(x, state)
         self.engine.backward_weight(state.pending_w.pop((x.micro, x.chunk)))
         self.activations.release((x.micro, x.chunk))
 
@@ -239,7 +266,7 @@ class Executor:
     # ---- forward only --------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, batches: Batches) -> torch.Tensor | None:
+    def evaluate(self, batches: Batches, layout: StepLayout | None = None) -> torch.Tensor | None:
         """Forward only: the mean loss over `batches` on the last stage (None elsewhere), with
         the schedule's forwards in GPipe order (micro-batch by micro-batch through every
         chunk)."""
@@ -250,7 +277,7 @@ class Executor:
             for m in range(len(batches)):
                 program += [x for x in S.program([Instr(S.FORWARD, m, c)], self.role)
                             if x.op in (S.RECV_ACT, S.FORWARD, S.SEND_ACT)]  # fmt: skip
-        state = _Step(batches)
+        state = _Step(batches, layout)
         self.engine.engine.eval()
         self.plain = False
         self.links.begin_step(self.role, program, self.shape)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
 from dsnd.cp.loss import context_parallel_loss
+from dsnd.data.layout import StepLayout
 from dsnd.distributed.groups import ProcessGroups, dp_shard_groups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
@@ -19,6 +20,7 @@ from dsnd.engine.compat import scope_zero3_trace_checks
 from dsnd.engine.hsdp import replicate_gradients
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
+from dsnd.model.documents import Documents
 from dsnd.model.hf_io import load_hf_stage
 from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, StepResult
 from dsnd.pipeline.p2p import StageLinks
@@ -55,7 +57,9 @@ class StageRunner:
             scope_zero3_trace_checks(groups.data)
         # ZeRO's groups: the data group, or with parallel.dp_shard its shard (dsnd.engine.hsdp)
         zero_groups, replicas = dp_shard_groups(groups, res.run.parallel.dp_shard)
-        stack = build_stage(res, zero_groups)
+        # the document layout every block reads (data.packing: documents), set per micro-batch
+        self.documents = Documents() if res.run.data.packing == "documents" else None
+        stack = build_stage(res, zero_groups, self.documents)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
         self.tied = TiedWeights(stack, plan.ties, groups)
         if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
@@ -81,16 +85,17 @@ class StageRunner:
         stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
                                    res.run.parallel.reshard_after_forward)  # fmt: skip
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
-                                 self.tied)  # fmt: skip
+                                 self.tied, self.documents)  # fmt: skip
 
-    def run(self, micro_batches: Batches) -> StepResult:
-        """This stage's share of one optimizer step (no collective beyond the step's own)."""
-        return self.executor.step(self.program, self._slices(micro_batches))
+    def run(self, micro_batches: Batches, layout: StepLayout | None = None) -> StepResult:
+        """This stage's share of one optimizer step (no collective beyond the step's own);
+        `layout` gives the micro-batches' loss weights and documents (`dsnd.data.layout`)."""
+        return self.executor.step(self.program, self._slices(micro_batches), layout)
 
-    def evaluate(self, micro_batches: Batches) -> float:
+    def evaluate(self, micro_batches: Batches, layout: StepLayout | None = None) -> float:
         """Mean loss of the model as it is over the global batch `micro_batches` (forward only),
         on every rank."""
-        return self._global_loss(self.executor.evaluate(self._slices(micro_batches)))
+        return self._global_loss(self.executor.evaluate(self._slices(micro_batches), layout))
 
     def _slices(self, micro_batches: Batches) -> Batches:
         """This rank's slice of each sequence (all of it without context parallelism)."""

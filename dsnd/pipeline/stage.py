@@ -14,6 +14,7 @@ from dsnd.distributed.groups import ProcessGroups, hpz_group
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.compat import nvme_param_swapper, use_hpz_group
 from dsnd.model import LayerStack, layer_specs
+from dsnd.model.documents import Documents
 from dsnd.tp.context import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -39,14 +40,16 @@ def zero3_dtype(ds: dict) -> torch.dtype:
     return torch.float32
 
 
-def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
+def build_stage(res: Resolved, groups: ProcessGroups,
+                documents: Documents | None = None) -> LayerStack:  # fmt: skip
     """This rank's layers, initialised exactly as in the full model (seed, global index, name);
     with tp > 1 this rank's shard of each split tensor (`dsnd.model.parallelize`).
 
     Each layer is built on the meta device and given memory for this rank's shards only. With
     ZeRO-3 it is then handed to `deepspeed.zero.Init(module=...)` over the stage's
     data-parallel group, one layer at a time, so no rank ever holds its whole stage, let alone
-    the model.
+    the model. `documents` is what the layers read the micro-batch's documents from
+    (`data.packing: documents`).
     """
     plan, stage = res.plan, groups.coord.pp
     zero3 = plan.zero_stage == 3
@@ -77,7 +80,8 @@ def build_stage(res: Resolved, groups: ProcessGroups) -> LayerStack:
         swapper = swapper or nvme_param_swapper(layer)
 
     return LayerStack(
-        layer_specs(res.model, tensor_parallel(res, groups), context_parallel(res, groups)),
+        layer_specs(res.model, tensor_parallel(res, groups), context_parallel(res, groups),
+                    documents),
         res.run.train.seed,
         layer_indices=plan.stage_layers(stage),
         activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,

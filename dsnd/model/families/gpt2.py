@@ -11,6 +11,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from dsnd.cp.context import ContextParallel, attention_config
 from dsnd.model.checks import activation, no_dropout
 from dsnd.model.decoder import context_split, embedding_logits, final_norm, split, vocab_embedding
+from dsnd.model.documents import Documents, active
 from dsnd.model.family import Family, HFNames, TPPlan
 from dsnd.model.parallelize import parallelize
 from dsnd.tp.context import TensorParallel
@@ -32,9 +33,11 @@ class Embedding(nn.Module):
     tied_weight_attr = "wte.weight"
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None,
-                 cp: ContextParallel | None = None) -> None:  # fmt: skip
+                 cp: ContextParallel | None = None,
+                 documents: Documents | None = None) -> None:  # fmt: skip
         super().__init__()
         self.init_std = config.initializer_range
+        self.documents = documents
         self.tp = tp if split(tp) else None
         self.cp = cp if context_split(cp) else None
         self.wte = vocab_embedding(config, tp)
@@ -43,11 +46,13 @@ class Embedding(nn.Module):
             self.tp.mark_replicated(self)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.cp is not None:
+        if active(self.documents):  # packed documents: positions restart at each one
+            positions = self.documents.positions(input_ids.device)
+        elif self.cp is not None:
             positions = self.cp.positions(input_ids.shape[1] * self.cp.size, input_ids.device)
+            positions = positions.unsqueeze(0)
         else:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        positions = positions.unsqueeze(0)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         if self.tp is not None and self.tp.sequence_parallel:
             positions = positions.chunk(self.tp.size, dim=1)[self.tp.rank]
         return self.wte(input_ids) + self.wpe(positions)
@@ -58,20 +63,24 @@ class Embedding(nn.Module):
 
 
 class Block(GPT2Block):
-    """`GPT2Block` called with hidden states only (no cache, no mask → causal SDPA)."""
+    """`GPT2Block` called with hidden states only (no cache, no mask → causal SDPA; packed
+    documents: their block-diagonal mask)."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int,
                  tp: TensorParallel | None = None,
-                 cp: ContextParallel | None = None) -> None:  # fmt: skip
+                 cp: ContextParallel | None = None,
+                 documents: Documents | None = None) -> None:  # fmt: skip
         super().__init__(attention_config(config, cp), layer_idx=layer_idx)
         self.init_std = config.initializer_range
+        self.documents = documents
         self.cp = cp if context_split(cp) else None
         if split(tp):
             parallelize(self, TP_PLAN, tp)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         extra = {"context_parallel": self.cp} if self.cp is not None else {}
-        return super().forward(hidden_states, attention_mask=None, **extra)
+        mask = self.documents.mask(hidden_states.device) if active(self.documents) else None
+        return super().forward(hidden_states, attention_mask=mask, **extra)
 
 
 def check(config: PretrainedConfig, seq_len: int) -> list[str]:
