@@ -46,6 +46,8 @@ def run_prepare(source: str, out: str, fmt: str, text_field: str, tokenizer: str
     if not len(ids):
         raise UserError(f"INPUT {source}: --tokenizer {tokenizer} made no tokens of its "
                         f"{len(corpus.tokens)} bytes")  # fmt: skip
-    meta = write_token_file(out, ids, vocab, tokenizer, source)
+    # the tokenizer's absolute path: training compares it with model.init_from's wherever it runs
+    named = tokenizer if tokenizer == "byte" else os.path.abspath(tokenizer)
+    meta = write_token_file(out, ids, vocab, named, source)
     print(f"wrote {out}: {meta['tokens']} tokens ({meta['dtype']}, vocabulary {vocab})")
     return 0

@@ -15,20 +15,30 @@ import os
 
 import pytest
 
-from tests.distributed.parity import RTOL, assert_same_as_references, case, run_cases
+from tests.distributed.parity import (
+    RTOL,
+    assert_same,
+    assert_same_as_references,
+    case,
+    run_cases,
+)
 
 RING2 = ("parallel.cp=2",)
 ULYSSES2 = ("parallel.cp=2", "parallel.cp_impl=ulysses")
 
 
 @pytest.mark.dist
-def test_cp2_ring_and_ulysses_at_every_zero_stage(single, tmp_path):
+def test_cp2_ring_and_ulysses_at_every_zero_stage(single, chat_sets, tmp_path):
     got = run_cases(tmp_path, 2, [
         case("ring-cp2-z0", 0, sets=RING2),
         case("ulysses-cp2-z1", 1, sets=ULYSSES2),
         case("gpt2-ring-cp2-z2", 2, "gpt2-tiny", sets=RING2),
         case("gpt2-ulysses-cp2-z3", 3, "gpt2-tiny", sets=ULYSSES2),
+        # chat data, assistant-only loss: each slice's share of the micro-batch's counted labels,
+        # weighed by the micro-batch's share of the global batch's
+        case("chat-ring-cp2-z1", 1, sets=(*RING2, *chat_sets, "data.packing=stream")),
     ])  # fmt: skip
+    assert_same(got.pop("chat-ring-cp2-z1"), single["ref-chat-stream"], "chat-ring-cp2-z1")
     assert_same_as_references(got, single, skip=("resume",))
 
 

@@ -58,13 +58,21 @@ def test_bf16_pipeline_trains_close_to_fp32(single, tmp_path):
 
 
 @pytest.mark.dist
-def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, tmp_path):
+def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, chat_sets, tmp_path):
     got = run_cases(tmp_path, 4, [
         *(case(f"pp2-dp2-z{stage}", stage, sets=PP2) for stage in range(4)),
         case("pp4-z0", 0, sets=("parallel.pp=4",)),
         case("gpt2-pp2-dp2-z1", 1, "gpt2-tiny", sets=PP2),
         # ZeRO-3 keeping each stage's parameters gathered through the step (one gather a step)
         case("pp2-dp2-z3-keep", 3, sets=(*PP2, "parallel.reshard_after_forward=false")),
+        # chat data: assistant-only loss (the mean over the global batch's counted labels) and
+        # documents packed apart, which both stages read from the sampler; recomputation in
+        # backward sees its own micro-batch's documents
+        case("chat-pp2-dp2-z1", 1, sets=(*PP2, *chat_sets, f"{CKPT}=1")),
+        # the same under tensor and sequence parallelism: the vocabulary-parallel loss weighed
+        case("chat-tp2-sp-dp2-z0", 0, sets=(*chat_sets, "parallel.tp=2",
+                                            "parallel.sequence_parallel=true")),
     ])  # fmt: skip
     for name, rows in got.items():
-        assert_same(rows, single["ref-gpt2" if name.startswith("gpt2") else "ref-llama"], name)
+        ref = "ref-chat" if name.startswith("chat") else "ref-llama"
+        assert_same(rows, single["ref-gpt2" if name.startswith("gpt2") else ref], name)

@@ -236,3 +236,19 @@ def test_packing_needs_document_boundaries(tmp_path):
             check_data(DataConfig(path=path, packing="documents", max_bytes=10_000), 256)
         assert str(e.value) == (f"data.packing=documents: data.path={name} records no document "
                                 "boundaries; use JSONL, a Hugging Face dataset or chat data")
+
+
+def test_dsnd_train_refuses_before_start(capsys, tmp_path, monkeypatch):
+    from tests.unit.test_bring_your_model import sets, user_dir
+    from tests.unit.test_prestart import isolated, refused
+
+    isolated.__wrapped__(monkeypatch, tmp_path)
+    pretrained = user_dir(tmp_path / "pretrained")
+    word_tokenizer(tmp_path / "pretrained")  # the tokenizer the weights were trained with
+    capsys.readouterr()
+    assert refused(capsys, "train", *sets(f"model.init_from={pretrained}")) == (
+        "data.path=null (the Python standard library's sources): the data is tokenized with "
+        f"byte tokens, but model.init_from={pretrained} has its own tokenizer; set data.vocab: "
+        "model to tokenize the data with it, or data.allow_vocab_mismatch: true to train on it "
+        "as is"
+    )
