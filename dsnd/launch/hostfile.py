@@ -5,10 +5,16 @@ must be exactly what DeepSpeed's runner (`deepspeed/launcher/runner.py`) will do
 dsnd prints before launch is only true if the slot selection matches. Where DeepSpeed would accept
 nonsense silently (`slots=0`, `slots=4x`, a trailing `max_slots=8`) or crash with a bare
 ValueError, these raise `UserError` naming the file, line and value instead.
+
+Host names end up as arguments of ssh, pdsh, mpirun and srun and inside remote shell text, so
+only what a host can be is kept (`host_name_problem`): a host name of RFC 1123 labels, an IPv4
+or an IPv6 address. `-oProxyCommand=...`, `h;rm`, `h${IFS}x` or a non-ASCII look-alike is refused
+by its hostfile line before anything runs.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass
@@ -18,6 +24,8 @@ from dsnd.errors import UserError
 
 _DIGITS = re.compile(r"[0-9]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HOST_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-")
+_ZONE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # an interface name: eth0, enp0s3, br-lan
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,47 @@ class Host:
 
     name: str
     slots: int
+
+
+def _zone_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """An IPv6 zone (`fe80::1%eth0`) must be an interface name: Python's parser takes any text."""
+    zone = getattr(address, "scope_id", None)
+    if zone is not None and not _ZONE.fullmatch(zone):
+        return f"its IPv6 zone {zone!r} is not an interface name"
+    return None
+
+
+def host_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a host (an RFC 1123 name, an IPv4 or IPv6 address), or None."""
+    try:
+        return _zone_problem(ipaddress.ip_address(name))
+    except ValueError:
+        pass
+    if name.startswith("-"):
+        return "it starts with '-' (ssh, pdsh and mpirun would read an option)"
+    bad = [c for c in dict.fromkeys(name) if c not in _HOST_CHARS]
+    if bad:
+        return "it has " + ", ".join(repr(c) for c in bad)
+    if len(name) > 253:
+        return f"it is {len(name)} characters (at most 253)"
+    labels = name.split(".")
+    if len(labels) == 4 and all(label.isdigit() for label in labels):
+        return "it looks like an IPv4 address but is not one"
+    for label in labels:
+        if not label:
+            return "it has an empty label"
+        if len(label) > 63:
+            return f"label {label[:10] + '...'!r} is {len(label)} characters (at most 63)"
+        if label.startswith("-") or label.endswith("-"):
+            return f"label {label!r} starts or ends with '-'"
+    return None
+
+
+def check_host_name(name: str, where: str) -> None:
+    """Raise `UserError` at `where` (a hostfile line, a Slurm variable) for a name no host has."""
+    why = host_name_problem(name)
+    if why is not None:
+        raise UserError(f"{where}: {name!r} is not a host name or IP address: {why}")
 
 
 def parse_hostfile_text(text: str, path: str) -> list[Host]:
@@ -49,6 +98,7 @@ def parse_hostfile_text(text: str, path: str) -> list[Host]:
             raise UserError(f"{where}: expected 'slots=N' after host {name!r}{got}")
         if len(rest) > 1:
             raise UserError(f"{where}: unexpected {' '.join(rest[1:])!r} after {rest[0]!r}")
+        check_host_name(name, where)
         value = rest[0][len("slots=") :]
         if not _DIGITS.fullmatch(value) or int(value) == 0:
             raise UserError(f"{where}: slots must be a positive integer, got {value!r}")
@@ -84,6 +134,8 @@ def allocation_hosts(env: dict[str, str]) -> list[Host]:
         names, counts = expand_hostlist(nodelist), expand_tasks_per_node(tasks)
     except ValueError as e:
         raise UserError(f"SLURM_JOB_NODELIST / SLURM_TASKS_PER_NODE: {e}") from None
+    for name in names:
+        check_host_name(name, f"SLURM_JOB_NODELIST={nodelist}")
     if len(names) != len(counts):
         raise UserError(f"SLURM_JOB_NODELIST={nodelist} names {len(names)} nodes but "
                         f"SLURM_TASKS_PER_NODE={tasks} counts {len(counts)}")  # fmt: skip

@@ -294,6 +294,15 @@ def test_slurm_refuses_uneven_nodes_and_a_missing_allocation(capsys, tmp_path, m
                             "--launcher slurm inside a Slurm allocation)\n")  # fmt: skip
 
 
+@pytest.mark.parametrize("launcher", ["dsnd", "pdsh", "openmpi", "slurm"])
+def test_dry_run_refuses_a_hostfile_name_no_host_has(capsys, tmp_path, launcher):
+    hf = hostfile(tmp_path, "h1 slots=1\n-oProxyCommand=touch${IFS}x slots=1\n")
+    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--launcher", launcher, "--dry-run")
+    assert (rc, out) == (2, "")
+    assert err == (f"dsnd: error: {hf}:2: '-oProxyCommand=touch${{IFS}}x' is not a host name or "
+                   "IP address: it starts with '-' (ssh, pdsh and mpirun would read an option)\n")
+
+
 def test_slurm_nprocs_is_one_node(capsys):
     rc, out, err = run(capsys, "launch", "--nprocs", "2", "--launcher", "slurm", "--dry-run",
                        "--json", "--master-port", "4000")  # fmt: skip

@@ -11,6 +11,7 @@ import pytest
 from dsnd.errors import UserError
 from dsnd.launch.hostfile import (
     Host,
+    allocation_hosts,
     deepspeed_env_paths,
     parse_hostfile,
     parse_hostfile_text,
@@ -78,6 +79,56 @@ def test_parse_hostfile_no_hosts(text):
     with pytest.raises(UserError) as e:
         parse_hostfile_text(text, "hf")
     assert str(e.value) == "hf: no hosts"
+
+
+NOT_A_HOST = "is not a host name or IP address"
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("h;touch${IFS}x", "it has ';', '$', '{', '}'"),
+        ("a${IFS}b", "it has '$', '{', '}'"),
+        ("-oProxyCommand=x", "it starts with '-' (ssh, pdsh and mpirun would read an option)"),
+        ("--help", "it starts with '-' (ssh, pdsh and mpirun would read an option)"),
+        ("nöde1", "it has 'ö'"),
+        ("node\u200b1", "it has '\\u200b'"),
+        ("user@h", "it has '@'"),
+        ("h_1", "it has '_'"),
+        ("a..b", "it has an empty label"),
+        ("h.", "it has an empty label"),
+        ("h-.x", "label 'h-' starts or ends with '-'"),
+        ("a.-b", "label '-b' starts or ends with '-'"),
+        ("a." + "x" * 64, "label 'xxxxxxxxxx...' is 64 characters (at most 63)"),
+        (".".join(["a" * 60] * 5), "it is 304 characters (at most 253)"),
+        ("10.0.0.256", "it looks like an IPv4 address but is not one"),
+        ("fe80::1%eth0;x", "its IPv6 zone 'eth0;x' is not an interface name"),
+    ],
+)
+def test_parse_hostfile_refuses_what_no_host_can_be_naming_the_line(tmp_path, name, why):
+    path = tmp_path / "hf"
+    path.write_text(f"good slots=1\n{name} slots=2\n", encoding="utf-8")
+    with pytest.raises(UserError) as e:
+        parse_hostfile(str(path))
+    assert str(e.value) == f"{path}:2: {name!r} {NOT_A_HOST}: {why}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["localhost", "node-01", "gpu07", "a.b-c.example.org", "10.0.0.1", "127.0.0.2", "::1",
+     "fe80::1%eth0", "2001:db8::7", "x" * 63, "1node", "NODE"],
+)  # fmt: skip
+def test_parse_hostfile_keeps_host_names_and_addresses(name):
+    assert parse_hostfile_text(f"{name} slots=2\n", "hf") == [Host(name, 2)]
+
+
+def test_slurm_node_names_are_checked_like_hostfile_names():
+    env = {"SLURM_JOB_NODELIST": "gpu07,gpu;x", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    with pytest.raises(UserError) as e:
+        allocation_hosts(env)
+    assert str(e.value) == f"SLURM_JOB_NODELIST=gpu07,gpu;x: 'gpu;x' {NOT_A_HOST}: it has ';'"
+    env["SLURM_JOB_NODELIST"] = "gpu[07-08]"
+    assert allocation_hosts(env) == [Host("gpu07", 2), Host("gpu08", 2)]
 
 
 # ---- --include / --exclude -------------------------------------------------------------------
