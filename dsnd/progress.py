@@ -2,12 +2,17 @@
 and every rank's full log in a file under `log.dir/logs/`.
 
 The live line is rewritten in place (carriage return) every step: step, loss, tokens/s and the
-estimated time left, from the mean step time so far. Off a terminal the same text goes to the
-log every `log.every` steps, so captured output stays readable.
+estimated time left. Off a terminal the same text goes to the log every `log.every` steps, so
+captured output stays readable.
+
+tokens/s and the ETA are over the last `WINDOW` steps: one step's own figure swings widely (on a
+shared CPU, 177 and 5780 tokens/s on alternate steps), which made the line and its ETA jump.
+metrics.jsonl keeps each step's own figures.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
@@ -16,6 +21,8 @@ from typing import TextIO
 from dsnd.topology import Coord
 
 log = logging.getLogger("dsnd.progress")
+
+WINDOW = 10  # steps the progress line's tokens/s and ETA average over
 
 
 def rank_prefix(rank: int, coord: Coord, cp: int = 1) -> str:
@@ -30,22 +37,24 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, first: int, total: int, every: int, stream: TextIO | None = None) -> None:
-        self.first, self.total, self.every = first, total, max(every, 1)
+    def __init__(self, total: int, every: int, stream: TextIO | None = None) -> None:
+        self.total, self.every = total, max(every, 1)
         self.stream = stream if stream is not None else sys.stderr
         self.live = self.stream.isatty()
-        self.spent = 0.0
+        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
 
     def line(self, row: dict) -> str:
         """The progress text of a metrics row (step, loss, lr, grad_norm, tokens_per_s,
-        step_time_s)."""
-        step = row["step"]
-        self.spent += row["step_time_s"]
-        done = step - self.first
-        eta = self.spent / done * (self.total - step) if done else 0.0
+        step_time_s); tokens/s and the ETA over the last `WINDOW` rows."""
+        step, seconds = row["step"], row["step_time_s"]
+        self.recent.append((row["tokens_per_s"] * seconds, seconds))
+        spent = sum(s for _, s in self.recent)
+        # total tokens over total time: a mean of per-step rates would let one fast step dominate
+        tokens_per_s = sum(t for t, _ in self.recent) / spent if spent else row["tokens_per_s"]
+        eta = spent / len(self.recent) * (self.total - step)
         evaluated = f" eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
         return (f"step {step}/{self.total} loss {row['loss']:.4f}{evaluated} lr {row['lr']:.2e} "
-                f"grad_norm {row['grad_norm'] or 0.0:.3f} tokens/s {row['tokens_per_s']:.0f} "
+                f"grad_norm {row['grad_norm'] or 0.0:.3f} tokens/s {tokens_per_s:.0f} "
                 f"ETA {_clock(eta)}")  # fmt: skip
 
     def update(self, row: dict) -> None:

@@ -54,9 +54,9 @@ def step_row(step: int, loss: float, lr: float, norm: float | None, elapsed: flo
 
 
 class Reporter:
-    """Rank 0's outputs for one run starting at step `start` (resolved configs written now)."""
+    """Rank 0's outputs for one run (resolved configs written now)."""
 
-    def __init__(self, res: Resolved, start: int) -> None:
+    def __init__(self, res: Resolved) -> None:
         run = res.run
         save_resolved_configs(res, run.log.dir)
         self.metrics = MetricsWriter(run.log.dir)
@@ -72,7 +72,7 @@ class Reporter:
         if "wandb" in monitors:
             config = mask_config({"run": dataclasses.asdict(run), "deepspeed": res.ds})
             self.boards.append(WandbWriter(monitors["wandb"], run.log.dir, config))
-        self.progress = Progress(start, run.train.steps, run.log.every)
+        self.progress = Progress(run.train.steps, run.log.every)
 
     def write(self, row: dict[str, Any], numbers: dict[str, Any]) -> None:
         self.metrics.write(row)

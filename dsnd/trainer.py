@@ -206,7 +206,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
     st = _setup(res, groups, resume)
     engine = st.runner.engine
     flops = (flops_per_token(res.model, run.model.seq_len), _peak(res, engine))
-    reporter = Reporter(res, st.start) if dist.get_rank() == 0 else None
+    reporter = Reporter(res) if dist.get_rank() == 0 else None
     if reporter:
         _log_start(res, st)
     rows: list[dict[str, Any]] = []

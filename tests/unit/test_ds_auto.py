@@ -201,7 +201,7 @@ def test_deepspeed_monitors_are_written_by_dsnd_where_deepspeed_would(tmp_path):
     }
     assert "tensorboard" not in res.ds and "csv_monitor" not in res.ds  # not DeepSpeed's to write
     assert f"tensorboard: written by dsnd into {tb / 'job'}" in res.ds_notes
-    reporter = Reporter(res, 0)
+    reporter = Reporter(res)
     for step in (1, 2):
         row = {
             "step": step,
@@ -234,7 +234,7 @@ def test_the_wandb_monitor_is_written_by_dsnd_offline(tmp_path, monkeypatch):
     res = resolve(load(None, sets), 1)
     assert "wandb" not in res.ds  # not DeepSpeed's to write
     assert any(n.startswith("wandb: written by dsnd to project 'dsnd-proj'") for n in res.ds_notes)
-    reporter = Reporter(res, 0)
+    reporter = Reporter(res)
     for step in (1, 2):
         reporter.write({"step": step, "loss": 3.0 / step, "lr": 0.1, "grad_norm": 1.25,
                         "step_time_s": 1.0, "tokens_per_s": 100.0}, {})  # fmt: skip

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 
+from dsnd.config.load import load
+from dsnd.config.resolve import resolve
 from dsnd.progress import Progress, rank_prefix
+from dsnd.report import Reporter
 from dsnd.topology import Topology
 
 
@@ -21,7 +25,7 @@ class Terminal(io.StringIO):
 
 def test_live_line_on_a_terminal_with_eta():
     out = Terminal()
-    progress = Progress(first=0, total=4, every=1, stream=out)
+    progress = Progress(total=4, every=1, stream=out)
     for step in range(1, 5):
         progress.update(row(step))
     text = out.getvalue()
@@ -31,7 +35,7 @@ def test_live_line_on_a_terminal_with_eta():
 
 
 def test_plain_lines_every_n_steps_off_a_terminal_and_eta_after_resume(caplog):
-    progress = Progress(first=10, total=15, every=2, stream=io.StringIO())
+    progress = Progress(total=15, every=2, stream=io.StringIO())
     with caplog.at_level(logging.INFO, logger="dsnd.progress"):
         for step in range(11, 16):
             progress.update(row(step, step_time=60.0))
@@ -39,6 +43,37 @@ def test_plain_lines_every_n_steps_off_a_terminal_and_eta_after_resume(caplog):
     assert [line.split()[1] for line in lines] == ["12/15", "14/15", "15/15"]
     assert lines[0].endswith("ETA 0:03:00")  # 3 steps left at 60 s each
     assert lines[-1].endswith("ETA 0:00:00")
+
+
+def jumpy(step: int) -> dict:
+    """Step times that alternate 0.1 s / 3.2 s for 570 tokens a step: 5700 <-> 178 tokens/s."""
+    step_time = 0.1 if step % 2 else 3.2
+    return {**row(step, step_time), "tokens_per_s": 570 / step_time}
+
+
+def figures(line: str) -> tuple[int, str]:
+    words = line.split()
+    return int(words[words.index("tokens/s") + 1]), words[words.index("ETA") + 1]
+
+
+def test_tokens_per_s_and_eta_are_a_moving_average_but_metrics_keep_each_step(tmp_path,
+                                                                               caplog):  # fmt: skip
+    log_dir = tmp_path / "run"
+    res = resolve(load(None, [f"log.dir={log_dir}", "log.tensorboard=false",
+                              "train.steps=100"]), 1)  # fmt: skip
+    reporter = Reporter(res)
+    with caplog.at_level(logging.INFO, logger="dsnd.progress"):
+        for step in range(1, 31):
+            reporter.write(jumpy(step), {})
+    reporter.close()
+    shown = [figures(r.getMessage()) for r in caplog.records]
+    assert shown[0] == (5700, "0:00:10")  # one step seen: its own figures
+    # from the 10th step on: the last 10 steps (5 fast, 5 slow), 5700 tokens in 16.5 s
+    assert {tokens for tokens, _ in shown[9:]} == {345}
+    assert [eta for _, eta in shown[9:12]] == ["0:02:28", "0:02:27", "0:02:25"]  # 1.65 s a step
+    with open(log_dir / "metrics.jsonl", encoding="utf-8") as f:
+        raw = [json.loads(line)["tokens_per_s"] for line in f]
+    assert [round(t) for t in raw[:4]] == [5700, 178, 5700, 178]
 
 
 def test_rank_prefix_names_the_coordinates():
