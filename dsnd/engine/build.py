@@ -11,7 +11,7 @@ import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter  # the rule ZeRO's norm uses
 from torch import nn
 
-from dsnd.engine.compat import undo_unfused_init_step
+from dsnd.engine.compat import quiet_scheduler_start, undo_unfused_init_step
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +20,14 @@ def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list
                  mpu: Any):  # fmt: skip
     """`deepspeed.initialize` on a process group that already exists: the optimizer's parameter
     groups and an mpu (whose data-parallel group is the stage's) are the caller's."""
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups,
-        config=ds_config,
-        mpu=mpu,
-        dist_init_required=False,
-    )
+    with quiet_scheduler_start():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups,
+            config=ds_config,
+            mpu=mpu,
+            dist_init_required=False,
+        )
     undo_unfused_init_step(engine)
     return engine
 

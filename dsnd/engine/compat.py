@@ -9,14 +9,23 @@ imports the function by name into three modules, so the scoped version is instal
 DeepSpeed JIT-builds an op (C++ compiled by ninja) the first time an environment uses it, in
 silence: a run seemed to hang for the length of the build. `log_op_builds` wraps
 `deepspeed.ops.op_builder.builder.OpBuilder.jit_load` (the method every builder's `load` calls
-when the op was not installed precompiled) so that a build says what it builds, where, and how
-long it took; loading an op built before logs nothing at INFO. Measured with one CPU core shared
+when the op was not installed precompiled) so that a build says what it builds, that it happens
+on the first run only, about how long it takes (`build_estimate`), where, and how long it took;
+loading an op built before logs nothing at INFO. It also silences the line DeepSpeed's comm
+layer prints (`build_shm_op` in `deepspeed.comm.torch`: "DeepSpeed ... built successfully"),
+which came once per rank at every start, a build or only a load. Measured with one CPU core shared
 with other jobs, `dsnd train --set train.steps=1` with an empty `TORCH_EXTENSIONS_DIR`: building
 the shared-memory comm op `deepspeed_shm_comm` took 42 s of the run's 50 s; the same run with
 the op built took 8 s in all, its load under 0.1 s. It finds the build directory with torch's
 private `torch.utils.cpp_extension._get_build_directory` (the function torch's `load` itself
 uses) and tells a build from a load by the op's library file (`NAME.so` there) appearing or
 changing. Builders that override `jit_load` (DeepSpeed's XPU ones) are not wrapped.
+
+DeepSpeed's warmup schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR) call their own `get_lr`
+from their constructor, before their first step, and it warns "Attempting to get learning rate
+from scheduler before it has started" there: once per rank in every run, about nothing the user
+did (the constructor sets the warmup's first rate, as intended). `quiet_scheduler_start` drops
+that one message while the engine is built; asked later, it still shows.
 
 DeepSpeedCPUAdam (ZeRO-Offload's optimizer when the JSON does not ask for `torch_adam`) keeps
 its bias corrections' beta1^t, beta2^t in its C++ op, per optimizer, as a float32 product
@@ -41,12 +50,14 @@ they were cloned from (which the call did not touch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import io
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -85,6 +96,16 @@ def scope_zero3_trace_checks(group: dist.ProcessGroup) -> None:
             module.assert_ints_same_as_other_ranks = assert_ints_same_in_group
 
 
+# measured on 2 cores: the shm comm op 25-77 s, each CPU optimizer about 1 min, async_io 2.5 min
+_SLOW_BUILDS = {"async_io": "a few minutes"}
+SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before it has started"
+
+
+def build_estimate(name: str) -> str:
+    """About how long op `name` takes to build, for the line that says a build starts."""
+    return _SLOW_BUILDS.get(name, "about a minute")
+
+
 def _library_mtime(build_dir: str, name: str) -> float | None:
     try:
         return os.stat(os.path.join(build_dir, f"{name}.so")).st_mtime
@@ -92,16 +113,18 @@ def _library_mtime(build_dir: str, name: str) -> float | None:
         return None
 
 
-def _note_lock(build_dir: str, name: str) -> None:
-    """torch waits, silently and without end, while another process's build lock exists."""
+def _note_start(name: str, build_dir: str, before: float | None) -> None:
+    """Before a first build: what is built, that it happens once, about how long. torch waits,
+    silently and without end, while another process's build lock exists: say that instead
+    (on a first run of several ranks one builds and the others wait)."""
+    first = f"first run only, {build_estimate(name)}"
     lock = os.path.join(build_dir, "lock")
     if os.path.exists(lock):
-        log.info(
-            "waiting for %s: another process is building DeepSpeed op %s (a build killed midway "
-            "leaves it behind: delete it if none is running)",
-            lock,
-            name,
-        )
+        log.info("waiting for %s: another process is building DeepSpeed op %s (%sa build killed "
+                 "midway leaves the lock behind: delete it if none is running)", lock, name,
+                 f"{first}; " if before is None else "")  # fmt: skip
+    elif before is None:
+        log.info("building DeepSpeed op %s (%s) in %s ...", name, first, build_dir)
 
 
 def _note_done(name: str, build_dir: str, before: float | None, seconds: float) -> None:
@@ -124,10 +147,7 @@ def logged_jit_load(jit_load: Callable[..., Any]) -> Callable[..., Any]:
         name = builder.name
         build_dir = _get_build_directory(name, verbose=False)
         before = _library_mtime(build_dir, name)
-        _note_lock(build_dir, name)
-        if before is None:
-            log.info("building DeepSpeed op %s (first use in this environment, cached in %s) ...",
-                     name, build_dir)  # fmt: skip
+        _note_start(name, build_dir, before)
         start = time.monotonic()
         module = jit_load(builder, *args, **kwargs)
         _note_done(name, build_dir, before, time.monotonic() - start)
@@ -137,12 +157,42 @@ def logged_jit_load(jit_load: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _without_print(build: Callable[[], Any]) -> Callable[[], Any]:
+    """`build()` with what it prints dropped (`logged_jit_load` logs what it did)."""
+
+    @functools.wraps(build)
+    def quiet() -> Any:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return build()
+
+    return quiet
+
+
 def log_op_builds() -> None:
-    """Install `logged_jit_load` on DeepSpeed's op builders (once; later calls do nothing)."""
+    """Install `logged_jit_load` on DeepSpeed's op builders and silence the comm layer's
+    "built successfully" (once; later calls do nothing)."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     if not getattr(OpBuilder.jit_load, "dsnd_logged", False):
         OpBuilder.jit_load = logged_jit_load(OpBuilder.jit_load)  # type: ignore[method-assign]
+    comm = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch
+    if not hasattr(comm.build_shm_op, "__wrapped__"):
+        comm.build_shm_op = _without_print(comm.build_shm_op)
+
+
+@contextlib.contextmanager
+def quiet_scheduler_start() -> Iterator[None]:
+    """DeepSpeed's warmup schedulers' constructor-time warning dropped (see above)."""
+    from deepspeed.utils import logger
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.getMessage() != SCHEDULER_NOT_STARTED
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def replay_cpu_adam_steps(optimizer: Any, step: int) -> None:

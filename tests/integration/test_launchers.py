@@ -47,13 +47,18 @@ def train_three_steps_like(argv: list[str], log_dir, reference: list[dict]) -> N
 
 
 @pytest.fixture(scope="module")
-def nprocs2_zero3(tmp_path_factory):
+def nprocs2_launch(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
     log_dir = tmp_path_factory.mktemp("launch") / "log"
     proc = run_cli(["launch", "--nprocs", "2", "--master-port", str(free_port()),
                     "--set", "train.steps=10", "--set", "ds.zero_optimization.stage=3",
                     "--set", f"log.dir={log_dir}"], timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return metrics_rows(log_dir)
+    return proc, metrics_rows(log_dir)
+
+
+@pytest.fixture(scope="module")
+def nprocs2_zero3(nprocs2_launch) -> list[dict]:
+    return nprocs2_launch[1]
 
 
 @pytest.mark.launch
@@ -61,6 +66,16 @@ def test_dsnd_launch_two_ranks_zero3_trains(nprocs2_zero3):
     check_rows(nprocs2_zero3, 10)
     first, last = nprocs2_zero3[0]["loss"], nprocs2_zero3[-1]["loss"]
     assert last < first - 0.5, f"loss did not fall: {first} -> {last}"
+
+
+@pytest.mark.launch
+def test_dsnd_launch_says_nothing_per_rank_about_deepspeeds_start(nprocs2_launch):
+    """DeepSpeed printed "... built successfully" (a build or only a load) and warned about its
+    warmup scheduler's start from every rank of every run."""
+    proc, _ = nprocs2_launch
+    said = proc.stdout + proc.stderr
+    assert "built successfully" not in said and "before it has started" not in said, said
+    assert said.count("step 10/10 ") == 1  # rank 0's progress, the run itself as before
 
 
 @pytest.mark.launch

@@ -13,6 +13,7 @@ import torch
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.engine import deepspeed_api, optimizers
+from dsnd.engine.compat import quiet_scheduler_start
 from dsnd.engine.state import _nadam_mu_product
 from dsnd.errors import UserError
 from dsnd.plan.memory import model_state_bytes
@@ -252,6 +253,30 @@ def test_every_deepspeed_scheduler_passes_the_check_and_steps(kind, optimizer):
     assert lrs == pytest.approx(LRS[kind], abs=1e-6), kind
     if kind == "OneCycle" and optimizer == "AdamW":  # it cycles beta1 where there are betas
         assert opt.param_groups[0]["betas"][0] != ds["optimizer"]["params"]["betas"][0]
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_a_warmup_scheduler_built_for_an_engine_warms_nobody(kind, caplog):
+    """DeepSpeed's warmup classes warn "Attempting to get learning rate from scheduler before it
+    has started" from their own constructor, on every rank of every run: the engine is built
+    quietly; a later such warning would still show."""
+    params = {k: 6 if v == "auto" else v for k, v in SCHEDULERS[kind].items()}
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.003)
+    schedules = deepspeed_api.lr_schedules()
+
+    def warned() -> bool:
+        said = any("before it has started" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        return said
+
+    getattr(schedules, kind)(opt, **params)
+    assert warned()  # what DeepSpeed says unasked
+    with quiet_scheduler_start():
+        sched = getattr(schedules, kind)(opt, **params)
+    assert not warned()
+    sched.last_batch_iteration = -1
+    sched.get_lr()  # asked outside the engine's construction: still said
+    assert warned()
 
 
 def test_a_torch_scheduler_deepspeed_would_build_is_refused_by_name():

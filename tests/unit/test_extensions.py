@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
 from dsnd.cli import main
-from dsnd.engine.compat import log_op_builds, logged_jit_load
+from dsnd.engine.compat import build_estimate, log_op_builds, logged_jit_load
 from dsnd.extensions import VARIABLE, _creatable, extensions_dir, use_environment_dir
 
 HOME = {"HOME": "/home/u"}
@@ -83,8 +84,7 @@ def test_a_build_is_logged_before_and_after_and_a_load_is_quiet(monkeypatch, tmp
     caplog.set_level(logging.DEBUG, logger="dsnd.engine.compat")
     assert builder.jit_load(verbose=False) == "module"
     assert _infos(caplog) == [
-        f"building DeepSpeed op dsnd_fake_op (first use in this environment, cached in "
-        f"{build_dir}) ...",
+        f"building DeepSpeed op dsnd_fake_op (first run only, about a minute) in {build_dir} ...",
         "built DeepSpeed op dsnd_fake_op in 0 s",
     ]
     builder.builds = False  # built before: torch's ninja has nothing to do
@@ -96,10 +96,46 @@ def test_a_build_is_logged_before_and_after_and_a_load_is_quiet(monkeypatch, tmp
         f"rebuilt DeepSpeed op dsnd_fake_op in 0 s (its sources or flags changed; cached in "
         f"{build_dir})"
     ]
-    open(os.path.join(build_dir, "lock"), "w").close()  # a build killed midway left it
+    lock = os.path.join(build_dir, "lock")
+    open(lock, "w").close()  # a build killed midway left it
     builder.builds = False
     builder.jit_load()
-    assert _infos(caplog)[0].startswith(f"waiting for {build_dir}/lock: another process")
+    assert _infos(caplog) == [
+        f"waiting for {lock}: another process is building DeepSpeed op dsnd_fake_op (a build "
+        "killed midway leaves the lock behind: delete it if none is running)"
+    ]
+    # the first run of two ranks: the other one builds, this one waits, and says so only
+    os.remove(os.path.join(build_dir, "dsnd_fake_op.so"))
+    builder.builds = True
+    builder.jit_load()
+    assert _infos(caplog) == [
+        f"waiting for {lock}: another process is building DeepSpeed op dsnd_fake_op (first run "
+        "only, about a minute; a build killed midway leaves the lock behind: delete it if none "
+        "is running)",
+        "built DeepSpeed op dsnd_fake_op in 0 s",
+    ]
+
+
+def test_the_build_line_says_about_how_long_each_op_takes():
+    # measured on 2 cores: the shm comm op 25-77 s, each CPU optimizer about 1 min, async_io 2.5
+    assert build_estimate("deepspeed_shm_comm") == "about a minute"
+    assert build_estimate("cpu_adam") == "about a minute"
+    assert build_estimate("async_io") == "a few minutes"
+
+
+def test_deepspeeds_shm_op_says_built_successfully_never(monkeypatch, tmp_path, capfd):
+    """DeepSpeed's comm layer prints "... built successfully" on every rank at every start, a
+    load or not; dsnd's build log says it once, on rank 0, and only for a build."""
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch
+
+    if not os.environ.get(VARIABLE):  # the environment's built ops, as a rank would load them
+        monkeypatch.setenv(VARIABLE, str(use_environment_dir({"HOME": str(tmp_path)})))
+    original = getattr(ds_comm.build_shm_op, "__wrapped__", ds_comm.build_shm_op)
+    monkeypatch.setattr(ds_comm, "build_shm_op", original)  # restored after the test
+    log_op_builds()
+    capfd.readouterr()
+    assert ds_comm.build_shm_op() is not None  # the real op, loaded (or built when it is not)
+    assert "built successfully" not in capfd.readouterr().out
 
 
 def test_log_op_builds_wraps_deepspeeds_jit_load_once(monkeypatch):
