@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds_config = sub.add_parser("ds-config", help="what dsnd does with a DeepSpeed JSON")
     ds_what = ds_config.add_subparsers(dest="ds_command", required=True)
     for name, text in (
-        ("check", "each section: used, filled in, ignored; every problem at once"),
+        ("check", "each key: used, filled in, no effect or ignored; every problem at once"),
         ("explain", "check, then batch math, precision, ZeRO, offload, memory"),
     ):
         what = ds_what.add_parser(name, help=text)

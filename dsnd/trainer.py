@@ -30,6 +30,7 @@ from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.deepspeed_json import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
+from dsnd.config.summary import batch_line, precision_line
 from dsnd.data import SampleSet, batch_for_step
 from dsnd.data.corpus import Corpus
 from dsnd.data.layout import sample_sets, step_layout
@@ -162,9 +163,11 @@ def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> int:
 
 def _log_start(res: Resolved, st: _Stage) -> None:
     log.info("training %s on %s (%d samples), layout pp=%d dp=%d cp=%d tp=%d, ZeRO-%d, "
-             "schedule %s, batch %s", res.model.describe(), st.corpus.name, len(st.samples),
+             "schedule %s", res.model.describe(), st.corpus.name, len(st.samples),
              res.topology.pp, res.topology.dp, res.topology.cp, res.topology.tp,
-             res.plan.zero_stage, res.plan.schedule, res.batch)  # fmt: skip
+             res.plan.zero_stage, res.plan.schedule)  # fmt: skip
+    log.info("%s", batch_line(res.batch, res.topology))
+    log.info("%s", precision_line(res.ds))
     for note in res.ds_notes:
         log.info("%s: %s", res.ds_path, note)
     for note in deepspeed_notes(res.ds):

@@ -328,12 +328,25 @@ def _convert(source: Source, tmp: str) -> str:
 
 def _trainer_state(universal: str, names: list[str], optim: dict, sched: dict | None) -> dict:
     group = optim["param_groups"][0]
+    # float() only what is a number already: a string "0.1" is refused by _check_param_group,
+    # as torch's optimizer would refuse it, not read as 0.1
+    betas = group.get("betas")
     return {
         "optimizer_step": _adam_step(universal, names, optim),
-        "lr": float(group["lr"]),
+        "lr": _float(group["lr"]),
         "lr_scheduler": sched,
-        "betas": [float(b) for b in group["betas"]] if "betas" in group else None,
+        "betas": [_float(b) for b in betas] if isinstance(betas, list | tuple) else betas,
     }
+
+
+def _float(value: object) -> object:
+    """A number (a Python or numpy scalar, or a one-element tensor) as a float; else as is."""
+    if isinstance(value, bool) or isinstance(value, str | bytes):
+        return value
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return value
 
 
 def _param_group_file(tag_dir: str) -> str:

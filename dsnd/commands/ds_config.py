@@ -1,10 +1,11 @@
 """``dsnd ds-config check | explain FILE``: what dsnd does with a DeepSpeed JSON, before any run.
 
 `check` resolves the JSON as a run would (with the run YAML given, or the default one, for
-`--nprocs` ranks) and prints, per top-level section of the file, whether it is used as written,
-filled in (``"auto"``, a missing optimizer or scheduler), or ignored; every problem at once
-(exit 2) otherwise. `explain` adds what the resolved JSON means for the run: batch math,
-precision, ZeRO stage, offload targets and the model-state bytes per rank they imply.
+`--nprocs` ranks) and prints, per key of the file (nested keys by their dotted path), whether it
+is used as written, filled in (``"auto"``, a missing optimizer or scheduler), without effect in
+this run or ignored, and why; every problem at once (exit 2) otherwise. `explain` adds what the
+resolved JSON means for the run: batch math, precision, ZeRO stage, offload targets and the
+model-state bytes per rank they imply.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import argparse
 import os
 
 from dsnd.config.deepspeed_json import load_json
+from dsnd.config.deepspeed_json import notes as deepspeed_notes
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
+from dsnd.config.summary import batch_line, precision_line
 from dsnd.engine.optimizers import state_bytes
 from dsnd.plan.memory import model_state_bytes
 
@@ -27,28 +30,49 @@ def _resolved(args: argparse.Namespace) -> Resolved:
 
 
 def section_report(user: dict, notes: list[str]) -> list[str]:
-    """One line per top-level key of the user's file (and per section dsnd added): "used as
-    written", or the notes on how it was filled in or why it is ignored (each note once, under
-    the first key it names)."""
+    """One line per key of the user's file, nested keys by their dotted path (and per section
+    dsnd added): "used as written", or the notes on how it was filled in, why it has no effect
+    or is ignored. A note about a whole section stands for its keys; each note is shown once,
+    under the first key it names, and a note naming no key of the file is shown at the end."""
     lines, shown = [], set()
-    for key in list(user) + [k for k in NOTE_SECTIONS if k not in user]:
-        about = [n for n in notes if key in _keys_of(n)]
+
+    def report(path: str, about: list[str]) -> None:
         if not about:
-            lines.append(f"  {key}: used as written")
-        lines += [f"  {n}" for n in about if n not in shown]
+            lines.append(f"  {path}: used as written")
+        lines.extend(f"  {n}" for n in about if n not in shown)
         shown.update(about)
+
+    for key in list(user) + [k for k in NOTE_SECTIONS if k not in user]:
+        whole = [n for n in notes if key in _keys_of(n)]
+        value = user.get(key)
+        if whole or not isinstance(value, dict) or not value:
+            report(key, whole)
+            continue
+        for path in _leaves(value, key):
+            report(path, [n for n in notes if any(path == k or path.startswith(k + ".")
+                                                  for k in _keys_of(n))])  # fmt: skip
+    lines.extend(f"  {n}" for n in notes if n not in shown)
     return lines
 
 
+def _leaves(section: dict, prefix: str) -> list[str]:
+    """The dotted paths of a section's values that are not themselves non-empty sections."""
+    paths = []
+    for key, value in section.items():
+        path = f"{prefix}.{key}"
+        paths += _leaves(value, path) if isinstance(value, dict) and value else [path]
+    return paths
+
+
 def _keys_of(note: str) -> set[str]:
-    """The top-level keys a note is about: ``"bf16, fp16: ..."`` -> {bf16, fp16}."""
-    return {item.split(".")[0] for item in note.split(":")[0].split(", ")}
+    """The dotted keys a note is about: ``"bf16, fp16: ..."`` -> {bf16, fp16}."""
+    return set(note.split(":")[0].split(", "))
 
 
 def run_check(args: argparse.Namespace) -> int:
     res = _resolved(args)
     print(f"{args.file}: dsnd will run it ({args.nprocs} rank{'s' * (args.nprocs > 1)})")
-    for line in section_report(load_json(args.file), res.ds_notes):
+    for line in section_report(load_json(args.file), res.ds_notes + deepspeed_notes(res.ds)):
         print(line)
     return 0
 
@@ -62,17 +86,15 @@ def explain_lines(res: Resolved) -> list[str]:
                for key in ("offload_optimizer", "offload_param")}  # fmt: skip
     offloaded = stage > 0 and offload["offload_optimizer"] in ("cpu", "nvme")
     optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
-    context, ranks, shards = "", "data-parallel ranks", t.dp * t.cp
+    ranks, shards = "data-parallel ranks", t.dp * t.cp
     dp_shard = res.run.parallel.dp_shard
     if stage == 3 and dp_shard and dp_shard != t.dp:  # HSDP: ZeRO-3 within groups of dp_shard
         ranks, shards = f"data-parallel ranks in groups of {dp_shard} (parallel.dp_shard)", dp_shard
     elif t.cp > 1:
-        context = f", cp={t.cp}: context-parallel ranks share their samples"
         ranks = f"data x context-parallel ranks ({t.dp} x {t.cp})"
     lines = [
-        f"batch: train_batch_size {b.train} = micro {b.micro} x gradient_accumulation_steps "
-        f"{b.gas} x dp {t.dp} (pp={t.pp}, tp={t.tp}{context})",
-        f"precision: {'bf16 parameters and gradients, fp32 master weights' if bf16 else 'fp32'}",
+        batch_line(b, t),
+        precision_line(ds),
         f"ZeRO-{stage} over each stage's {t.dp * t.cp} {ranks}; offload: optimizer "
         f"{offload['offload_optimizer']}, parameters {offload['offload_param']}",
         f"optimizer {ds['optimizer']['type']} {ds['optimizer'].get('params', {})} (DeepSpeed "

@@ -18,6 +18,11 @@ TRAIN, MICRO, GAS = (
 )
 
 
+MAX_BATCH = 2**31 - 1
+"""The largest batch number accepted: sequence counts index int32 tensors in torch's kernels,
+and a larger one (DeepSpeed takes any Python int, ``1e300`` too) could never be trained."""
+
+
 class Batch(NamedTuple):
     train: int
     micro: int
@@ -36,9 +41,9 @@ def resolve_batch(
     """The three batch numbers for `dp` data-parallel ranks, or a UserError with all of them."""
     for key, value in ((TRAIN, train), (MICRO, micro), (GAS, gas)):
         if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH
         ):
-            raise UserError(f"{where}: {key} must be a positive integer, got {value!r}")
+            raise UserError(f"{where}: {key} must be an integer in 1..{MAX_BATCH}, got {value!r}")
     if train is not None and micro is not None and gas is not None:
         if train != micro * gas * dp:
             raise UserError(

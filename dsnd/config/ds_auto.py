@@ -5,8 +5,9 @@ does, so that the JSONs users already have run unchanged.
   from its packaged ``zero*.json`` (the optimizer's and scheduler's numbers), from the run config
   (``total_num_steps`` = ``train.steps``) and from the model (ZeRO bucket sizes from the hidden
   size, with Hugging Face's formulas). Batch keys set to ``"auto"`` are derived by the batch rule
-  (the packaged micro-batch when nothing else sets it); precision ``"auto"`` is bf16 where the
-  device supports it, else fp32.
+  (the packaged micro-batch when nothing else sets it, and at least 2 x pp micro-batches per
+  step in a pipeline); precision ``"auto"`` is fp32, as the Hugging Face Trainer's is unless its
+  ``--bf16`` / ``--fp16`` flag asks (dsnd's flag is the JSON's ``"enabled": true``).
 - DeepSpeed's legacy forms, as it still reads them: ``"zero_optimization": true`` (stage 1),
   ``cpu_offload`` / ``cpu_offload_param`` (the CPU offload sections).
 - a missing ``optimizer`` or ``scheduler`` section (Megatron's and Hugging Face's JSONs leave
@@ -41,33 +42,50 @@ def packaged() -> dict[str, Any]:
         return json.load(f)
 
 
-def fill_auto(ds: dict[str, Any], hidden: int, steps: int,
-              bf16_supported: bool) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
-    """(a copy of `ds` with the above filled in, one note per decision)."""
+def fill_auto(ds: dict[str, Any], hidden: int, steps: int, pp: int = 1,
+              dp: int = 1) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """(a copy of `ds` with the above filled in, one note per decision), for a model of hidden
+    size `hidden` trained `steps` steps on `pp` pipeline stages x `dp` data-parallel ranks."""
     ds = copy.deepcopy(ds)
     notes: list[str] = []
-    _batch(ds, notes)
+    _batch(ds, pp, dp, notes)
     _legacy_zero(ds, notes)
     _sections(ds, notes)
     _optimizer_and_scheduler(ds, steps, notes)
     if ds.get("gradient_clipping") == AUTO:
         ds["gradient_clipping"] = 1.0
         notes.append("gradient_clipping: 'auto' -> 1.0")
-    _precision(ds, bf16_supported, notes)
+    _precision(ds, notes)
     _zero_buckets(ds.get("zero_optimization"), hidden, notes)
     _zero_defaults(ds.get("zero_optimization"), notes)
     return ds, notes
 
 
-def _batch(ds: dict[str, Any], notes: list[str]) -> None:
+def _batch(ds: dict[str, Any], pp: int, dp: int, notes: list[str]) -> None:
+    """Batch keys set to "auto" are left to the batch rule, with the micro-batch of dsnd's
+    packaged JSON when no number sets it; a pipeline's gradient accumulation steps (unset, or
+    "auto") become 2 x pp where the numbers allow, so that 1F1B has every stage busy for most
+    of the step (with gas = 1, a pp-stage step is (pp - 1) / pp bubble)."""
     autos = [key for key in (TRAIN, MICRO, GAS) if ds.get(key) == AUTO]
+    if not autos:
+        return
     for key in autos:
         del ds[key]
-    if MICRO in autos and TRAIN not in ds:
+    chosen = []
+    if MICRO not in ds and TRAIN not in ds:
         ds[MICRO] = packaged()[MICRO]
-    if autos:
-        notes.append(f"{', '.join(autos)}: 'auto' -> derived by the batch rule "
-                     f"(micro-batch {ds.get(MICRO, 'from the batch keys')})")  # fmt: skip
+        chosen.append(f"{MICRO} {ds[MICRO]} (dsnd's packaged JSON)")
+    gas = 2 * pp
+    free = GAS not in ds and not (TRAIN in ds and MICRO in ds)
+    if pp > 1 and free and (TRAIN not in ds or ds[TRAIN] % (gas * dp) == 0):
+        ds[GAS] = gas
+        chosen.append(f"{GAS} {gas} (2 x parallel.pp={pp}: micro-batches enough to keep "
+                      "every pipeline stage busy; one would leave the step mostly bubble)")
+    elif pp > 1 and free:
+        chosen.append(f"{GAS} from {TRAIN}={ds[TRAIN]}, which {gas} x dp={dp} does not divide: "
+                      f"fewer than 2 x parallel.pp={pp} micro-batches, mostly bubble")
+    rest = ", then the batch rule" if chosen else ""
+    notes.append(f"{', '.join(autos)}: 'auto' -> {'; '.join(chosen) or 'the batch rule'}{rest}")
 
 
 LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
@@ -118,18 +136,17 @@ def _optimizer_and_scheduler(ds: dict[str, Any], steps: int, notes: list[str]) -
                 notes.append(f"{name}.params.{key}: 'auto' -> {params[key]} ({source})")
 
 
-def _precision(ds: dict[str, Any], bf16_supported: bool, notes: list[str]) -> None:
+def _precision(ds: dict[str, Any], notes: list[str]) -> None:
+    """Precision "auto" is off, as the Hugging Face Trainer fills it from its --bf16 / --fp16
+    flags (off unless given): a JSON turns bf16 on only by saying so."""
     autos = [name for name in ("bf16", "bfloat16", "fp16")
              if isinstance(ds.get(name), dict) and ds[name].get("enabled") == AUTO]  # fmt: skip
-    if not autos:
-        return
     for name in autos:
         ds[name]["enabled"] = False
-    if bf16_supported:
-        ds.setdefault("bf16", {})["enabled"] = True
-        notes.append(f"{', '.join(autos)}: 'auto' -> bf16 (the device supports it)")
-    else:
-        notes.append(f"{', '.join(autos)}: 'auto' -> fp32 (the device has no bf16)")
+    if autos:
+        notes.append(f"{', '.join(autos)}: 'auto' -> fp32, as the Hugging Face Trainer does "
+                     "without --bf16 / --fp16 (\"enabled\": true, or --set "
+                     f"ds.{autos[0]}.enabled=true, asks for it)")  # fmt: skip
 
 
 HF_BUCKETS = {

@@ -19,10 +19,10 @@ from dsnd.config.deepspeed_json import (
     take_monitors,
 )
 from dsnd.config.ds_auto import fill_auto
+from dsnd.config.ds_effect import zero_notes
 from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
 from dsnd.cp.slices import IMPLS, divisor
-from dsnd.engine.deepspeed_api import half_precision_support
 from dsnd.errors import UserError
 from dsnd.model.spec import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.plan.plan import Plan, make_plan
@@ -183,8 +183,8 @@ def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
 
     Checks the keys first, so every intermediate dict a blame search tries fails as a UserError.
     """
-    ds, notes = fill_auto(ds, hidden, run.train.steps, half_precision_support()[0])
-    notes += check_keys(ds, where)
+    ds, notes = fill_auto(ds, hidden, run.train.steps, run.parallel.pp, dp)
+    notes += check_keys(ds, where) + zero_notes(ds)
     monitors = take_monitors(ds)
     batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), dp, where)
     ds[TRAIN], ds[MICRO], ds[GAS] = batch

@@ -87,8 +87,12 @@ def partition(
     specs: Sequence[Layer],
     num_stages: int,
     balance_profile: Callable[[int], list[int]] | None = None,
+    stages_named: str = "",
 ) -> list[int]:
     """Stage boundaries `parts` (len num_stages + 1, 0 first, len(specs) last, strictly rising).
+
+    `stages_named` is how messages name `num_stages` when it is not parallel.pp itself (the
+    interleaved schedule's pp x virtual_stages chunks), so they quote the keys the user set.
 
     Named methods are matched ignoring case, as DeepSpeed lowercases them; ``profile`` (dsnd's
     own: DeepSpeed raises NotImplementedError for it) calls `balance_profile(num_stages)`, which
@@ -98,21 +102,22 @@ def partition(
     n = len(specs)
     if isinstance(num_stages, bool) or not isinstance(num_stages, Integral) or num_stages < 1:
         raise UserError(f"{PP_KEY}={num_stages!r} must be a positive number of pipeline stages")
+    stages = stages_named or f"{PP_KEY}={num_stages}"
     if num_stages > n:
         raise UserError(
-            f"{PP_KEY}={num_stages} is more than the model's {n} pipeline layers "
+            f"{stages} is more than the model's {n} pipeline layers "
             f"({KEY}={_show(method)}); every stage needs at least one layer"
         )
     if isinstance(method, str):
         parts = _named(method, specs, num_stages, balance_profile)
     elif isinstance(method, Sequence):
-        parts = _explicit(method, n, num_stages)
+        parts = _explicit(method, n, num_stages, stages)
     else:
         raise UserError(f"{KEY}={method!r} must be {_CHOICES}")
     for stage in range(num_stages):
         if parts[stage] >= parts[stage + 1]:  # a safety net: DeepSpeed's helpers never do this
             raise UserError(
-                f"{KEY}={_show(method)} leaves pipeline stage {stage} of {PP_KEY}={num_stages} "
+                f"{KEY}={_show(method)} leaves pipeline stage {stage} of {stages} "
                 f"without layers (boundaries {parts})"
             )
     return parts
@@ -191,12 +196,12 @@ def _type_weights(method: str, specs: Sequence[Layer]) -> list[int]:
     return weights
 
 
-def _explicit(method: Sequence[Any], n: int, num_stages: int) -> list[int]:
+def _explicit(method: Sequence[Any], n: int, num_stages: int, stages: str) -> list[int]:
     items = list(method)
     if items and all(_is_int(x) for x in items):
-        return _boundaries([int(x) for x in items], n, num_stages)
+        return _boundaries([int(x) for x in items], n, num_stages, stages)
     if items and all(isinstance(x, Sequence) and not isinstance(x, str) for x in items):
-        return _stage_lists(items, n, num_stages)
+        return _stage_lists(items, n, num_stages, stages)
     raise UserError(f"{KEY}={_show(method)} must be {_CHOICES}")
 
 
@@ -204,12 +209,12 @@ def _is_int(x: object) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 
 
-def _boundaries(parts: list[int], n: int, num_stages: int) -> list[int]:
+def _boundaries(parts: list[int], n: int, num_stages: int, stages: str) -> list[int]:
     shown = f"{KEY}={parts}"
     if len(parts) != num_stages + 1:
         raise UserError(
-            f"{shown} has {len(parts)} boundaries ({len(parts) - 1} stages) but {PP_KEY}="
-            f"{num_stages} needs {num_stages + 1}"
+            f"{shown} has {len(parts)} boundaries ({len(parts) - 1} stages) but {stages} "
+            f"needs {num_stages + 1}"
         )
     if parts[0] != 0 or parts[-1] != n:
         raise UserError(f"{shown} must start at 0 and end at {n}, the number of layers")
@@ -222,10 +227,11 @@ def _boundaries(parts: list[int], n: int, num_stages: int) -> list[int]:
     return parts
 
 
-def _stage_lists(stages: list[Sequence[Any]], n: int, num_stages: int) -> list[int]:
+def _stage_lists(stages: list[Sequence[Any]], n: int, num_stages: int,
+                 named: str) -> list[int]:  # fmt: skip
     shown = f"{KEY}={[list(s) for s in stages]}"
     if len(stages) != num_stages:
-        raise UserError(f"{shown} lists {len(stages)} stages but {PP_KEY}={num_stages}")
+        raise UserError(f"{shown} lists {len(stages)} stages but {named}")
     owner: dict[int, int] = {}
     for s, stage in enumerate(stages):
         if not stage or not all(_is_int(i) for i in stage):

@@ -154,7 +154,8 @@ def make_plan(
     p, v = topology.pp, virtual_stages
     _check_schedule(schedule, p, v, micro_batches, zero_stage)
     specs = layer_specs(model)
-    parts = tuple(partition(partition_method, specs, p * v, balance_profile))
+    chunks = f"parallel.pp={p} x parallel.virtual_stages={v} = {p * v} model chunks" * (v > 1)
+    parts = tuple(partition(partition_method, specs, p * v, balance_profile, chunks))
     ties = _ties(specs, parts, p)
     plan = Plan(topology, schedule, v, micro_batches, parts, zero_stage,
                 sequence_parallel and topology.tp > 1, ties, programs=())  # fmt: skip

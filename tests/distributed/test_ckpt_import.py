@@ -120,6 +120,10 @@ def _refuses_numbers_dsnd_cannot_resume(tmp_path, capsys) -> None:
                       "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
                       "base_optimizer_state.param_groups[0].lr' is nan, expected a finite "
                       "number >= 0"),
+        "str-lr-z1": ("pipe-z1", "*_optim_states.pt", lambda s: _set_lr(s, "0.1"),
+                      "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+                      "base_optimizer_state.param_groups[0].lr' is '0.1', expected a finite "
+                      "number >= 0"),
         "step-1e12": ("plain-z3", "*_model_states.pt", lambda s: s.update(global_steps=10**12),
                       "zero_pp_rank_0_mp_rank_00_model_states.pt: 'global_steps' is "
                       "1000000000000, expected an integer in [0, 99999999] (a step "

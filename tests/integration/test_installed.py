@@ -29,9 +29,13 @@ def test_console_script_trains_from_an_empty_directory(tmp_path):
     resolved = json.loads((tmp_path / "out" / "deepspeed.resolved.json").read_text())
     assert resolved["train_batch_size"] == 16 and resolved["train_micro_batch_size_per_gpu"] == 2
     assert resolved["zero_optimization"]["stage"] == 0
-    # what a first user reads, in order: the resolved run (batch), the steps, where it all went
+    # what a first user reads, in order: the resolved run (batch, precision), the steps, where
+    # it all went
     said = [line.split(" INFO ", 1)[1] for line in proc.stderr.splitlines() if " INFO " in line]
-    first = [i for i, text in enumerate(said) if text.startswith("training ") and "batch" in text]
+    first = [i for i, text in enumerate(said) if text.startswith("training ")]
+    batch = said.index("batch: train_batch_size 16 = micro 2 x gradient_accumulation_steps 8 x "
+                       "dp 1 (pp=1, tp=1)")  # fmt: skip
+    precision = said.index("precision: fp32")
     steps = [i for i, text in enumerate(said) if text.startswith("step ")]
-    assert first and len(steps) == 2 and first[0] < steps[0], said
+    assert first and len(steps) == 2 and first[0] < batch < precision < steps[0], said
     assert said[-1] == "outputs: metrics out/metrics.jsonl, checkpoints out/checkpoints", said

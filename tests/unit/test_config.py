@@ -245,8 +245,10 @@ def test_later_set_wins():
 
 
 def test_ds_set_deep_merges_into_the_json():
-    ds = load(None, ["ds.zero_optimization.stage=2", "ds.gradient_clipping=0.5"]).ds
-    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 5000000}
+    ds = load(None, ["deepspeed=ds_configs/zero1.json", "ds.zero_optimization.stage=2",
+                     "ds.gradient_clipping=0.5"]).ds  # fmt: skip
+    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 5000000,
+                                       "use_multi_rank_bucket_allreduce": False}  # fmt: skip
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"]["lr"] == 0.003  # untouched siblings stay
 
@@ -529,14 +531,16 @@ def test_batch_math_needs_train_or_micro():
         )
 
 
-@pytest.mark.parametrize("bad", [0, -2, True, 2.0, "16", [16]])
+# one rule for a huge integer and a huge float: neither is a batch anyone can train
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0, "16", [16], 99999999999999999999999, 1e300,
+                                 2**31])  # fmt: skip
 @pytest.mark.parametrize("key", ["train", "micro", "gas"])
 def test_batch_values_must_be_positive_integers(key, bad):
     values = {"train": 16, "micro": 2, "gas": 8}
     values[key] = bad
     name = {"train": T, "micro": M, "gas": G}[key]
     assert error(resolve_batch, values["train"], values["micro"], values["gas"], 1, "x.json") == (
-        f"x.json: {name} must be a positive integer, got {bad!r}"
+        f"x.json: {name} must be an integer in 1..2147483647, got {bad!r}"
     )
 
 
@@ -745,10 +749,10 @@ def test_deepspeed_aliases_and_real_zero_keys_are_accepted():
             "ds.scheduler.type=WarmupDecayLR",
             "scheduler.params.total_num_steps is required by WarmupDecayLR",
         ),
-        ("ds.train_batch_size=0", "train_batch_size must be a positive integer, got 0"),
+        ("ds.train_batch_size=0", "train_batch_size must be an integer in 1..2147483647, got 0"),
         (
             'ds.train_micro_batch_size_per_gpu="2"',
-            "train_micro_batch_size_per_gpu must be a positive integer, got '2'",
+            "train_micro_batch_size_per_gpu must be an integer in 1..2147483647, got '2'",
         ),
     ],
 )

@@ -59,9 +59,12 @@ def test_hf_zero3_auto_config_resolves_as_the_trainer_would(tmp_path):
     zero = ds["zero_optimization"]
     assert [zero[k] for k in HF_BUCKETS] == [hidden * hidden, int(0.9 * hidden * hidden),
                                              10 * hidden]  # fmt: skip
-    # this CPU has bf16 and no fp16: "auto" is bf16, and the disabled fp16 section is noted
-    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
-    assert "bf16, fp16: 'auto' -> bf16 (the device supports it)" in res.ds_notes
+    # "auto" precision is fp32 as the HF Trainer's is without --bf16 (this CPU has bf16: it
+    # is not switched on behind the user's back), and the disabled fp16 section is noted
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
+    assert ("bf16, fp16: 'auto' -> fp32, as the Hugging Face Trainer does without --bf16 / "
+            "--fp16 (\"enabled\": true, or --set ds.bf16.enabled=true, asks for it)"
+            in res.ds_notes)  # fmt: skip
     assert "fp16: at its do-nothing value, ignored" in res.ds_notes
     assert "scheduler.params.total_num_steps: 'auto' -> 7 (train.steps)" in res.ds_notes
 
@@ -70,7 +73,7 @@ def test_fill_auto_leaves_numbers_alone_and_fills_only_what_it_knows():
     ds = {"train_batch_size": 32, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}},
           "zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}}  # fmt: skip
-    filled, notes = fill_auto(ds, hidden=64, steps=10, bf16_supported=False)
+    filled, notes = fill_auto(ds, hidden=64, steps=10)
     assert filled["train_batch_size"] == 32 and filled["optimizer"]["params"] == {"lr": 1e-4}
     assert (
         filled["scheduler"]["params"]["warmup_num_steps"]
@@ -86,10 +89,43 @@ def test_fill_auto_leaves_numbers_alone_and_fills_only_what_it_knows():
     ]
 
 
-def test_bf16_auto_without_bf16_is_fp32():
-    filled, notes = fill_auto({"bf16": {"enabled": "auto"}}, 64, 10, bf16_supported=False)
+def test_bf16_auto_is_fp32_and_enabled_true_is_bf16():
+    filled, notes = fill_auto({"bf16": {"enabled": "auto"}}, 64, 10)
     assert filled["bf16"] == {"enabled": False}
-    assert "bf16: 'auto' -> fp32 (the device has no bf16)" in notes
+    assert any(n.startswith("bf16: 'auto' -> fp32, as the Hugging Face Trainer") for n in notes)
+    res = resolve(load(None, ["ds.bf16.enabled=auto"]), 1)
+    assert res.ds["bf16"]["enabled"] is False
+    res = resolve(load(None, ["ds.bf16.enabled=true"]), 1)
+    assert res.ds["bf16"]["enabled"] is True
+
+
+AUTO_BATCH = {k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                  "gradient_accumulation_steps")}  # fmt: skip
+
+
+@pytest.mark.parametrize("pp, dp, micro, gas", [(1, 2, 2, 1), (2, 1, 2, 4), (2, 2, 2, 4),
+                                                 (4, 1, 2, 8)])  # fmt: skip
+def test_auto_batch_gives_a_pipeline_two_micro_batches_per_stage(tmp_path, pp, dp, micro, gas):
+    res = resolve(load(write(tmp_path, AUTO_BATCH), [f"parallel.pp={pp}",
+                                                     "model.num_layers=4"]), pp * dp)  # fmt: skip
+    assert tuple(res.batch) == (micro * gas * dp, micro, gas)
+    (note,) = [n for n in res.ds_notes if n.startswith("train_batch_size, ")]
+    assert "train_micro_batch_size_per_gpu 2 (dsnd's packaged JSON)" in note
+    assert (f"gradient_accumulation_steps {gas} (2 x parallel.pp={pp}" in note) == (pp > 1)
+
+
+def test_auto_gas_with_a_train_batch_fills_2pp_where_it_divides(tmp_path):
+    ds = {**AUTO_BATCH, "train_batch_size": 16}
+    res = resolve(load(write(tmp_path, ds), ["parallel.pp=2"]), 4)  # dp 2: 16 = 2 x 4 x 2
+    assert tuple(res.batch) == (16, 2, 4)
+    ds = {**AUTO_BATCH, "train_batch_size": 6}  # 6 / (4 x dp 1): not whole
+    res = resolve(load(write(tmp_path, ds), ["parallel.pp=2"]), 2)
+    assert tuple(res.batch) == (6, 6, 1)
+    assert any("which 4 x dp=1 does not divide: fewer than 2 x parallel.pp=2 micro-batches"
+               in n for n in res.ds_notes)  # fmt: skip
+    ds = {**AUTO_BATCH, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}
+    res = resolve(load(write(tmp_path, ds), ["parallel.pp=2"]), 2)  # both set: gas is 2
+    assert tuple(res.batch) == (16, 8, 2)
 
 
 def test_an_auto_dsnd_cannot_fill_is_refused_by_name():
@@ -166,13 +202,30 @@ def test_ds_config_check_and_explain(tmp_path, capsys):
     assert cli.main(["ds-config", "check", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{path}: dsnd will run it (1 rank)"
-    assert "  steps_per_print: used as written" in out
+    assert "  wall_clock_breakdown: used as written" in out
     assert "  gradient_clipping: 'auto' -> 1.0" in out
+    assert any(line.startswith("  steps_per_print: DeepSpeed's own progress") for line in out)
     assert len(out) == len(set(out))  # a note naming several keys is shown once
+    # every nested key has its line: used, filled in, or of no effect and why
+    for key in ("overlap_comm", "contiguous_gradients", "sub_group_size",
+                "stage3_max_live_parameters"):  # fmt: skip
+        assert f"  zero_optimization.{key}: used as written" in out
+    assert ("  zero_optimization.stage3_gather_16bit_weights_on_model_save: has no effect here: "
+            "DeepSpeed reads it in save_16bit_model, which dsnd does not call") in "\n".join(out)
+    assert "  optimizer.params.lr: 'auto' -> 0.003 (dsnd's default)" in out
+    shown = {k for line in out[1:] for k in line.split(":")[0].strip().split(", ")}
+
+    def has_lines(path: str, value) -> bool:  # its own line (about all of it), or its keys'
+        return path in shown or isinstance(value, dict) and all(
+            has_lines(f"{path}.{k}", v) for k, v in value.items())  # fmt: skip
+
+    assert all(has_lines(key, value) for key, value in HF_ZERO3.items())
     argv = ["ds-config", "explain", str(path), "--nprocs", "4", "--set", "parallel.pp=2"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "batch: train_batch_size 4 = micro 2 x gradient_accumulation_steps 1 x dp 2" in out
+    # "auto" batch keys at pp=2: 2 x pp micro-batches per step, not a step of mostly bubble
+    assert "batch: train_batch_size 16 = micro 2 x gradient_accumulation_steps 4 x dp 2" in out
+    assert "\nprecision: fp32\n" in out
     assert "ZeRO-3 over each stage's 2 data-parallel ranks; offload: optimizer none" in out
     assert out.count(" MiB on the device, 0.0 MiB in CPU memory") == 2  # two stages, no offload
 
@@ -245,3 +298,22 @@ def test_the_wandb_monitor_is_written_by_dsnd_offline(tmp_path, monkeypatch):
         assert expected in data, expected
     with pytest.raises(UserError, match=r"wandb: unknown key 'projct' \(did you mean 'project'"):
         resolve(load(None, ['ds.wandb={"enabled": true, "projct": "x"}']), 1)
+
+
+@pytest.mark.parametrize("stage, key, why", [
+    (3, "stage3_gather_16bit_weights_on_model_save", "which dsnd does not call"),
+    (2, "stage3_max_live_parameters", "only ZeRO-3 reads it, and zero_optimization.stage is 2"),
+    (1, "sub_group_size", "only ZeRO-3 reads it, and zero_optimization.stage is 1"),
+    (3, "allgather_bucket_size", "only ZeRO-1/2 read it, and zero_optimization.stage is 3"),
+    (0, "overlap_comm", "zero_optimization.stage 0 builds no ZeRO optimizer"),
+    (2, "load_from_fp32_weights", "when it loads its own checkpoints"),
+])  # fmt: skip
+def test_zero_keys_without_effect_are_said_at_start(stage, key, why):
+    res = resolve(load(None, [f"deepspeed=ds_configs/zero{stage}.json",
+                              f"ds.zero_optimization.{key}=true"]), 1)  # fmt: skip
+    (note,) = [n for n in res.ds_notes if n.startswith(f"zero_optimization.{key}: ")]
+    assert "has no effect here" in note and why in note
+    # and the keys the stage reads have no such note
+    res = resolve(load(None, ["deepspeed=ds_configs/zero2.json",
+                              "ds.zero_optimization.overlap_comm=true"]), 1)  # fmt: skip
+    assert not [n for n in res.ds_notes if "has no effect" in n]

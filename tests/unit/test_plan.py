@@ -73,6 +73,11 @@ def test_interleaved_plan_holds_two_chunks_per_stage_and_ties_across_the_ring():
         (("parallel.pp=2", "parallel.schedule=zb-h1", "deepspeed=ds_configs/zero3.json"),
          "zb-h1 runs with ZeRO stages 0, 1, 2, not zero_optimization.stage=3"),
         (("parallel.pp=2", "parallel.virtual_stages=0"), "virtual_stages=0 must be >= 1"),
+        # the chunk count is named by the keys the user set, not as a parallel.pp they did not
+        (("parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=8",
+          "ds.gradient_accumulation_steps=8", "ds.train_batch_size=null"),
+         r"^parallel.pp=2 x parallel.virtual_stages=8 = 16 model chunks is more than the "
+         r"model's \d+ pipeline layers"),
     ],
 )  # fmt: skip
 def test_schedules_refuse_what_they_cannot_run(sets, message):
