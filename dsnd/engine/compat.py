@@ -119,12 +119,30 @@ def _note_start(name: str, build_dir: str, before: float | None) -> None:
     (on a first run of several ranks one builds and the others wait)."""
     first = f"first run only, {build_estimate(name)}"
     lock = os.path.join(build_dir, "lock")
-    if os.path.exists(lock):
-        log.info("waiting for %s: another process is building DeepSpeed op %s (%sa build killed "
-                 "midway leaves the lock behind: delete it if none is running)", lock, name,
-                 f"{first}; " if before is None else "")  # fmt: skip
+    if before is not None and _lock_stays(lock, LOCK_GRACE_S):
+        log.info("waiting for %s: another process is building DeepSpeed op %s (a build killed "
+                 "midway leaves the lock behind: delete it if none is running)", lock, name)
+    elif before is None and os.path.exists(lock):
+        log.info("waiting for %s: another process is building DeepSpeed op %s (%s; a build "
+                 "killed midway leaves the lock behind: delete it if none is running)", lock,
+                 name, first)  # fmt: skip
     elif before is None:
         log.info("building DeepSpeed op %s (%s) in %s ...", name, first, build_dir)
+
+
+LOCK_GRACE_S = 2.0
+"""How long another rank's lock on a built op may stay before the wait is worth a line: its
+freshness check before a load takes well under a second (measured: the lock of a 2-rank start
+is there for a moment on every run)."""
+
+
+def _lock_stays(lock: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while os.path.exists(lock):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _note_done(name: str, build_dir: str, before: float | None, seconds: float) -> None:

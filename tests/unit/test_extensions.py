@@ -116,6 +116,26 @@ def test_a_build_is_logged_before_and_after_and_a_load_is_quiet(monkeypatch, tmp
     ]
 
 
+def test_a_peer_lock_on_a_built_op_that_goes_at_once_is_not_a_wait(monkeypatch, tmp_path,
+                                                                    caplog):  # fmt: skip
+    """Every 2-rank start: one rank holds the lock for its freshness check while the other
+    comes to load; that is no build and no wait worth a line."""
+    import threading
+
+    monkeypatch.setenv(VARIABLE, str(tmp_path))
+    monkeypatch.setattr(FakeBuilder, "jit_load", logged_jit_load(FakeBuilder.jit_load))
+    builder, build_dir = FakeBuilder(), str(tmp_path / FakeBuilder.name)
+    builder.jit_load()  # built
+    caplog.set_level(logging.DEBUG, logger="dsnd.engine.compat")
+    caplog.clear()
+    lock = os.path.join(build_dir, "lock")
+    open(lock, "w").close()
+    threading.Timer(0.3, os.remove, (lock,)).start()
+    builder.builds = False
+    builder.jit_load()
+    assert _infos(caplog) == []
+
+
 def test_the_build_line_says_about_how_long_each_op_takes():
     # measured on 2 cores: the shm comm op 25-77 s, each CPU optimizer about 1 min, async_io 2.5
     assert build_estimate("deepspeed_shm_comm") == "about a minute"
