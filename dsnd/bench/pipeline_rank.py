@@ -50,6 +50,7 @@ from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.distributed.groups import ProcessGroups, build_groups
 from dsnd.distributed.init import WorldInfo, init_world, shutdown, world_info
+from dsnd.engine.pipe import pipeline_engine, pipeline_module
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
 from dsnd.pipeline.runner import StageRunner
 from dsnd.plan.schedule import MULTI_CHUNK
@@ -142,11 +143,8 @@ class DsndPipeline:
 def deepspeed_pipeline(res: Resolved):
     """DeepSpeed's side: `PipelineModule` over dsnd's layer specs, with dsnd's initial weights,
     partition method and topology, in a `PipelineEngine` with the same DeepSpeed dict."""
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-
-    module = PipelineModule(
-        layers=layer_specs(res.model),
+    module = pipeline_module(
+        layer_specs(res.model),
         num_stages=res.topology.pp,
         topology=res.topology.to_deepspeed(),
         loss_fn=lm_loss,
@@ -156,13 +154,7 @@ def deepspeed_pipeline(res: Resolved):
         for name, layer in module.named_children():
             if name.isdigit():
                 init_layer(layer, res.run.train.seed, int(name), layer.init_std)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=param_groups(module),
-        config=copy.deepcopy(res.ds),
-        dist_init_required=False,
-    )
-    return engine
+    return pipeline_engine(module, param_groups(module), copy.deepcopy(res.ds))
 
 
 def deepspeed_step(engine, micro: Batches) -> dict[str, float]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from dsnd.model.layer_spec import TiedLayerSpec
 from dsnd.model.spec import ModelSpec
 from dsnd.model.specs import layer_specs
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -27,6 +26,7 @@ from dsnd.cp.context import ContextParallel
 from dsnd.model.checkpointing import run_layers
 from dsnd.model.decoder import LMHead, tied_logits
 from dsnd.model.documents import Documents
+from dsnd.model.layer_spec import LayerSpec, TiedLayerSpec
 from dsnd.model.parallelize import materialize
 from dsnd.model.spec import ModelSpec
 from dsnd.tp import load_full

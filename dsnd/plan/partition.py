@@ -2,8 +2,8 @@
 
 `partition(method, specs, num_stages)` returns `parts` (length num_stages + 1): stage s holds the
 global layers parts[s] .. parts[s+1]-1, exactly like `PipelineModule.parts`. The named methods
-call DeepSpeed's own `partition_uniform` / `partition_balanced` on the same weights that
-`PipelineModule._partition_layers` feeds them, so a dsnd stage holds the same layers as the
+call `partition_uniform` / `partition_balanced` (`dsnd.plan.boundaries`, DeepSpeed's written
+out) on the same weights that `PipelineModule._partition_layers` feeds them, so a dsnd stage holds the same layers as the
 DeepSpeed stage of the same rank, and per-layer checkpoint files line up with DeepSpeed's:
 
 - ``uniform``: layer counts as even as possible (earlier stages take the remainder);
@@ -26,11 +26,11 @@ from numbers import Integral
 from typing import Any
 
 import torch
-from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from dsnd.engine.deepspeed_api import partition_balanced, partition_uniform
 from dsnd.errors import UserError, did_you_mean
+from dsnd.model.layer_spec import LayerSpec
+from dsnd.plan.boundaries import partition_balanced, partition_uniform
 
 KEY = "parallel.partition"
 PP_KEY = "parallel.pp"
@@ -154,7 +154,7 @@ def _named(method: str, specs: Sequence[Layer], num_stages: int,
         parts = partition_balanced(weights=_type_weights(method, specs), num_parts=num_stages)
     else:
         raise UserError(f"{KEY}={_show(method)} is not a method{_suggest(method)}; use {_CHOICES}")
-    return [int(p) for p in parts]  # partition_balanced mixes in numpy ints
+    return [int(p) for p in parts]
 
 
 def _suggest(method: str) -> str:

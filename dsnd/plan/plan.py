@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from deepspeed.pipe import TiedLayerSpec
 
 from dsnd.errors import UserError
 from dsnd.model import layer_specs, param_groups
 from dsnd.model.count import layer_table
+from dsnd.model.layer_spec import TiedLayerSpec
 from dsnd.model.spec import ModelSpec
 from dsnd.plan.partition import PartitionMethod, partition
 from dsnd.plan.schedule import (

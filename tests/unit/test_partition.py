@@ -15,12 +15,17 @@ import io
 
 import pytest
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.runtime.utils import partition_balanced as ds_balanced
+from deepspeed.runtime.utils import partition_uniform as ds_uniform
 from torch import nn
 
+from dsnd.engine.pipe import deepspeed_specs
 from dsnd.errors import UserError
+from dsnd.model.layer_spec import LayerSpec
 from dsnd.model.specs import layer_specs
+from dsnd.plan.boundaries import partition_balanced, partition_uniform
 from dsnd.plan.partition import (
     layer_param_counts,
     layer_type_names,
@@ -42,7 +47,7 @@ def deepspeed_parts(specs, num_stages: int, method: str) -> list[int]:
     """`PipelineModule.parts` for `specs`, computed by DeepSpeed's own `_partition_layers`."""
     module = PipelineModule.__new__(PipelineModule)
     nn.Module.__init__(module)
-    module._layer_specs = list(specs)
+    module._layer_specs = deepspeed_specs(specs)
     module.num_stages = num_stages
     module._topo = PipeDataParallelTopology(num_pp=num_stages, num_dp=1)
     module.global_rank = 0  # rank 0 = stage 0; it also prints the split, silenced below
@@ -71,8 +76,21 @@ def test_param_counts_equal_deepspeed(name):
     specs = SPECS[name]
     module = PipelineModule.__new__(PipelineModule)
     nn.Module.__init__(module)
-    module._layer_specs = specs
+    module._layer_specs = deepspeed_specs(specs)
     assert layer_param_counts(specs) == module._count_layer_params()
+
+
+def test_boundaries_are_deepspeeds_own():
+    """dsnd's partition arithmetic (no DeepSpeed needed to import the Plan) against DeepSpeed's
+    on random weights, ties included (small integers repeat)."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(1, 14, (1,), generator=gen))
+        parts = int(torch.randint(1, 9, (1,), generator=gen))
+        high = 4 if trial % 2 else 10**6
+        weights = torch.randint(0, high, (n,), generator=gen).tolist()
+        assert partition_balanced(weights, parts) == [int(p) for p in ds_balanced(weights, parts)]
+        assert partition_uniform(n, parts) == ds_uniform(n, parts)
 
 
 def test_llama_tiny_counts_and_parameter_splits():
