@@ -38,6 +38,7 @@ from dsnd.data.sources import load_data
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.loss_scale import current_scale, scale_numbers
+from dsnd.engine.public import comms_log_summary
 from dsnd.errors import Diverged
 from dsnd.flops import flops_per_token, peak_flops
 from dsnd.model.count import layer_table
@@ -252,9 +253,7 @@ def _comms_summary(log_dir: str) -> None:
     script prints it with `deepspeed.comm.log_summary()`: rank 0 prints the table to its log and
     writes the numbers to ``log.dir/comms_summary.json``. It counts the collectives DeepSpeed
     runs (ZeRO's reductions and gathers), not dsnd's pipeline sends."""
-    import deepspeed.comm
-
-    summary = deepspeed.comm.log_summary(return_dict=True)
+    summary = comms_log_summary()
     if dist.get_rank() == 0 and summary is not None:
         path = os.path.join(log_dir, "comms_summary.json")
         with open(path, "w", encoding="utf-8") as f:

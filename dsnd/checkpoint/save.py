@@ -15,7 +15,6 @@ import platform
 import shutil
 import signal
 
-import deepspeed
 import torch
 import torch.distributed as dist
 import transformers
@@ -29,6 +28,7 @@ from dsnd.config.resolve import Resolved
 from dsnd.data.corpus import Corpus
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.loss_scale import scaler_state
+from dsnd.engine.public import version as deepspeed_version
 from dsnd.engine.state import full_state, optim_keys, optimizer_step
 from dsnd.errors import Diverged
 from dsnd.model.specs import layer_of
@@ -62,7 +62,7 @@ def software_versions() -> dict[str, str]:
     """What wrote a checkpoint (the manifest's "versions")."""
     return {
         "dsnd": __version__,
-        "deepspeed": deepspeed.__version__,
+        "deepspeed": deepspeed_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsnd.engine.public import distributed_attention
+
 
 def ulysses_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       group: dist.ProcessGroup, **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """Causal attention of (b, heads, s/cp, d) slices over the group's whole sequence;
     (b, s/cp, heads, d) as transformers' attention functions return it."""
-    from deepspeed.sequence.layer import DistributedAttention
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def local(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
@@ -29,5 +30,5 @@ def ulysses_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return out  # (b, s, heads/cp, d)
 
     # scatter heads (dim 2), gather the sequence (dim 1); batch is dim 0
-    attention = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
+    attention = distributed_attention(local, group, scatter_idx=2, gather_idx=1)
     return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0)

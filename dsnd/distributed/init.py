@@ -84,12 +84,11 @@ def init_world(info: WorldInfo, timeout_s: float, backend: str = "auto") -> None
             world_size=info.world_size,
             timeout=timeout,
         )
-    import deepspeed
-
     from dsnd.engine.compat import log_op_builds
+    from dsnd.engine.public import init_distributed
 
     log_op_builds()  # before DeepSpeed's comm layer JIT-builds its shared-memory op
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    init_distributed(backend, timeout)
     log.debug("joined world %s via %s", info, info.source)
 
 

@@ -25,13 +25,13 @@ import json
 import os
 import shutil
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from dsnd.engine.public import gathered_parameters
 from dsnd.errors import UserError
 from dsnd.model.count import full_shapes
 from dsnd.model.export_dir import ExportOrigin, replacing, umask, write_whole
@@ -130,7 +130,7 @@ def load_hf_stage(stack: LayerStack, path: str, model: ModelSpec) -> None:
                 raise UserError(f"model.init_from={path}: the checkpoint has no {hf_name}")
             tensors[name] = _read(files[hf_name], hf_name, param, path)
         params = [p for _, p in named]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        with gathered_parameters(params, modifier_rank=0), torch.no_grad():
             for name, param in named:
                 param.data.copy_(tensors[name].to(device=param.device, dtype=param.dtype))
 
@@ -200,7 +200,7 @@ def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.Pr
         named = list(module.named_parameters())
         if not named:
             continue
-        with deepspeed.zero.GatheredParameters([p for _, p in named]):  # no-op below ZeRO-3
+        with gathered_parameters([p for _, p in named]):  # no-op below ZeRO-3
             for name, param in named:
                 value = param.detach().to("cpu", copy=True).contiguous()
                 mine[prefix + name] = (value, getattr(param, "tp_shard", None))

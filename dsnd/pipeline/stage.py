@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -13,6 +12,7 @@ from dsnd.cp import ContextParallel
 from dsnd.distributed.groups import ProcessGroups, hpz_group
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.compat import nvme_param_swapper, use_hpz_group
+from dsnd.engine.public import zero_init
 from dsnd.model import LayerStack, layer_specs
 from dsnd.model.documents import Documents
 from dsnd.tp.context import TensorParallel
@@ -66,8 +66,8 @@ def build_stage(res: Resolved, groups: ProcessGroups,
         # zero.Init as a context creates parameters in the run's dtype; handed a built module it
         # keeps their dtype, and a bf16 engine would then send fp32 activations between stages
         layer.to(zero3_dtype(res.ds))
-        deepspeed.zero.Init(
-            module=layer,
+        zero_init(
+            layer,
             data_parallel_group=groups.data,
             config_dict_or_path=res.ds,
             mpu=Mpu(groups),  # so its config checks the batch against dp, not the world

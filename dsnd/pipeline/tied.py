@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.deepspeed_api import unpartitioned_shape
+from dsnd.engine.public import gathered_parameters
 from dsnd.model import LayerStack
 from dsnd.plan.plan import Tie
 
@@ -93,7 +93,7 @@ class TiedWeights:
         for tie in self.ties:
             if tie.owner:
                 param = getattr(tie.holder, tie.name)
-                with deepspeed.zero.GatheredParameters([param]):  # no-op below ZeRO-3
+                with gathered_parameters([param]):  # no-op below ZeRO-3
                     dist.send(param.detach().clone(), tie.peer, group=self.group)
 
     def borrow(self, device: torch.device) -> None:

@@ -3,8 +3,9 @@
 `partition(method, specs, num_stages)` returns `parts` (length num_stages + 1): stage s holds the
 global layers parts[s] .. parts[s+1]-1, exactly like `PipelineModule.parts`. The named methods
 call `partition_uniform` / `partition_balanced` (`dsnd.plan.boundaries`, DeepSpeed's written
-out) on the same weights that `PipelineModule._partition_layers` feeds them, so a dsnd stage holds the same layers as the
-DeepSpeed stage of the same rank, and per-layer checkpoint files line up with DeepSpeed's:
+out) on the same weights that `PipelineModule._partition_layers` feeds them, so a dsnd stage
+holds the same layers as the DeepSpeed stage of the same rank, and per-layer checkpoint files
+line up with DeepSpeed's:
 
 - ``uniform``: layer counts as even as possible (earlier stages take the remainder);
 - ``parameters``: trainable parameter counts balanced; a `TiedLayerSpec` counts its whole module

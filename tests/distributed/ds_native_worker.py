@@ -47,8 +47,10 @@ def _pipeline_engine(res, ds: dict):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
+    from dsnd.engine.pipe import deepspeed_specs
+
     specs = layer_specs(res.model)
-    module = PipelineModule(layers=specs, num_stages=res.topology.pp,
+    module = PipelineModule(layers=deepspeed_specs(specs), num_stages=res.topology.pp,
                             topology=res.topology.to_deepspeed(), loss_fn=lm_loss,
                             partition_method=res.run.parallel.partition)  # fmt: skip
     seed = res.run.train.seed

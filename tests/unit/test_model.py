@@ -8,7 +8,6 @@ import stat
 
 import pytest
 import torch
-from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -21,6 +20,7 @@ from dsnd.model import (
 )
 from dsnd.model.hf_io import write_hf_dir
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
+from dsnd.model.layer_spec import TiedLayerSpec
 from tests.models import spec_of
 
 torch.set_num_threads(1)
