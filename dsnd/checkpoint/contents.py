@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dsnd.checkpoint.layout import MANIFEST, optim_file_of
+from dsnd.checkpoint.members import Problem, member, raise_problem
 from dsnd.checkpoint.safetensors_header import FLOAT_DTYPES, HeaderError, read_header
 from dsnd.checkpoint.schema import expected_dtype
-from dsnd.checkpoint.verify import Problem, member, raise_problem
 
 # tensor name -> (its dtype, None for any floating-point one; its shape)
 Expected = dict[str, tuple[str | None, list[int]]]

@@ -1,7 +1,6 @@
 """Whether a checkpoint can be trusted: its manifest, every file it lists, the tensors in them.
 
-A load reads only `member`s: regular files inside the step directory (no symbolic links, no
-`..`) that manifest["files"] lists, so the checksums cover every byte it reads. `verify` lists
+A load reads only `member`s (`dsnd.checkpoint.members`), files the checksums cover. `verify` lists
 every problem (for `dsnd ckpt verify`), `check_intact` raises the first, `newest_intact` is what
 `checkpoint.resume: auto` takes. Every refusal is one line "<step_dir>/<file>: <what>".
 """
@@ -10,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
+from dsnd.checkpoint.contents import tensor_problems
 from dsnd.checkpoint.layout import (
     FORMAT,
     MANIFEST,
@@ -25,26 +24,8 @@ from dsnd.checkpoint.layout import (
     regular,
     sha256_file,
 )
+from dsnd.checkpoint.members import Problem, member_problem, name_problem, raise_problem
 from dsnd.checkpoint.schema import file_entry_problem, manifest_problems
-
-
-@dataclass(frozen=True)
-class Problem:
-    file: str  # path relative to the step directory
-    what: str
-
-    def __post_init__(self) -> None:
-        # names come from the files themselves: one with a newline must not split the line
-        object.__setattr__(self, "file", printable(self.file))
-        object.__setattr__(self, "what", printable(self.what))
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.what}"
-
-
-def printable(text: str) -> str:
-    """`text` with control characters escaped as Python would (\\n, \\x1b)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def read_manifest(step_dir: str) -> dict:
@@ -54,11 +35,6 @@ def read_manifest(step_dir: str) -> dict:
     if problems:
         raise_problem(step_dir, problems[0])
     return manifest
-
-
-def raise_problem(step_dir: str, problem: Problem) -> None:
-    """CheckpointError "<step_dir>/<file>: <what>", the one form every refusal takes."""
-    raise CheckpointError(f"{os.path.join(step_dir, problem.file)}: {problem.what}")
 
 
 def _checked_manifest(step_dir: str) -> tuple[dict, list[Problem]]:
@@ -93,44 +69,6 @@ def _checked_manifest(step_dir: str) -> tuple[dict, list[Problem]]:
     return manifest, problems
 
 
-def _name_problem(rel: str, files: dict) -> str | None:
-    """Why a load may not read `rel` whatever is on disk: outside, or no checksum covers it."""
-    if os.path.isabs(rel) or ".." in rel.split("/"):
-        return "lies outside the step directory"
-    if rel == "." or not rel.isprintable() or os.path.normpath(rel) != rel:
-        return "is not a plain relative path"  # ".", "a/./b", a NUL byte: no file a save writes
-    if rel not in files:
-        return f"is not listed in {MANIFEST}'s files, so no checksum covers it"
-    return None
-
-
-def member_problem(step_dir: str, files: dict, rel: str) -> str | None:
-    """Why `rel` is not a file a load may read (None when it is): it must be a regular file
-    inside `step_dir`, reached without symbolic links, and listed in the manifest's `files`."""
-    what = _name_problem(rel, files)
-    if what:
-        return what
-    path = os.path.join(step_dir, rel)
-    if os.path.islink(path):
-        return "is a symbolic link (a checkpoint holds regular files only)"
-    if not os.path.lexists(path):
-        return "missing"
-    if os.path.realpath(path) != os.path.join(os.path.realpath(step_dir), rel):
-        return "lies outside the step directory (through a symbolic link)"
-    if not os.path.isfile(path):
-        return "is not a regular file"
-    return None
-
-
-def member(step_dir: str, manifest: dict, rel: str) -> str:
-    """The path of `rel` in `step_dir`, the only way a load opens a checkpoint file;
-    CheckpointError naming it unless `member_problem` finds nothing."""
-    what = member_problem(step_dir, manifest["files"], rel)
-    if what:
-        raise_problem(step_dir, Problem(rel, what))
-    return os.path.join(step_dir, rel)
-
-
 def _file_problem(step_dir: str, files: dict, rel: str) -> str | None:
     """What is wrong with one listed file: where it lies, its size, its SHA-256."""
     what = member_problem(step_dir, files, rel)
@@ -155,7 +93,7 @@ def _reference_problems(manifest: dict) -> list[Problem]:
         first_param.setdefault(meta["file"], name)
     problems = []
     for rel, name in sorted(first_param.items()):
-        what, optim = _name_problem(rel, files), optim_file_of(rel)
+        what, optim = name_problem(rel, files), optim_file_of(rel)
         if what:
             problems.append(Problem(rel, f"{what}; params['{name}'] names it"))
         elif keys and optim is None:
@@ -186,8 +124,6 @@ def verify(step_dir: str) -> list[Problem]:
     if MANIFEST in named:
         return problems  # params or optim_keys unusable: nothing to check tensors against
     problems += _reference_problems(manifest)
-    from dsnd.checkpoint.contents import tensor_problems  # torch: only past the cheap checks
-
     return problems + tensor_problems(step_dir, manifest, intact)
 
 

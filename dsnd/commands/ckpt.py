@@ -38,14 +38,8 @@ from itertools import pairwise
 
 from dsnd.checkpoint import layout
 from dsnd.checkpoint.layout import MANIFEST, MANIFEST_SUM, CheckpointError
-from dsnd.checkpoint.verify import (
-    Problem,
-    check_intact,
-    member_problem,
-    printable,
-    read_manifest,
-    verify,
-)
+from dsnd.checkpoint.members import Problem, member_problem, printable
+from dsnd.checkpoint.verify import check_intact, read_manifest, verify
 
 UNCHECKED = "not checked: the manifest failed"
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from functools import cache
 from typing import Any
 
 from dsnd.config.batch import GAS, MICRO, TRAIN
+from dsnd.config.packaged import packaged_json
 
 AUTO = "auto"
 
@@ -35,10 +35,7 @@ AUTO = "auto"
 @cache
 def packaged() -> dict[str, Any]:
     """The packaged ZeRO-1 JSON: where dsnd's default optimizer and scheduler come from."""
-    from dsnd.config.load import default_config_path
-
-    path = os.path.join(os.path.dirname(default_config_path()), "zero1.json")
-    with open(path, encoding="utf-8") as f:
+    with open(packaged_json(1), encoding="utf-8") as f:
         return json.load(f)
 
 

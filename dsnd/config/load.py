@@ -13,11 +13,11 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 from dsnd.config import deepspeed_json, json_lines, strict
 from dsnd.config.ds_auto import fill_auto
+from dsnd.config.packaged import default_config_path
 from dsnd.config.schema import RunConfig
 from dsnd.config.yaml_lines import load_yaml
 from dsnd.errors import UserError, did_you_mean
@@ -34,11 +34,6 @@ class LoadedConfig:
     sets: list[str] = field(default_factory=list)
     ds_file: dict[str, Any] | None = None  # the JSON file as read (None: the same as `ds`)
     ds_sets: list[deepspeed_json.DsSet] = field(default_factory=list)  # merged into `ds`
-
-
-def default_config_path() -> str:
-    """The packaged default YAML (installed as package data)."""
-    return str(resources.files("dsnd") / "configs" / "default.yaml")
 
 
 def set_label(item: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from dsnd.config.load import default_config_path
+from dsnd.config.packaged import packaged_json
 from dsnd.planner.search import Layout
 from dsnd.planner.source import PARTITION
 
@@ -17,7 +17,7 @@ RUN_YAML, DS_JSON = "run.yaml", "ds_config.json"
 
 
 def ds_json(lay: Layout, global_batch: int, bf16: bool) -> dict[str, Any]:
-    path = os.path.join(os.path.dirname(default_config_path()), f"zero{lay.zero_stage}.json")
+    path = packaged_json(lay.zero_stage)
     with open(path, encoding="utf-8") as f:
         ds = json.load(f)
     ds["train_batch_size"] = global_batch

@@ -36,7 +36,8 @@ from dsnd.checkpoint.layout import (
     step_dir_name,
 )
 from dsnd.checkpoint.load import _restore_rng, read_full_model
-from dsnd.checkpoint.verify import check_intact, member, read_manifest
+from dsnd.checkpoint.members import member
+from dsnd.checkpoint.verify import check_intact, read_manifest
 from dsnd.model.families import FAMILIES
 from tests.procs import run_cli
 from tests.unit.test_ckpt_cli import LEGACY_MODEL, STEP, write_checkpoint
