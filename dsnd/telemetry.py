@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dsnd.engine.memory import state_bytes
-from dsnd.pipeline.executor import PHASES
+from dsnd.phases import PHASES
 from dsnd.topology import Topology
 
 STATS = (*PHASES, "live_bytes", "peak_bytes", "activation_peak_bytes", "stop_requested",

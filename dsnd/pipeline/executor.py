@@ -34,6 +34,7 @@ from dsnd.data.layout import StepLayout
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import lm_loss
 from dsnd.model.documents import Documents
+from dsnd.phases import PHASES
 from dsnd.pipeline.activations import ActivationMeter
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.tied import TiedWeights
@@ -65,16 +66,11 @@ class StageMath:
     sync_grads: Callable[[], None] | None = None  # the sp_sum instruction
 
 
-PHASES = ("forward", "backward", "comm", "optimizer", "pipeline_wait")
-
-
 @dataclass
 class StepResult:
     loss: torch.Tensor | None  # mean over this rank's micro-batches (last stage only)
     grad_norm: float | None  # ZeRO-0 only: DeepSpeed keeps no norm there
-    # seconds per phase, disjoint: forward / backward compute, comm (tied weights, the tensor
-    # group's sums, the data-parallel reduction, waiting for sends), optimizer (the engine's
-    # step), pipeline_wait (blocked in receives: the pipeline bubble as this stage sees it)
+    # seconds per phase (`dsnd.phases`: disjoint, the bubble is pipeline_wait)
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     # seconds per compute instruction kind (F, B, I, W), summed over the step: with the
     # program, what `dsnd.plan.schedule.timeline` needs to predict this stage's bubble

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dsnd.flops import flops_per_token
-from dsnd.pipeline.executor import PHASES
+from dsnd.phases import PHASES
 from dsnd.telemetry import MEMORY
 from tests.distributed.parity import case, run_cases
 from tests.models import spec_of

@@ -10,8 +10,9 @@ import dsnd
 
 LAYERS = [
     "errors", "engine", "extensions", "secrets", "topology", "tp", "cp", "model", "plan", "config",
-    "data", "distributed", "flops", "pipeline", "progress", "stop_request", "metrics", "telemetry",
-    "report", "checkpoint", "trainer", "launch", "planner", "bench", "commands", "cli", "__main__",
+    "data", "distributed", "flops", "phases", "pipeline", "progress", "stop_request", "metrics",
+    "telemetry", "report", "checkpoint", "trainer", "launch", "planner", "bench", "commands",
+    "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent
 
