@@ -226,28 +226,8 @@ def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str,
         zero_stage=zero_stage(ds),
         sequence_parallel=par.sequence_parallel,
         balance_profile=balance_profile,
+        sub_group_size=(ds.get("zero_optimization") or {}).get("sub_group_size"),
     )
-
-
-ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed's default sub_group_size
-
-
-def check_zero3_sub_groups(ds: dict[str, Any], plan: Plan, model: ModelSpec) -> None:
-    """ZeRO-3 steps its parameters in sub-groups of `sub_group_size` elements, with collectives
-    per sub-group over the model-parallel group; stages holding different numbers of them wait
-    on each other for ever (measured: `sub_group_size: 0`, axolotl's ZeRO-3 JSON, hangs at
-    pp=2 in the first step, and runs at pp=1). Refused unless every stage fits one sub-group."""
-    if plan.pp == 1 or plan.zero_stage != 3:
-        return
-    size = (ds.get("zero_optimization") or {}).get("sub_group_size", ZERO3_SUB_GROUP)
-    largest = max(plan.stage_parameters(model))
-    if size < largest:
-        raise UserError(
-            f"zero_optimization.sub_group_size={size:g} splits a pipeline stage's {largest:,} "
-            "parameters into ZeRO-3 sub-groups whose number differs between stages, and "
-            "DeepSpeed's per-sub-group collectives then hang (measured at pp=2); set it to at "
-            f"least {largest} (DeepSpeed's default is {ZERO3_SUB_GROUP:g})"
-        )
 
 
 def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
@@ -317,7 +297,6 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         loaded.ds_path, sets,
     )  # fmt: skip
     plan = run_plan(run, model, topology, ds, batch)
-    check_zero3_sub_groups(ds, plan, model)
     check_dp_shard(par, ds, topology.dp, loaded.ds_path)
     check_reshard(par, ds, loaded.ds_path)
     return Resolved(

@@ -146,10 +146,12 @@ def make_plan(
     zero_stage: int,
     sequence_parallel: bool,
     balance_profile: Callable[[int], list[int]] | None = None,
+    sub_group_size: int | None = None,
 ) -> Plan:
     """Resolve and check the plan; every refusal is a UserError naming the key and numbers.
 
     ``partition: profile`` calls `balance_profile(stages)` (measured costs, `dsnd.plan.profile`).
+    `sub_group_size` is the JSON's ZeRO-3 `sub_group_size` (None: DeepSpeed's default).
     """
     p, v = topology.pp, virtual_stages
     _check_schedule(schedule, p, v, micro_batches, zero_stage)
@@ -165,7 +167,29 @@ def make_plan(
     )
     plan = Plan(**{**plan.__dict__, "programs": programs})
     _check_param_groups(plan, specs, partition_method)
+    _check_zero3_sub_groups(plan, model, ZERO3_SUB_GROUP if sub_group_size is None
+                            else sub_group_size)  # fmt: skip
     return plan
+
+
+ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed's default sub_group_size
+
+
+def _check_zero3_sub_groups(plan: Plan, model: ModelSpec, size: float) -> None:
+    """ZeRO-3 steps its parameters in sub-groups of `sub_group_size` elements, with collectives
+    per sub-group over the model-parallel group; stages holding different numbers of them wait
+    on each other for ever (measured: `sub_group_size: 0`, axolotl's ZeRO-3 JSON, hangs at
+    pp=2 in the first step, and runs at pp=1). Refused unless every stage fits one sub-group."""
+    if plan.pp == 1 or plan.zero_stage != 3:
+        return
+    largest = max(plan.stage_parameters(model))
+    if size < largest:
+        raise UserError(
+            f"zero_optimization.sub_group_size={size:g} splits a pipeline stage's {largest:,} "
+            "parameters into ZeRO-3 sub-groups whose number differs between stages, and "
+            "DeepSpeed's per-sub-group collectives then hang (measured at pp=2); set it to at "
+            f"least {largest} (DeepSpeed's default is {ZERO3_SUB_GROUP:g})"
+        )
 
 
 def _check_schedule(schedule: str, p: int, v: int, m: int, zero: int) -> None:
