@@ -73,6 +73,9 @@ def test_interleaved_plan_holds_two_chunks_per_stage_and_ties_across_the_ring():
         (("parallel.pp=2", "parallel.schedule=zb-h1", "deepspeed=ds_configs/zero3.json"),
          "zb-h1 runs with ZeRO stages 0, 1, 2, not zero_optimization.stage=3"),
         (("parallel.pp=2", "parallel.virtual_stages=0"), "virtual_stages=0 must be >= 1"),
+        (("parallel.pp=2", "deepspeed=ds_configs/zero3.json",
+          "ds.zero_optimization.sub_group_size=0"),
+         "sub_group_size=0 splits a pipeline stage's .* parameters into ZeRO-3 sub-groups"),
         # the chunk count is named by the keys the user set, not as a parallel.pp they did not
         (("parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=8",
           "ds.gradient_accumulation_steps=8", "ds.train_batch_size=null"),
