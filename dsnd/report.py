@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from dsnd.config.deepspeed_json import monitor_dir
+from dsnd.config.ds_monitors import monitor_dir
 from dsnd.config.resolve import Resolved
 from dsnd.metrics import CsvWriter, MetricsWriter, TensorBoardWriter, WandbWriter
 from dsnd.progress import Progress

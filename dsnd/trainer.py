@@ -28,7 +28,7 @@ from dsnd.checkpoint.commit import remove_temporaries
 from dsnd.checkpoint.load import load_checkpoint
 from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.save import save_checkpoint
-from dsnd.config.deepspeed_json import notes as deepspeed_notes
+from dsnd.config.ds_effect import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
 from dsnd.config.summary import batch_line, precision_line
 from dsnd.data import SampleSet, batch_for_step

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import copy
 import difflib
-import importlib.util
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 from dsnd.config import json_lines
 from dsnd.config.ds_auto import remaining_autos
-from dsnd.config.ds_checks import check_section_keys, is_number
+from dsnd.config.ds_checks import check_section_keys
+from dsnd.config.ds_monitors import MONITORS, check_monitor
+from dsnd.config.ds_offload import check_aio, check_offload, uses_nvme
 from dsnd.config.ds_optimizer import check_optimizer, check_scheduler
 from dsnd.config.json_lines import MAX_DEPTH
 from dsnd.engine import deepspeed_api
@@ -86,16 +86,6 @@ REFUSED = {
     "expert_parallel": "mixture-of-experts parallelism is not supported by dsnd",
     "zenflow": "ZenFlow is not supported by dsnd",
 }
-
-MONITORS = {
-    "tensorboard": {"enabled": bool, "output_path": str, "job_name": str},
-    "csv_monitor": {"enabled": bool, "output_path": str, "job_name": str},
-    "wandb": {"enabled": bool, "project": str, "group": str, "team": str},
-}
-"""DeepSpeed monitors (with their keys) dsnd writes itself, with its own step numbers, where
-DeepSpeed would: tensorboard and csv_monitor into ``output_path/job_name``, wandb to its project
-(DeepSpeed's monitors would count each stage engine's micro-batch calls as steps). They are
-taken out of the dict DeepSpeed gets (`take_monitors`)."""
 
 IGNORED = {
     "activation_checkpointing": (
@@ -286,10 +276,10 @@ def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
         if key in SUPPORTED:
             continue
         if key == "aio" and uses_nvme(ds):
-            problems += _aio(value, path, notes)
+            problems += check_aio(value, path, notes)
             continue
         if key in MONITORS:
-            problems += _monitor(key, value, path, notes)
+            problems += check_monitor(key, value, path, notes)
             continue
         if key in REFUSED and inactive(key, value):
             notes.append(f"{key}: at its do-nothing value, ignored")
@@ -338,70 +328,12 @@ def _check_ranges(ds: dict[str, Any], path: str) -> None:
     stage = (ds.get("zero_optimization") or {}).get("stage")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise UserError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    _check_offload(ds.get("zero_optimization") or {}, stage or 0, path)
+    check_offload(ds.get("zero_optimization") or {}, stage or 0, path)
     if ds.get("steps_per_print") is not None and ds["steps_per_print"] < 1:
         raise UserError(f"{path}: steps_per_print must be >= 1, got {ds['steps_per_print']}")
     if ds.get("gradient_clipping") is not None and ds["gradient_clipping"] < 0:
         raise UserError(f"{path}: gradient_clipping must be >= 0 (0 = off), got "
                         f"{ds['gradient_clipping']}")  # fmt: skip
-
-
-def _check_offload(zero: dict[str, Any], stage: int, path: str) -> None:
-    """ZeRO-Offload runs inside pipeline stages: to the CPU (optimizer: ZeRO 1-3; parameters:
-    ZeRO-3, as in DeepSpeed), to NVMe (ZeRO-Infinity) at ZeRO-3 only (DeepSpeed's ZeRO 1/2 would
-    offload to the CPU instead) into an existing writable directory, with DeepSpeed's async_io
-    op (built on first use; it needs libaio)."""
-    for key in ("offload_optimizer", "offload_param"):
-        section = zero.get(key)
-        device = section.get("device", "none") if isinstance(section, dict) else "none"
-        where = f"{path}: zero_optimization.{key}"
-        if device == "nvme" and stage != 3:
-            raise UserError(f"{where}.device='nvme' needs zero_optimization.stage 3, got {stage}")
-        if device == "nvme":
-            _check_nvme_path(section.get("nvme_path"), f"{where}.nvme_path")
-            problem = deepspeed_api.async_io_problem()
-            if problem:
-                raise UserError(f"{where}.device='nvme' needs DeepSpeed's async_io op, which "
-                                f"cannot be built here: {problem}")  # fmt: skip
-        if device == "cpu" and (stage == 0 or (key == "offload_param" and stage != 3)):
-            needs = "3" if key == "offload_param" else "1, 2 or 3"
-            raise UserError(f"{where}.device='cpu' needs zero_optimization.stage {needs}, "
-                            f"got {stage}")  # fmt: skip
-
-
-def _check_nvme_path(value: Any, where: str) -> None:
-    """DeepSpeed creates its swap folders under `nvme_path` only when the engine starts."""
-    if not isinstance(value, str) or not value:
-        raise UserError(f"{where} must be the path of a directory, got {value!r}")
-    if not os.path.isdir(value) or not os.access(value, os.W_OK | os.X_OK):
-        raise UserError(f"{where}: '{value}' is not a writable directory")
-
-
-def _aio(value: Any, path: str, notes: list[str]) -> list[str]:
-    """The `aio` section with NVMe offload on: DeepSpeed reads its known keys without checking
-    them and skips the rest (such as the older `thread_count`)."""
-    if not isinstance(value, dict):
-        return [f"{path}: aio must be an object, got {value!r}"]
-    defaults = deepspeed_api.aio_defaults()
-    problems = []
-    for k, v in value.items():
-        if k not in defaults:
-            notes.append(f"aio.{k}: not a key DeepSpeed reads; ignored, as DeepSpeed does"
-                         + did_you_mean(k, defaults))  # fmt: skip
-        elif type(v) is not type(defaults[k]) and not (is_number(v) and is_number(defaults[k])):
-            problems.append(f"{path}: aio.{k} must be {type(defaults[k]).__name__}, got {v!r}")
-        elif k == "use_gds" and v:
-            problems.append(f"{path}: aio.use_gds needs CUDA (GPUDirect Storage); this machine's "
-                            "DeepSpeed accelerator is not CUDA")  # fmt: skip
-    return problems
-
-
-def uses_nvme(ds: dict[str, Any]) -> bool:
-    """Whether the JSON offloads anything to NVMe (then its `aio` section is used)."""
-    zero = ds.get("zero_optimization")
-    sections = [zero.get(k) for k in ("offload_optimizer", "offload_param")] \
-        if isinstance(zero, dict) else []  # fmt: skip
-    return any(isinstance(s, dict) and s.get("device") == "nvme" for s in sections)
 
 
 def _check_types(ds: dict[str, Any], path: str) -> None:
@@ -431,44 +363,6 @@ def _check_sections(ds: dict[str, Any], path: str) -> None:
 def fp16_enabled(ds: dict[str, Any]) -> bool:
     """Whether the JSON turns fp16 (with its loss scaling) on."""
     return isinstance(ds.get("fp16"), dict) and ds["fp16"].get("enabled") is True
-
-
-def _monitor(key: str, value: Any, path: str, notes: list[str]) -> list[str]:
-    if not isinstance(value, dict):
-        return [f"{path}: {key} must be an object, got {value!r}"]
-    fields = MONITORS[key]
-    problems = []
-    for k, v in value.items():
-        if k not in fields:
-            problems.append(f"{path}: {key}: unknown key '{k}'" + did_you_mean(k, fields))
-        elif not isinstance(v, fields[k]):
-            problems.append(f"{path}: {key}.{k} must be {fields[k].__name__}, got {v!r}")
-    if value.get("enabled") and key == "wandb" and importlib.util.find_spec("wandb") is None:
-        problems.append(f"{path}: wandb.enabled needs the wandb package, which is not installed "
-                        "(pip install wandb)")  # fmt: skip
-    if not problems:
-        notes.append(f"{key}: {_monitor_note(key, value)}")
-    return problems
-
-
-def _monitor_note(key: str, section: dict[str, Any]) -> str:
-    if not section.get("enabled"):
-        return "off"
-    if key == "wandb":
-        return (f"written by dsnd to project {section.get('project', 'deepspeed')!r} "
-                "(WANDB_MODE=offline keeps the run on disk, under log.dir)")  # fmt: skip
-    return f"written by dsnd into {monitor_dir(section)}"
-
-
-def monitor_dir(section: dict[str, Any]) -> str:
-    """Where DeepSpeed's monitor of `section` writes: ``output_path/job_name``."""
-    return os.path.join(section.get("output_path", ""), section.get("job_name", "DeepSpeedJobName"))
-
-
-def take_monitors(ds: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Remove the monitor sections from `ds`; {monitor: its section} for the enabled ones."""
-    sections = {key: ds.pop(key) for key in MONITORS if key in ds}
-    return {key: s for key, s in sections.items() if s.get("enabled")}
 
 
 def check_keys(ds: dict[str, Any], path: str) -> list[str]:
@@ -537,30 +431,3 @@ def describe(error: Any, ds: dict[str, Any]) -> str:
     got = got if len(got) <= 60 else got[:57] + "..."
     more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
     return f"{key or error.title}: {first['msg']} (got {got}){more}"
-
-
-PRINTS_NEVER = 1_000_000_000
-"""The packaged JSONs' steps_per_print: DeepSpeed never reaches it, so it never prints."""
-
-
-def notes(ds: dict[str, Any]) -> list[str]:
-    """Warnings for settings whose DeepSpeed output disagrees with dsnd's own numbers.
-
-    dsnd runs each optimizer step as `gas` calls of the stage's engine (one per micro-batch), so
-    DeepSpeed's step-based printing and timers count those calls, not dsnd's steps.
-    """
-    trust = "dsnd's progress line, metrics.jsonl and TensorBoard are the numbers to trust"
-    out = []
-    if ds.get("steps_per_print") is not None and ds["steps_per_print"] < PRINTS_NEVER:
-        out.append(
-            "steps_per_print: DeepSpeed's own progress lines count the per-stage engine's "
-            "micro-batch calls, not dsnd's optimizer steps, so their step numbers and lr "
-            f"disagree with dsnd's (the lr one step off); {trust}"
-        )
-    if ds.get("wall_clock_breakdown"):
-        out.append(
-            "wall_clock_breakdown: DeepSpeed's timers count the per-stage engine's micro-batch "
-            "calls, so they put all of a step's time in its first micro-batch and disagree with "
-            f"dsnd's step time; {trust}"
-        )
-    return out

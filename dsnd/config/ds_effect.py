@@ -1,4 +1,5 @@
-"""Which `zero_optimization` keys of a DeepSpeed JSON change nothing in this run, and why.
+"""Which keys of a DeepSpeed JSON change nothing in this run, or print numbers that differ from
+dsnd's, and why.
 
 DeepSpeed accepts every key of its ZeRO config at every stage and reads each only where the
 optimizer it builds takes it (`DeepSpeedEngine._configure_zero_optimizer`: ZeRO-1/2's and
@@ -71,3 +72,30 @@ def zero_notes(ds: dict[str, Any]) -> list[str]:
             continue
         notes.append(f"zero_optimization.{key}: has no effect here: {why}")
     return notes
+
+
+PRINTS_NEVER = 1_000_000_000
+"""The packaged JSONs' steps_per_print: DeepSpeed never reaches it, so it never prints."""
+
+
+def notes(ds: dict[str, Any]) -> list[str]:
+    """Warnings for settings whose DeepSpeed output disagrees with dsnd's own numbers.
+
+    dsnd runs each optimizer step as `gas` calls of the stage's engine (one per micro-batch), so
+    DeepSpeed's step-based printing and timers count those calls, not dsnd's steps.
+    """
+    trust = "dsnd's progress line, metrics.jsonl and TensorBoard are the numbers to trust"
+    out = []
+    if ds.get("steps_per_print") is not None and ds["steps_per_print"] < PRINTS_NEVER:
+        out.append(
+            "steps_per_print: DeepSpeed's own progress lines count the per-stage engine's "
+            "micro-batch calls, not dsnd's optimizer steps, so their step numbers and lr "
+            f"disagree with dsnd's (the lr one step off); {trust}"
+        )
+    if ds.get("wall_clock_breakdown"):
+        out.append(
+            "wall_clock_breakdown: DeepSpeed's timers count the per-stage engine's micro-batch "
+            "calls, so they put all of a step's time in its first micro-batch and disagree with "
+            f"dsnd's step time; {trust}"
+        )
+    return out

@@ -16,10 +16,10 @@ from dsnd.config.deepspeed_json import (
     check_hpz,
     check_keys,
     check_with_deepspeed,
-    take_monitors,
 )
 from dsnd.config.ds_auto import fill_auto
 from dsnd.config.ds_effect import zero_notes
+from dsnd.config.ds_monitors import take_monitors
 from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
 from dsnd.cp.slices import IMPLS, divisor

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from dsnd import cli
-from dsnd.config import deepspeed_json, json_lines
+from dsnd.config import ds_effect, json_lines
 from dsnd.config.load import default_config_path, load
 from dsnd.config.resolve import resolve
 from dsnd.errors import UserError
@@ -491,10 +491,10 @@ def test_saved_configs_of_the_packaged_default_rerun(tmp_path):
 
 
 def test_notes_on_deepspeeds_own_numbers():
-    assert zero0()["steps_per_print"] == deepspeed_json.PRINTS_NEVER  # silent: no note
-    assert deepspeed_json.notes(zero0()) == []
-    assert deepspeed_json.notes(zero0(wall_clock_breakdown=False)) == []
-    steps, clock = deepspeed_json.notes(zero0(steps_per_print=10, wall_clock_breakdown=True))
+    assert zero0()["steps_per_print"] == ds_effect.PRINTS_NEVER  # silent: no note
+    assert ds_effect.notes(zero0()) == []
+    assert ds_effect.notes(zero0(wall_clock_breakdown=False)) == []
+    steps, clock = ds_effect.notes(zero0(steps_per_print=10, wall_clock_breakdown=True))
     assert steps.startswith("steps_per_print: DeepSpeed's own progress lines count")
     assert "lr one step off" in steps
     assert clock.startswith("wall_clock_breakdown: ")
