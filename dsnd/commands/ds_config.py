@@ -14,7 +14,7 @@ import argparse
 import os
 
 from dsnd.config.deepspeed_json import load_json
-from dsnd.config.deepspeed_json import notes as deepspeed_notes
+from dsnd.config.ds_effect import notes as deepspeed_notes
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.config.summary import batch_line, precision_line
