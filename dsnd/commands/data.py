@@ -8,6 +8,7 @@ downloaded); a model trained on it needs a vocabulary at least as large.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import numpy as np
@@ -51,3 +52,8 @@ def run_prepare(source: str, out: str, fmt: str, text_field: str, tokenizer: str
     meta = write_token_file(out, ids, vocab, named, source)
     print(f"wrote {out}: {meta['tokens']} tokens ({meta['dtype']}, vocabulary {vocab})")
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd data prepare``, the one data command."""
+    return run_prepare(args.source, args.out, args.format, args.text_field, args.tokenizer)

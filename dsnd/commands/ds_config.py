@@ -120,3 +120,8 @@ def run_explain(args: argparse.Namespace) -> int:
     for line in explain_lines(_resolved(args)):
         print(line)
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd ds-config check | explain``."""
+    return (run_check if args.ds_command == "check" else run_explain)(args)

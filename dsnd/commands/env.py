@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
 import shutil
 import subprocess
@@ -49,3 +50,8 @@ def run_env() -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd env`` takes no arguments."""
+    return run_env()

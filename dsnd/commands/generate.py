@@ -8,6 +8,7 @@ greedy). Checksums are verified first, as for every load.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
@@ -67,3 +68,9 @@ def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: 
                    torch.Generator().manual_seed(seed))  # fmt: skip
     print(tok.decode(out[0].tolist()))
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd generate CKPT --prompt TEXT``."""
+    return run_generate(args.checkpoint, args.prompt, args.tokens, args.temperature,
+                        args.seed)  # fmt: skip

@@ -4,6 +4,8 @@ model allocates nothing)."""
 
 from __future__ import annotations
 
+import argparse
+
 from dsnd.model.count import layer_table, matmul_params
 from dsnd.model.spec import check_model, load_model, presets
 
@@ -37,3 +39,8 @@ def run_show(name: str) -> int:
     for index, kind, count in table:
         print(f"{index:>5}  {kind:<30} {count:>15,}")
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd model list | show NAME``."""
+    return run_list() if args.model_command == "list" else run_show(args.name)

@@ -11,6 +11,7 @@ builders, into the directory every later ``dsnd`` process of this environment lo
 
 from __future__ import annotations
 
+import argparse
 import time
 
 # The builders dsnd's features load (DeepSpeed's class names): the CPU optimizers and offload's
@@ -64,3 +65,8 @@ def run_build(names: list[str]) -> int:
             continue
         print(f"{name:<20} ready ({builder.name}, {time.monotonic() - start:.1f} s)", flush=True)
     return 1 if failed else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd ops build [BUILDER ...]``."""
+    return run_build(args.names)

@@ -6,6 +6,7 @@ name, so comparing layouts is one command. Matplotlib's Agg backend: no display 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -54,3 +55,8 @@ def run_plot(log_dirs: list[str], out: str) -> int:
     fig.savefig(out, dpi=120)
     print(f"wrote {out} ({len(log_dirs)} runs)")
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd plot LOG_DIR ... -o PNG``."""
+    return run_plot(args.log_dirs, args.out)

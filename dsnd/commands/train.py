@@ -10,6 +10,7 @@ its `log.dir/logs/rank_XXXXX.log`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -123,3 +124,9 @@ def _train_in_world(res, info, resume, stop, job_id) -> int:
         return EXIT_FAILED
     finally:
         shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dsnd train``: ``args.setup_logging`` is the logging setup `dsnd.cli` hands over (it
+    runs once this rank knows its number)."""
+    return run_train(args.config, args.sets, args.setup_logging, args.job_id)
