@@ -1,5 +1,6 @@
 """Benchmarks (``dsnd bench``): measurements against targets, not pass/fail tests.
 
-`results` is pure (formulas, medians, rows, formatting); `pipeline_rank` is the rank program
-that measures; `ranks` starts rank processes on this machine.
+`results` and the other ``*_results`` are pure (formulas, medians, rows, formatting); each
+``*_rank`` is a rank program that measures (``dsnd bench`` starts it on gloo ranks of this
+machine), and `rank` is what they all do around their measurement.
 """

@@ -18,22 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
-import torch
-
-from dsnd.bench.pipeline_rank import (
-    _batches,
-    _ds_json,
-    _samples,
-    rank_parser,
-    start_rank,
-    write_raw,
-)
+from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.distributed.groups import build_groups
-from dsnd.distributed.init import init_world, shutdown
 from dsnd.pipeline.runner import StageRunner
 
 CHECKPOINTING_WORLD = 1
@@ -46,7 +37,7 @@ SIDES = {"off": 0, "on": INTERVAL}
 
 
 def checkpointing_configs(extra: Sequence[str] = ()) -> dict[str, Resolved]:
-    base = [f"deepspeed={_ds_json(0)}", *SHAPE, *extra]
+    base = [f"deepspeed={rank.ds_json(0)}", *SHAPE, *extra]
     return {side: resolve(load(None, [*base, f"parallel.activation_checkpoint_interval={k}"]),
                           CHECKPOINTING_WORLD) for side, k in SIDES.items()}  # fmt: skip
 
@@ -63,37 +54,18 @@ def _step(runner: StageRunner, micro) -> dict[str, Any]:
 def bench(runs: dict[str, Resolved], steps: int, warmup: int) -> list[dict[str, Any]]:
     first = runs["off"]
     groups = build_groups(first.topology)
-    samples = _samples(first)
-    runners = {}
-    for side, res in runs.items():
-        torch.manual_seed(res.run.train.seed)
-        runners[side] = StageRunner(res, groups, load_hf=False)
-    records = []
-    try:
-        for rep in range(warmup + steps):
-            micro = _batches(first, samples, groups, rep)
-            order = list(SIDES) if rep % 2 == 0 else list(SIDES)[::-1]
-            measured = {side: _step(runners[side], micro) for side in order}
-            records.append({"rep": rep, "timed": rep >= warmup, "order": order,
-                            "runs": measured})  # fmt: skip
-    finally:
-        for runner in runners.values():
-            runner.engine.destroy()
-    return records
+    samples = rank.sample_set(first)
+    with ExitStack() as built:
+        runners = {side: built.enter_context(rank.stage_runner(res, groups))
+                   for side, res in runs.items()}  # fmt: skip
+        return rank.take_turns(list(SIDES), steps, warmup,
+                               lambda rep: rank.step_batches(first, samples, groups, rep),
+                               lambda side, micro: _step(runners[side], micro))  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = rank_parser("dsnd.bench.checkpointing_rank", steps=10, warmup=1)
-    args = parser.parse_args(argv)
-    info = start_rank("dsnd bench activation-checkpointing", CHECKPOINTING_WORLD)
-    runs = checkpointing_configs(args.sets)
-    init_world(info, timeout_s=300)
-    try:
-        records = bench(runs, args.steps, args.warmup)
-    finally:
-        shutdown()
+def checkpointing_raw(runs: dict[str, Resolved], records: list[dict[str, Any]]) -> dict[str, Any]:
     res = runs["on"]
-    raw = {
+    return {
         "layout": {"model": res.model.describe(), "batch": str(res.batch),
                    "micro": res.batch.micro, "seq_len": res.run.model.seq_len,
                    "hidden": res.model.hidden_size, "vocab": res.model.vocab_size,
@@ -101,7 +73,16 @@ def main(argv: list[str] | None = None) -> None:
                    "interval": res.run.parallel.activation_checkpoint_interval},
         "reps": records,
     }  # fmt: skip
-    write_raw(args.out, raw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = rank.parser("dsnd.bench.checkpointing_rank", steps=10, warmup=1).parse_args(argv)
+
+    def measure(runs: dict[str, Resolved]) -> dict[str, Any]:
+        return checkpointing_raw(runs, bench(runs, args.steps, args.warmup))
+
+    rank.run(args.out, "dsnd bench activation-checkpointing", CHECKPOINTING_WORLD,
+             lambda: checkpointing_configs(args.sets), measure)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ writes them all to OUT.json and `dsnd.bench.comm_results` turns them into rows.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,14 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsnd.bench import rank
 from dsnd.bench.comm_count import CommCounter, summarize
 from dsnd.bench.comm_results import WORLDS
-from dsnd.bench.pipeline_rank import _ds_json, _samples, rank_parser, start_rank, write_raw
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.data import batch_for_step
 from dsnd.distributed.groups import ProcessGroups, build_groups
-from dsnd.distributed.init import init_world, shutdown
 from dsnd.engine.memory import state_bytes
 from dsnd.pipeline.runner import StageRunner
 from dsnd.pipeline.stage import zero3_dtype
@@ -71,7 +68,7 @@ def _batch(micro_batches: int) -> list[str]:
 
 
 def _zero(stage: int, micro_batches: int, *extra: str) -> list[str]:
-    return [f"deepspeed={_ds_json(stage)}", *_batch(micro_batches), *extra]
+    return [f"deepspeed={rank.ds_json(stage)}", *_batch(micro_batches), *extra]
 
 
 PIPE = ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.partition=parameters")
@@ -160,19 +157,15 @@ def measure(res: Resolved, steps: int, warmup: int, labelled: bool) -> dict[str,
     """One run: its stage's parameter bytes, each counted step's summary, the model-state bytes
     after the last step and every step's loss."""
     groups = build_groups(res.topology)
-    samples = _samples(res)
-    torch.manual_seed(res.run.train.seed)
-    runner = StageRunner(res, groups, load_hf=False)
-    kinds = group_kinds(groups)
-    counter = CommCounter()
-    if labelled:
-        layer_labels(runner, counter)
-    counted, losses = [], []
-    try:
+    samples = rank.sample_set(res)
+    with rank.stage_runner(res, groups) as runner:
+        kinds = group_kinds(groups)
+        counter = CommCounter()
+        if labelled:
+            layer_labels(runner, counter)
+        counted, losses = [], []
         for step in range(warmup + steps):
-            b = res.batch
-            micro = batch_for_step(samples, res.run.train.seed, step, b.train, groups.coord.dp,
-                                   res.topology.dp, b.micro)  # fmt: skip
+            micro = rank.step_batches(res, samples, groups, step)
             dist.barrier()
             if step < warmup:
                 result = runner.run(micro)
@@ -185,10 +178,6 @@ def measure(res: Resolved, steps: int, warmup: int, labelled: bool) -> dict[str,
             losses.append(runner.report(result)[0])
         return {"stage": groups.coord.pp, "psi_bytes": stage_param_bytes(runner), "steps": counted,
                 "state": state_bytes(runner.engine), "losses": losses}  # fmt: skip
-    finally:
-        runner.engine.destroy()
-        del runner
-        gc.collect()
 
 
 def layout(res: Resolved) -> dict[str, Any]:
@@ -202,35 +191,26 @@ def layout(res: Resolved) -> dict[str, Any]:
             "element_bytes": torch.empty((), dtype=zero3_dtype(res.ds)).element_size()}  # fmt: skip
 
 
-def run_phase(phase: str, runs: dict[str, Resolved], steps: int, warmup: int,
-              rank: int) -> dict[str, Any] | None:  # fmt: skip
-    """Every run of `phase` in turn; the raw JSON on rank 0 (every rank's records)."""
+def run_phase(phase: str, runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any]:
+    """Every run of `phase` in turn; the raw JSON (every rank's records)."""
     out: dict[str, Any] = {"phase": phase, "runs": {}}
     for name, res in runs.items():
         start = time.perf_counter()
         mine = measure(res, steps, warmup, labelled=phase == "tp")
         mine["seconds"] = time.perf_counter() - start
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        out["runs"][name] = {"layout": layout(res), "ranks": every}
-    return out if rank == 0 else None
+        out["runs"][name] = {"layout": layout(res), "ranks": rank.gather(mine)}
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = rank_parser("dsnd.bench.comm_rank", steps=1, warmup=1)
+    parser = rank.parser("dsnd.bench.comm_rank", steps=1, warmup=1)
     parser.add_argument("--phase", choices=tuple(PHASES), required=True)
     args = parser.parse_args(argv)
     world, keys = PHASES[args.phase]
-    info = start_rank(f"phase {args.phase}", world)
-    # resolved before the world starts, so that DeepSpeed's checks see it
-    runs = {name: resolve(load(None, [*sets, *args.sets]), world) for name, sets in keys.items()}
-    init_world(info, timeout_s=300)
-    try:
-        raw = run_phase(args.phase, runs, args.steps, args.warmup, info.rank)
-    finally:
-        shutdown()
-    if raw is not None:
-        write_raw(args.out, raw)
+    rank.run(args.out, f"phase {args.phase}", world,
+             lambda: {name: resolve(load(None, [*sets, *args.sets]), world)
+                      for name, sets in keys.items()},
+             lambda runs: run_phase(args.phase, runs, args.steps, args.warmup))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ writes the raw numbers to OUT.json; `dsnd.bench.context_results` turns them into
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,12 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsnd.bench.pipeline_rank import _ds_json, _samples, rank_parser, start_rank, write_raw
+from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.data import batch_for_step
 from dsnd.distributed.groups import build_groups
-from dsnd.distributed.init import init_world, shutdown
 from dsnd.pipeline.runner import StageRunner
 
 CONTEXT_WORLD = 4
@@ -53,7 +50,7 @@ def context_sets(seq: int, layout: str, extra: Sequence[str] = ()) -> list[str]:
     """The run keys of one layout at length `seq`: ZeRO-1, micro-batches of one sequence, 4
     sequences per step."""
     return [
-        f"deepspeed={_ds_json(1)}", *SHAPE, f"model.seq_len={seq}",
+        f"deepspeed={rank.ds_json(1)}", *SHAPE, f"model.seq_len={seq}",
         f"model.max_position_embeddings={seq}", "ds.train_micro_batch_size_per_gpu=1",
         f"ds.train_batch_size={CONTEXT_WORLD}", "ds.gradient_accumulation_steps=null",
         *LAYOUTS[layout], *extra,
@@ -62,9 +59,7 @@ def context_sets(seq: int, layout: str, extra: Sequence[str] = ()) -> list[str]:
 
 def _timed_step(runner: StageRunner, res: Resolved, samples, groups, step: int) -> tuple:
     """(slowest rank's seconds, activation peak bytes, loss) of optimizer step `step`."""
-    b = res.batch
-    micro = batch_for_step(samples, res.run.train.seed, step, b.train, groups.coord.dp,
-                           res.topology.dp, b.micro)  # fmt: skip
+    micro = rank.step_batches(res, samples, groups, step)
     dist.barrier()
     start = time.perf_counter()
     result = runner.run(micro)
@@ -79,9 +74,8 @@ def _timed_step(runner: StageRunner, res: Resolved, samples, groups, step: int) 
 def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
     """One layout: its activation peak (first step) and step seconds (timed steps)."""
     groups = build_groups(res.topology)
-    samples = _samples(res)
-    runner = StageRunner(res, groups, load_hf=False)
-    try:
+    samples = rank.sample_set(res)
+    with rank.stage_runner(res, groups) as runner:
         seconds, peak, losses = [], None, []
         for step in range(warmup + steps):
             s, p, loss = _timed_step(runner, res, samples, groups, step)
@@ -91,27 +85,29 @@ def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
                 seconds.append(s)
         return {"activation_peak_bytes": peak, "step_s": statistics.median(seconds),
                 "losses": losses}  # fmt: skip
-    finally:
-        del runner
-        gc.collect()
+
+
+def context_configs(seqs: list[int], extra: Sequence[str] = ()) -> dict[tuple, Resolved]:
+    """Every layout of `LAYOUTS` at every length of `seqs`, resolved."""
+    return {(seq, name): resolve(load(None, context_sets(seq, name, extra)), CONTEXT_WORLD)
+            for seq in seqs for name in LAYOUTS}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = rank_parser("dsnd.bench.context_rank", steps=3, warmup=1)
+    parser = rank.parser("dsnd.bench.context_rank", steps=3, warmup=1)
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
     args = parser.parse_args(argv)
-    args.warmup = max(1, args.warmup)  # the measured step is the first; it is not timed
-    info = start_rank("dsnd bench context", CONTEXT_WORLD)
+    warmup = max(1, args.warmup)  # the measured step is the first; it is not timed
     seqs = [int(s) for s in args.seqs.split(",")]
-    runs = {(seq, name): resolve(load(None, context_sets(seq, name, args.sets)), CONTEXT_WORLD)
-            for seq in seqs for name in LAYOUTS}  # fmt: skip
-    init_world(info, timeout_s=600)
-    raw: dict[str, Any] = {"seqs": seqs, "layouts": list(LAYOUTS), "runs": {}}
-    for (seq, name), res in runs.items():
-        raw["runs"][f"{seq}/{name}"] = measure(res, args.steps, args.warmup)
-    if info.rank == 0:
-        write_raw(args.out, raw)
-    shutdown()
+
+    def measure_all(runs: dict[tuple, Resolved]) -> dict[str, Any]:
+        raw: dict[str, Any] = {"seqs": seqs, "layouts": list(LAYOUTS), "runs": {}}
+        for (seq, name), res in runs.items():
+            raw["runs"][f"{seq}/{name}"] = measure(res, args.steps, warmup)
+        return raw
+
+    rank.run(args.out, "dsnd bench context", CONTEXT_WORLD,
+             lambda: context_configs(seqs, args.sets), measure_all, timeout_s=600)  # fmt: skip
 
 
 if __name__ == "__main__":

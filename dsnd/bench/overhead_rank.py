@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 
-from dsnd.bench.pipeline_rank import _ds_json, rank_parser, start_rank, write_raw
+from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step
 from dsnd.distributed.groups import build_groups
-from dsnd.distributed.init import init_world, shutdown
 from dsnd.engine.deepspeed_api import lr_schedules
 from dsnd.flops import flops_per_token
 from dsnd.model import build_model, lm_loss, param_groups
@@ -42,7 +41,7 @@ SIDES = ("dsnd", "plain")
 
 
 def overhead_config(log_dir: str, extra: Sequence[str] = ()) -> Resolved:
-    sets = [f"deepspeed={_ds_json(0)}", f"log.dir={log_dir}", "parallel.pp=1", *extra]
+    sets = [f"deepspeed={rank.ds_json(0)}", f"log.dir={log_dir}", "parallel.pp=1", *extra]
     return resolve(load(None, sets), OVERHEAD_WORLD)
 
 
@@ -97,40 +96,34 @@ def bench(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any]]:
         return row["loss"]
 
     sides = {"dsnd": dsnd_step, "plain": plain.step}
-    records = []
+
+    def timed(side: str, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        loss = sides[side](step)
+        return {"step_s": time.perf_counter() - start, "loss": loss}
+
     try:
-        for rep in range(warmup + steps):
-            order = list(SIDES) if rep % 2 == 0 else list(SIDES)[::-1]
-            measured = {}
-            for side in order:
-                start = time.perf_counter()
-                loss = sides[side](rep)
-                measured[side] = {"step_s": time.perf_counter() - start, "loss": loss}
-            records.append({"rep": rep, "timed": rep >= warmup, "order": order,
-                            "runs": measured})  # fmt: skip
+        return rank.take_turns(SIDES, steps, warmup, lambda rep: rep, timed)
     finally:
         stage.runner.engine.destroy()
-    return records
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = rank_parser("dsnd.bench.overhead_rank", steps=40, warmup=5)
-    parser.add_argument("--log-dir", required=True)
-    args = parser.parse_args(argv)
-    info = start_rank("dsnd bench overhead", OVERHEAD_WORLD)
-    res = overhead_config(args.log_dir, args.sets)
-    init_world(info, timeout_s=300)
-    try:
-        records = bench(res, args.steps, args.warmup)
-    finally:
-        shutdown()
-    raw = {
+def overhead_raw(res: Resolved, records: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "layout": {"model": res.model.describe(), "batch": str(res.batch),
                    "seq_len": res.run.model.seq_len, "tokens_per_step": res.tokens_per_step,
                    "zero_stage": res.plan.zero_stage, "optimizer": res.ds["optimizer"]["type"]},
         "reps": records,
     }  # fmt: skip
-    write_raw(args.out, raw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = rank.parser("dsnd.bench.overhead_rank", steps=40, warmup=5)
+    parser.add_argument("--log-dir", required=True)
+    args = parser.parse_args(argv)
+    rank.run(args.out, "dsnd bench overhead", OVERHEAD_WORLD,
+             lambda: overhead_config(args.log_dir, args.sets),
+             lambda res: overhead_raw(res, bench(res, args.steps, args.warmup)))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,19 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsnd.bench import rank
 from dsnd.bench.partition_results import PARTITION_WORLD, PARTITIONS
-from dsnd.bench.pipeline_rank import (
-    _ds_json,
-    _pipe_sets,
-    bench_schedules,
-    merge_runs,
-    rank_parser,
-    start_rank,
-    write_raw,
-)
+from dsnd.bench.pipeline_rank import _pipe_sets, bench_schedules, merge_runs
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve, zero_stage
-from dsnd.distributed.init import init_world, shutdown
 from dsnd.model import layer_specs
 from dsnd.plan.partition import layer_param_counts
 from dsnd.plan.profile import GIB, profile_partition
@@ -58,7 +50,7 @@ LAYOUT = ("parallel.pp=4", "parallel.schedule=1f1b", *SHAPE)
 def partition_sets(micro_batches: int, log_dir: str, extra: Sequence[str] = ()) -> list[str]:
     """The run keys both runs share: ``dsnd bench pipeline``'s, at pp=4 on `SHAPE`, logging
     (and the profile's cache) under `log_dir`, then the caller's `extra`."""
-    return [*_pipe_sets(micro_batches), f"deepspeed={_ds_json(ZERO_STAGE)}", *LAYOUT,
+    return [*_pipe_sets(micro_batches), f"deepspeed={rank.ds_json(ZERO_STAGE)}", *LAYOUT,
             f"log.dir={log_dir}", *extra]  # fmt: skip
 
 
@@ -115,22 +107,22 @@ def partition_raw(runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]
     }
 
 
+def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any] | None:
+    """Both runs taking turns; on rank 0 the raw JSON of every rank's records (only rank 0 reads
+    the profile's cache for the layer table)."""
+    gathered = rank.gather(bench_schedules(runs, steps, warmup))
+    return partition_raw(runs, gathered, warmup) if dist.get_rank() == 0 else None
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = rank_parser("dsnd.bench.partition_rank", steps=10, warmup=3)
+    parser = rank.parser("dsnd.bench.partition_rank", steps=10, warmup=3)
     parser.add_argument("--log-dir", required=True)
     args = parser.parse_args(argv)
-    info = start_rank("dsnd bench partition", PARTITION_WORLD)
-    # before the world: DeepSpeed's checks see it; the profile comes from the launcher's cache
-    runs = partition_configs(info.world_size, args.micro_batches, args.log_dir, args.sets)
-    init_world(info, timeout_s=300)
-    try:
-        records = bench_schedules(runs, args.steps, args.warmup)
-        gathered: list[Any] = [None] * info.world_size
-        dist.all_gather_object(gathered, records)
-    finally:
-        shutdown()
-    if info.rank == 0:
-        write_raw(args.out, partition_raw(runs, gathered, args.warmup))
+    # the profile comes from the launcher's cache
+    rank.run(args.out, "dsnd bench partition", PARTITION_WORLD,
+             lambda: partition_configs(PARTITION_WORLD, args.micro_batches, args.log_dir,
+                                       args.sets),
+             lambda runs: measure(runs, args.steps, args.warmup))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import logging
 import os
 import time
 from collections.abc import Sequence
@@ -42,16 +40,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsnd.bench import rank
 from dsnd.bench.results import PP4_WORLD, WORLD
 from dsnd.bench.rows import median
 from dsnd.bench.schedule_results import BASELINE
-from dsnd.config.load import default_config_path, load
+from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.data import SampleSet, batch_for_step, load_corpus
 from dsnd.distributed.groups import ProcessGroups, build_groups
-from dsnd.distributed.init import WorldInfo, init_world, shutdown, world_info
 from dsnd.engine.pipe import pipeline_engine, pipeline_module
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
+from dsnd.pipeline.executor import Batches
 from dsnd.pipeline.runner import StageRunner
 from dsnd.plan.schedule import MULTI_CHUNK
 
@@ -59,16 +57,11 @@ PIPE_SETS = ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.partition=para
 SCHEDULES = {BASELINE: (), "interleaved-1f1b": ("parallel.virtual_stages=2",), "zb-h1": ()}
 """The schedules compared, each with its extra settings; 1F1B (the baseline) first."""
 PP4_MODEL = ("model.num_layers=8",)  # 11 pipeline layers: enough for pp=4 x v=2 virtual stages
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _ds_json(stage: int) -> str:
-    return os.path.join(os.path.dirname(default_config_path()), f"zero{stage}.json")
 
 
 def _pipe_sets(micro_batches: int) -> list[str]:
     return [
-        f"deepspeed={_ds_json(1)}",
+        f"deepspeed={rank.ds_json(1)}",
         *PIPE_SETS,
         "ds.train_batch_size=null",  # micro (from the JSON) x gas x dp
         f"ds.gradient_accumulation_steps={micro_batches}",
@@ -92,19 +85,6 @@ def schedule_configs(
         for name, sets in SCHEDULES.items()
         if name not in MULTI_CHUNK or micro_batches % pp == 0
     }
-
-
-def _samples(res: Resolved) -> SampleSet:
-    data = res.run.data
-    corpus = load_corpus(data.path, data.format, data.text_field, data.max_bytes)
-    return SampleSet(corpus.tokens, res.run.model.seq_len, name=corpus.name)
-
-
-def _batches(res: Resolved, samples: SampleSet, groups: ProcessGroups, step: int) -> Batches:
-    b = res.batch
-    return batch_for_step(
-        samples, res.run.train.seed, step, b.train, groups.coord.dp, res.topology.dp, b.micro
-    )
 
 
 @dataclass
@@ -196,13 +176,13 @@ def bench_pipeline(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
     """This rank's records of `steps` timed repetitions (after `warmup` untimed ones), and the
     one-way latency of a message between stages 0 and 1 (`message_latency`, after them)."""
     groups = build_groups(res.topology)
-    samples = _samples(res)
+    samples = rank.sample_set(res)
     ours = DsndPipeline(res, groups)
     theirs = deepspeed_pipeline(res)
     records = []
     try:
         for rep in range(warmup + steps):
-            micro = _batches(res, samples, groups, rep)
+            micro = rank.step_batches(res, samples, groups, rep)
             if rep % 2 == 0:
                 mine, ds = ours.step(micro), deepspeed_step(theirs, micro)
                 order = "dsnd-first"
@@ -225,22 +205,17 @@ def bench_schedules(runs: dict[str, Resolved], steps: int, warmup: int) -> list[
     r's batches on each, starting from schedule r mod k, each timed from a common barrier."""
     first = next(iter(runs.values()))
     groups = build_groups(first.topology)
-    samples = _samples(first)
+    samples = rank.sample_set(first)
     pipelines: dict[str, DsndPipeline] = {}
-    records = []
     try:
         for name, res in runs.items():
             pipelines[name] = DsndPipeline(res, groups)
-        names = list(pipelines)
-        for rep in range(warmup + steps):
-            micro = _batches(first, samples, groups, rep)
-            order = names[rep % len(names) :] + names[: rep % len(names)]
-            results = {name: pipelines[name].step(micro) for name in order}
-            records.append({"rep": rep, "timed": rep >= warmup, "order": order, "runs": results})
+        return rank.take_turns(list(pipelines), steps, warmup,
+                               lambda rep: rank.step_batches(first, samples, groups, rep),
+                               lambda name, micro: pipelines[name].step(micro))  # fmt: skip
     finally:
         for pipeline in pipelines.values():
             pipeline.engine.destroy()
-    return records
 
 
 def plan_record(res: Resolved) -> dict[str, Any]:
@@ -308,22 +283,13 @@ def pipeline_configs(world: int, micro_batches: int, extra: Sequence[str] = ()) 
     return {**configs(world, micro_batches, extra), "schedules": schedules}
 
 
-def pipeline_phase(
-    res: dict[str, Any], rank: int, args: argparse.Namespace
-) -> dict[str, Any] | None:
-    """Phase ``pipeline`` or ``pp4``: steps 1-2 of the module docstring; the raw JSON on rank
-    0."""
+def pipeline_phase(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Phase ``pipeline`` or ``pp4``: steps 1-2 of the module docstring; the raw JSON, of every
+    rank's records."""
     runs, world = res["schedules"], res["pipe"].topology.world_size
-    try:
-        pipeline = bench_pipeline(res["pipe"], args.steps, args.warmup)
-        schedules = bench_schedules(runs, args.steps, args.warmup)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, {"records": pipeline["records"],
-                                          "schedules": schedules})  # fmt: skip
-    finally:
-        shutdown()
-    if rank != 0:
-        return None
+    pipeline = bench_pipeline(res["pipe"], args.steps, args.warmup)
+    schedules = bench_schedules(runs, args.steps, args.warmup)
+    gathered = rank.gather({"records": pipeline["records"], "schedules": schedules})
     pipe = res["pipe"]
     return {
         "layout": {
@@ -360,47 +326,14 @@ PHASES = {
 """Each phase's ranks, its resolved runs, and what it runs on them."""
 
 
-def rank_parser(module: str, steps: int, warmup: int) -> argparse.ArgumentParser:
-    """The arguments every bench rank program takes (the launcher passes them)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {module}")
-    parser.add_argument("out")
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--warmup", type=int, default=warmup)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
-    return parser
-
-
-def start_rank(what: str, world: int) -> WorldInfo:
-    """One thread, warnings only, each line marked with the rank; this rank's world, which must
-    have the `world` ranks `what` (a bench or one of its phases) runs on."""
-    torch.set_num_threads(1)
-    info = world_info(dict(os.environ))
-    logging.basicConfig(level=logging.WARNING, format=f"[r{info.rank}] %(levelname)s %(message)s")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    if info.world_size != world:
-        raise SystemExit(f"{what} runs on {world} ranks, got {info.world_size}")
-    return info
-
-
-def write_raw(path: str, raw: dict[str, Any]) -> None:
-    """The raw measurements rank 0 hands to the bench command."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(raw, f)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = rank_parser("dsnd.bench.pipeline_rank", steps=40, warmup=10)
+    parser = rank.parser("dsnd.bench.pipeline_rank", steps=40, warmup=10)
     parser.add_argument("--phase", choices=tuple(PHASES), default="pipeline")
     args = parser.parse_args(argv)
     world, resolve_runs, phase = PHASES[args.phase]
-    info = start_rank(f"dsnd bench pipeline's {args.phase} phase", world)
-    # resolved before the world starts, so that DeepSpeed's checks see it
-    runs = resolve_runs(world, args.micro_batches, args.sets)
-    init_world(info, timeout_s=300)
-    raw = phase(runs, info.rank, args)
-    if info.rank == 0:
-        write_raw(args.out, raw)
+    rank.run(args.out, f"dsnd bench pipeline's {args.phase} phase", world,
+             lambda: resolve_runs(world, args.micro_batches, args.sets),
+             lambda runs: phase(runs, args))  # fmt: skip
 
 
 if __name__ == "__main__":

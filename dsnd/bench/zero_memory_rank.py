@@ -20,28 +20,17 @@ plan's `stage_parameters`), its data-parallel size and the bytes at each point t
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from dsnd.bench.pipeline_rank import (
-    _batches,
-    _ds_json,
-    _samples,
-    rank_parser,
-    start_rank,
-    write_raw,
-)
+from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.distributed.groups import build_groups
-from dsnd.distributed.init import init_world, shutdown
 from dsnd.engine.memory import state_bytes
 from dsnd.engine.optimizers import state_bytes as optimizer_state_bytes
-from dsnd.pipeline.runner import StageRunner
 
 ZERO_WORLD = 4
 ZERO_STAGES = (0, 1, 2, 3)
@@ -52,7 +41,7 @@ optimizer step."""
 
 
 def zero_sets(stage: int, extra: Sequence[str] = ()) -> list[str]:
-    sets = [f"deepspeed={_ds_json(stage)}", *LAYOUT]
+    sets = [f"deepspeed={rank.ds_json(stage)}", *LAYOUT]
     if stage == 3:
         sets.append("ds.zero_optimization.stage3_param_persistence_threshold=0")
     return [*sets, *extra]
@@ -88,21 +77,15 @@ def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
     """This rank's stage, its parameters and data-parallel size, and the model-state bytes at
     every probed point of the measured steps."""
     groups = build_groups(res.topology)
-    samples = _samples(res)
-    torch.manual_seed(res.run.train.seed)
-    runner = StageRunner(res, groups, load_hf=False)
-    probe = StateProbe(runner.executor.engine)
-    try:
+    samples = rank.sample_set(res)
+    with rank.stage_runner(res, groups) as runner:
+        probe = StateProbe(runner.executor.engine)
         for step in range(warmup + steps):
             probe.on = step >= warmup
-            runner.run(_batches(res, samples, groups, step))
+            runner.run(rank.step_batches(res, samples, groups, step))
         stage = groups.coord.pp
         return {"stage": stage, "psi": res.plan.stage_parameters(res.model)[stage],
                 "nd": zero_ranks(res), "points": probe.points}  # fmt: skip
-    finally:
-        runner.engine.destroy()
-        del runner, probe
-        gc.collect()
 
 
 def zero_ranks(res: Resolved) -> int:
@@ -122,23 +105,22 @@ def layout(res: Resolved) -> dict[str, Any]:
             "optimizer": optimizer, "state_bytes": per_param}  # fmt: skip
 
 
+def zero_raw(runs: dict[int, Resolved], steps: int, warmup: int) -> dict[str, Any] | None:
+    """Every ZeRO stage measured in turn; on rank 0 the raw JSON of every rank's numbers."""
+    mine = {str(stage): measure(res, steps, warmup) for stage, res in runs.items()}
+    gathered = rank.gather(mine)
+    if dist.get_rank() != 0:
+        return None
+    return {"layout": layout(runs[0]), "warmup": warmup, "steps": steps,
+            "stages": {str(s): [g[str(s)] for g in gathered] for s in ZERO_STAGES}}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = rank_parser("dsnd.bench.zero_memory_rank", steps=1, warmup=1)
-    args = parser.parse_args(argv)
-    args.warmup = max(1, args.warmup)  # the optimizer's state exists from the first step on
-    info = start_rank("dsnd bench zero-memory", ZERO_WORLD)
-    runs = zero_configs(ZERO_WORLD, args.sets)  # before the world starts: DeepSpeed's checks
-    init_world(info, timeout_s=300)
-    try:
-        mine = {str(stage): measure(res, args.steps, args.warmup) for stage, res in runs.items()}
-        gathered: list[Any] = [None] * info.world_size
-        dist.all_gather_object(gathered, mine)
-    finally:
-        shutdown()
-    if info.rank == 0:
-        raw = {"layout": layout(runs[0]), "warmup": args.warmup, "steps": args.steps,
-               "stages": {str(s): [g[str(s)] for g in gathered] for s in ZERO_STAGES}}  # fmt: skip
-        write_raw(args.out, raw)
+    args = rank.parser("dsnd.bench.zero_memory_rank", steps=1, warmup=1).parse_args(argv)
+    warmup = max(1, args.warmup)  # the optimizer's state exists from the first step on
+    rank.run(args.out, "dsnd bench zero-memory", ZERO_WORLD,
+             lambda: zero_configs(ZERO_WORLD, args.sets),
+             lambda runs: zero_raw(runs, args.steps, warmup))  # fmt: skip
 
 
 if __name__ == "__main__":
