@@ -126,22 +126,12 @@ def _ms(seconds: Sequence[float]) -> str:
 def bubble_rows(raw: Mapping[str, Any], prefix: str = "", target: Target | None = BUBBLE_TARGET,
                 why: str = "") -> list[Row]:  # fmt: skip
     """The measured bubble of dsnd's 1F1B step against (p-1)/(m+p-1) and against the step
-    replayed at this run's measured costs: per-stage compute, then also each stage's own
-    seconds per message (`dispatch_seconds`) and the measured one-way latency; and each
-    repetition at its own instruction times (`replay_run`)."""
-    reps, layout, plan = timed(raw), raw["layout"], raw["plan"]
+    replayed at this run's measured costs (`_replay_rows`)."""
+    reps, layout = timed(raw), raw["layout"]
     runs = [rep["dsnd"] for rep in reps]
     measured = median(bubble_fraction(run["wait_s"], run["pipe_s"]) for run in runs)
     p, m = layout["pp"], layout["gas"]
     theory = bubble_theory(p, m)
-    costs = stage_op_costs(plan, runs)
-    dispatch, latency = dispatch_seconds(plan, runs), raw["latency_s"]
-    stages = idle_fraction(replay(plan, costs))
-    priced = idle_fraction(replay(plan, costs, dispatch, latency))
-    own = median(idle_fraction(replay_run(plan, run, latency)) for run in runs)
-    sent = messages(plan)
-    per_stage = "; ".join(f"stage {s}: F {c['F'] * 1e3:.2f}, B {c['B'] * 1e3:.2f} ms"
-                          for s, c in enumerate(costs))  # fmt: skip
     return [
         Row(
             f"{prefix}bubble_ratio",
@@ -154,6 +144,25 @@ def bubble_rows(raw: Mapping[str, Any], prefix: str = "", target: Target | None 
         ),
         Row(f"{prefix}bubble_fraction_measured", measured),
         Row(f"{prefix}bubble_fraction_theory", theory),
+        *_replay_rows(raw["plan"], runs, raw["latency_s"], measured, prefix),
+    ]
+
+
+def _replay_rows(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], latency: float,
+                 measured: float, prefix: str) -> list[Row]:  # fmt: skip
+    """The step replayed at the costs the run measured, to see how much of the bubble each
+    explains: per-stage compute alone, then also each stage's own seconds per message
+    (`dispatch_seconds`) and the measured one-way `latency`; and each repetition at its own
+    instruction times (`replay_run`), against the `measured` idle fraction."""
+    costs = stage_op_costs(plan, runs)
+    dispatch = dispatch_seconds(plan, runs)
+    stages = idle_fraction(replay(plan, costs))
+    priced = idle_fraction(replay(plan, costs, dispatch, latency))
+    own = median(idle_fraction(replay_run(plan, run, latency)) for run in runs)
+    sent = messages(plan)
+    per_stage = "; ".join(f"stage {s}: F {c['F'] * 1e3:.2f}, B {c['B'] * 1e3:.2f} ms"
+                          for s, c in enumerate(costs))  # fmt: skip
+    return [
         Row(
             f"{prefix}bubble_fraction_stages",
             stages,
