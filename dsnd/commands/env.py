@@ -30,10 +30,10 @@ def _mpirun_version() -> str:
 
 def run_env() -> int:
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     from dsnd import __version__
     from dsnd.distributed.init import resolve_backend
+    from dsnd.engine.public import accelerator
 
     rows = [
         ("dsnd", __version__),
@@ -43,7 +43,7 @@ def run_env() -> int:
         ("transformers", _version("transformers")),
         ("mpi4py", _version("mpi4py")),
         ("mpi", _mpirun_version()),
-        ("accelerator", get_accelerator().device_name()),
+        ("accelerator", accelerator().device_name()),
         ("backend", resolve_backend("auto")),
     ]
     width = max(len(k) for k, _ in rows)

@@ -38,9 +38,8 @@ def _unavailable(builder) -> str | None:
 
 
 def run_build(names: list[str]) -> int:
-    from deepspeed.accelerator import get_accelerator
-
     from dsnd.engine.compat import log_op_builds
+    from dsnd.engine.public import accelerator as get_accelerator
     from dsnd.errors import UserError
 
     unknown = [n for n in names if n not in DEFAULT_BUILDERS]

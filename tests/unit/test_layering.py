@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import dsnd
 
@@ -68,3 +70,70 @@ def test_only_the_engine_reads_deepspeed_internals():
 def test_the_engine_imports_no_other_part_of_dsnd():
     for path in sorted((ROOT / "engine").rglob("*.py")):
         assert _imported_parts(path) <= {"engine"}, path
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+    """Every module `path` imports (lazy imports inside functions included), `from X import Y`
+    as X.Y as well as X."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+def test_only_the_engine_imports_deepspeed():
+    """DeepSpeed, any module of it, is imported by dsnd/engine/ only: the one boundary a
+    DeepSpeed upgrade has to read."""
+    found = [f"{path.relative_to(ROOT)}: {name}" for path in sorted(ROOT.rglob("*.py"))
+             if _part(path) != "engine" for name in _imports(path)
+             if name == "deepspeed" or name.startswith("deepspeed.")]  # fmt: skip
+    assert found == []
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ("dsnd", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles():
+    """No module reaches itself through the modules it imports (lazy imports included): each
+    dependency is one-way inside a part as well as between parts."""
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {name: {m for m in _imports(path) if m in modules and m != name}
+             for name, path in modules.items()}  # fmt: skip
+    cycles, done = [], set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycles.append(" -> ".join(stack[stack.index(name):] + [name]))
+            return
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, [*stack, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert cycles == []
+
+
+def test_the_plan_config_model_and_topology_import_without_deepspeed():
+    """The pure parts (the Plan, the config, the model's specs, the topology) are plain Python:
+    every module of them imports with DeepSpeed made unimportable."""
+    script = (
+        "import sys, pkgutil, importlib\n"
+        "sys.modules['deepspeed'] = None\n"
+        "import dsnd.topology\n"
+        "for pkg in ('dsnd.plan', 'dsnd.config', 'dsnd.model'):\n"
+        "    for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "assert sys.modules['deepspeed'] is None\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT.parent, timeout=120)  # fmt: skip
+    assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr[-2000:]
