@@ -1,10 +1,13 @@
 """The DeepSpeed boundary: the only part of dsnd that reads DeepSpeed's internals.
 
-It imports torch and DeepSpeed only, and any other part of dsnd may import it. A DeepSpeed
-upgrade is a read of this package. Elsewhere dsnd uses DeepSpeed's public API only:
-`deepspeed.initialize` (here), `deepspeed.zero.Init` / `GatheredParameters`,
-`deepspeed.pipe.LayerSpec` / `TiedLayerSpec`, and the engine's `bfloat16_enabled`, `module`,
-`device`, `optimizer.param_groups`, `lr_scheduler`, `get_global_grad_norm`, `destroy`.
+It imports torch and DeepSpeed only, any other part of dsnd may import it, and no other part
+imports DeepSpeed (tests/unit/test_layering.py). A DeepSpeed upgrade is a read of this package.
+DeepSpeed's public calls go through `public` (`deepspeed.zero.Init` / `GatheredParameters`,
+Ulysses' `DistributedAttention`, `init_distributed`, `comm.log_summary`, the accelerator) and
+`pipe` (dsnd's layer specs as `deepspeed.pipe.LayerSpec` / `TiedLayerSpec`, DeepSpeed's own
+`PipelineModule` and engine, for the benchmark against it); the rest of dsnd uses the engine's
+`bfloat16_enabled`, `module`, `device`, `optimizer.param_groups`, `lr_scheduler`,
+`get_global_grad_norm`, `destroy`.
 The step itself (forward, backward, reduction, optimizer step) goes through `stage_engine`.
 
 Modules and the private (or `deepspeed.runtime`) names each touches, with why:
@@ -57,8 +60,7 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
 - `deepspeed_api`: `deepspeed.runtime.zero.config.DeepSpeedZeroConfig`,
   `deepspeed.runtime.precision_config.DeepSpeedBF16Config`, `deepspeed.runtime.config.
   DeepSpeedConfig` (a JSON checked by the code that will read it), `deepspeed.runtime.
-  lr_schedules`, `deepspeed.runtime.utils.partition_uniform` / `partition_balanced` (stage
-  boundaries as DeepSpeed's PipelineModule cuts them), `deepspeed.runtime.pipe.topology.
+  lr_schedules`, `deepspeed.runtime.pipe.topology.
   PipeModelDataParallelTopology`, a parameter's `ds_shape` (its shape before ZeRO-3),
   `deepspeed.runtime.swap_tensor.aio_config.AIO_DEFAULT_DICT` (the `aio` keys DeepSpeed reads)
   and `AsyncIOBuilder.is_compatible` (whether NVMe offload's op can be built: libaio),

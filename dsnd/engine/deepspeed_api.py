@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -46,20 +45,6 @@ def deepspeed_config(ds: dict[str, Any]) -> Any:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     return DeepSpeedConfig(ds)
-
-
-def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """DeepSpeed's `partition_uniform` (stage boundaries over `num_items` layers)."""
-    from deepspeed.runtime.utils import partition_uniform as uniform
-
-    return [int(p) for p in uniform(num_items=num_items, num_parts=num_parts)]
-
-
-def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
-    """DeepSpeed's `partition_balanced` (boundaries balancing `weights`; numpy ints made int)."""
-    from deepspeed.runtime.utils import partition_balanced as balanced
-
-    return [int(p) for p in balanced(weights=weights, num_parts=num_parts)]
 
 
 def pipe_topology(pp: int, tp: int, dp: int) -> Any:
