@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from dsnd.model.count import matmul_params
-from dsnd.model.spec import ModelSpec
+from dsnd.model.source import ModelSpec
 
 # Dense peak FLOP/s per device (no sparsity), by name as torch.cuda.get_device_name reports it.
 GPU_PEAKS: dict[str, dict[str, float]] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsnd.model.spec import ModelSpec, load_model
+from dsnd.model.source import ModelSpec, load_model
 
 
 def spec_of(name: str, overrides: dict[str, Any] | None = None, **shape: int) -> ModelSpec:

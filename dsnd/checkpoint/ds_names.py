@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dsnd.errors import UserError
 from dsnd.model.count import full_shapes, meta_layers
 from dsnd.model.hf_weights import from_hf_name
-from dsnd.model.spec import ModelSpec
+from dsnd.model.source import ModelSpec
 
 Shapes = dict[str, tuple[int, ...]]
 _PIPE = re.compile(r"(\d+)\.(.+)")

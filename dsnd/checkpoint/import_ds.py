@@ -49,7 +49,7 @@ from dsnd.checkpoint.verify import check_intact
 from dsnd.config.schema import RunConfig
 from dsnd.engine import ds_checkpoint
 from dsnd.errors import UserError
-from dsnd.model.spec import ModelSpec
+from dsnd.model.source import ModelSpec
 from dsnd.secrets import mask_config
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")

@@ -33,7 +33,7 @@ from dsnd.engine.state import (
     set_full_state,
     unmanaged_masters,
 )
-from dsnd.model.specs import layer_of
+from dsnd.model.stack import layer_of
 from dsnd.tp.shard import read_part
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dsnd.checkpoint.layout import CheckpointError, committed, resolve_step_dir
 from dsnd.checkpoint.verify import check_intact, newest_intact, read_manifest, verify
 from dsnd.config.schema import RunConfig
-from dsnd.model.spec import ModelSpec, from_manifest
+from dsnd.model.source import ModelSpec, from_manifest
 
 log = logging.getLogger(__name__)
 

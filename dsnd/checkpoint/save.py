@@ -31,7 +31,7 @@ from dsnd.engine.loss_scale import scaler_state
 from dsnd.engine.public import version as deepspeed_version
 from dsnd.engine.state import full_state, optim_keys, optimizer_step
 from dsnd.errors import Diverged
-from dsnd.model.specs import layer_of
+from dsnd.model.stack import layer_of
 from dsnd.secrets import mask_config
 
 # the dtype names safetensors writes in its header (the manifest records what it wrote)

@@ -170,7 +170,7 @@ def _rebuild_problems(model: dict, legacy: bool) -> list[str]:
     from dsnd.errors import UserError
     from dsnd.model.checks import unknown_keys
     from dsnd.model.families import by_name
-    from dsnd.model.spec import SHAPE_KEYS, from_manifest
+    from dsnd.model.source import SHAPE_KEYS, from_manifest
 
     if not legacy:
         config, cls = model["config"], by_name(model["family"]).config_class

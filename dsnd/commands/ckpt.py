@@ -125,7 +125,7 @@ def format_report(r: dict) -> str:
         f"ZeRO stage {r['zero_stage']}"
     )
     from dsnd.checkpoint.schema import model_problems
-    from dsnd.model.spec import from_manifest
+    from dsnd.model.source import from_manifest
 
     bad = model_problems(m)  # the problems list below says so too; show what can be read
     model = f"{m.get('family')}: {bad[0]}" if bad else from_manifest(m).describe()
@@ -171,7 +171,7 @@ def run_verify(path: str) -> int:
 def run_export(path: str, out: str) -> int:
     from dsnd.model.export_dir import ExportOrigin, check_target, replacing
     from dsnd.model.hf_io import write_hf_dir
-    from dsnd.model.spec import from_manifest
+    from dsnd.model.source import from_manifest
 
     step_dir = step_dir_of(path)
     check_intact(step_dir)

@@ -19,7 +19,7 @@ from dsnd.checkpoint.verify import check_intact, read_manifest
 from dsnd.data.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer
 from dsnd.errors import UserError
 from dsnd.model import build_model
-from dsnd.model.spec import ModelSpec, from_manifest
+from dsnd.model.source import ModelSpec, from_manifest
 
 
 @torch.no_grad()

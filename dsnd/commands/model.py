@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from dsnd.model.count import layer_table, matmul_params
-from dsnd.model.spec import check_model, load_model, presets
+from dsnd.model.source import check_model, load_model, presets
 
 
 def run_list() -> int:

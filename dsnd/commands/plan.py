@@ -139,6 +139,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _presets() -> list[str]:
-    from dsnd.model.spec import presets
+    from dsnd.model.source import presets
 
     return presets()

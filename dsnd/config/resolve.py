@@ -24,7 +24,7 @@ from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
 from dsnd.cp.slices import IMPLS, divisor
 from dsnd.errors import UserError
-from dsnd.model.spec import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
+from dsnd.model.source import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.plan.plan import Plan, make_plan
 from dsnd.plan.profile import profile_partition
 from dsnd.topology import Topology

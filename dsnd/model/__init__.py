@@ -4,8 +4,8 @@ lists for DeepSpeed pipeline stages, built from `transformers` configs."""
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
 from dsnd.model.loss import lm_loss
 from dsnd.model.param_groups import param_groups
-from dsnd.model.spec import ModelSpec, load_model
-from dsnd.model.specs import LayerStack, build_model, init_layer, layer_specs
+from dsnd.model.source import ModelSpec, load_model
+from dsnd.model.stack import LayerStack, build_model, init_layer, layer_specs
 
 __all__ = [
     "LayerStack",

@@ -10,8 +10,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dsnd.model.layer_spec import TiedLayerSpec
-from dsnd.model.spec import ModelSpec
-from dsnd.model.specs import layer_specs
+from dsnd.model.source import ModelSpec
+from dsnd.model.stack import layer_specs
 
 
 def meta_layers(model: ModelSpec) -> Iterator[tuple[int, str, nn.Module | None]]:

@@ -8,7 +8,7 @@ would pass in: position ids `arange(seq)`, the rotary (cos, sin), and no attenti
 makes SDPA attention causal (with packed documents, `dsnd.model.documents`' positions and
 block-diagonal mask instead). Sequences therefore always start at position 0 (training without a
 KV cache). Every layer records `init_std` (the config's `initializer_range`) for
-`dsnd.model.specs.init_layer`.
+`dsnd.model.stack.init_layer`.
 """
 
 from __future__ import annotations

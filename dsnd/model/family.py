@@ -1,7 +1,7 @@
 """What a model family is, as data: its layers, tensor-parallel plan, HF names and config checks.
 
 A family (one file under `dsnd.model.families`) fills one `Family`. The rest of dsnd reads these
-fields and never asks which family it has: pipeline layer specs (`dsnd.model.specs`), tensor
+fields and never asks which family it has: pipeline layer specs (`dsnd.model.stack`), tensor
 parallelism (`dsnd.model.parallelize`), HF import/export (`dsnd.model.hf_weights`), parameter
 counts and FLOPs (built on the meta device), checkpoints (keyed by the names the layers have).
 """

@@ -36,8 +36,8 @@ from dsnd.errors import UserError
 from dsnd.model.count import full_shapes
 from dsnd.model.export_dir import ExportOrigin, replacing, umask, write_whole
 from dsnd.model.hf_weights import from_hf_name, to_hf_names
-from dsnd.model.spec import TOKENIZER_FILES, ModelSpec, load_model
-from dsnd.model.specs import LayerStack
+from dsnd.model.source import TOKENIZER_FILES, ModelSpec, load_model
+from dsnd.model.stack import LayerStack
 from dsnd.tp import Shard
 from dsnd.tp.shard import read_part
 

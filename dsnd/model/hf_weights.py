@@ -1,6 +1,6 @@
 """Parameter names: dsnd `LayerStack` ↔ the family's `*ForCausalLM` (its `HFNames`).
 
-dsnd names carry the global layer index (see `dsnd.model.specs`), N = num_layers:
+dsnd names carry the global layer index (see `dsnd.model.stack`), N = num_layers:
   layers.0.<e>              ↔ <base><e>, e.g. model.embed_tokens.weight     (embedding)
   tied_modules.embed.<e>    ↔ the same, and also lm_head.weight for the tied weight
   layers.<1..N>.<rest>      ↔ <blocks><i-1>.<rest>, e.g. model.layers.<i-1>.<rest>
@@ -16,8 +16,8 @@ import re
 import torch
 from torch import nn
 
-from dsnd.model.spec import ModelSpec
-from dsnd.model.specs import TIED_EMBED_KEY
+from dsnd.model.source import ModelSpec
+from dsnd.model.stack import TIED_EMBED_KEY
 
 _HEAD = "lm_head.weight"
 

@@ -6,7 +6,7 @@ and row layer for `dsnd.tp`'s Column/RowParallelLinear holding this rank's shard
 parameter names, full shapes recorded in ``tp_shard``), divides the attributes that count local
 heads, and hooks f onto the input of each region. `materialize` replaces every meta parameter
 by real memory of the same (local) shape, so no rank ever allocates a full layer it does not
-keep. Values come later (`dsnd.model.specs.init_layer`, or a checkpoint).
+keep. Values come later (`dsnd.model.stack.init_layer`, or a checkpoint).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsnd.model.spec import ModelSpec
+from dsnd.model.source import ModelSpec
 
 MLP_SAVED = {"silu": 4, "swiglu": 4, "gelu_new": 5, "gelu_pytorch_tanh": 5, "gelu_fast": 5,
              "gelu": 2, "relu": 2, "megatron": 2}  # fmt: skip

@@ -3,7 +3,7 @@ shape and its split into stages as `parallel.partition: parameters` splits it.""
 
 from __future__ import annotations
 
-from dsnd.model.spec import ModelSpec, load_model
+from dsnd.model.source import ModelSpec, load_model
 from dsnd.plan.partition import partition
 from dsnd.planner.search import Split
 from dsnd.planner.shape import ModelShape, from_model
@@ -14,7 +14,7 @@ PARTITION = "parameters"  # the run config's default, and what `--out` writes
 def stage_split(model: ModelSpec) -> Split:
     """(pp, chunks per stage) -> each stage's layers: DeepSpeed's balanced split of parameter
     counts into pp x chunks parts; stage s holds chunks s, s + pp, ... ."""
-    from dsnd.model.specs import layer_specs
+    from dsnd.model.stack import layer_specs
 
     specs = layer_specs(model)
 

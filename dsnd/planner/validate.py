@@ -39,7 +39,7 @@ def run_layout(model: str, pr: Problem, lay: Layout, steps: int, tmp: str,
     """Run the layout for `steps` steps (as ``--out`` writes it, plus run keys `sets`) on this
     machine's ranks; its metrics rows."""
     from dsnd.launch.local_ranks import run_ranks
-    from dsnd.model.spec import presets
+    from dsnd.model.source import presets
 
     out = os.path.join(tmp, lay.key().replace(" ", "_").replace("=", ""))
     emit.write(out, lay, model, model in presets(), pr.seq, pr.global_batch, pr.bf16)
@@ -104,7 +104,7 @@ def layer_costs(model: str, pr: Problem, layouts: list[Layout]) -> dict[int, tup
     in this process on one thread like a rank (a CPU has no datasheet to predict them from)."""
     import torch
 
-    from dsnd.model.spec import load_model
+    from dsnd.model.source import load_model
     from dsnd.plan.profile import measure_layers
 
     spec = load_model(model, "--model")

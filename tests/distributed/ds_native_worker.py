@@ -34,7 +34,7 @@ from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.data import SampleSet, batch_for_step, load_corpus  # noqa: E402
 from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model import build_model, init_layer, layer_specs, lm_loss, param_groups  # noqa: E402
-from dsnd.model.specs import TIED_EMBED_KEY  # noqa: E402
+from dsnd.model.stack import TIED_EMBED_KEY  # noqa: E402
 
 
 def _samples(res) -> SampleSet:

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import dsnd.model.specs as specs_module  # noqa: E402
+import dsnd.model.stack as specs_module  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.distributed.groups import build_groups  # noqa: E402

@@ -22,7 +22,7 @@ from dsnd import cli
 from dsnd.checkpoint.commit import write_manifest
 from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
 from dsnd.model.export_dir import EXPORT_MARKER
-from dsnd.model.specs import build_model
+from dsnd.model.stack import build_model
 from tests.models import spec_of
 
 STEP = 10

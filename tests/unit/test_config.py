@@ -22,7 +22,7 @@ from dsnd.config.load import default_config_path, load, parse_set
 from dsnd.config.resolve import resolve
 from dsnd.config.schema import RunConfig
 from dsnd.errors import UserError
-from dsnd.model.spec import presets
+from dsnd.model.source import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZERO0 = os.path.join(ROOT, "ds_configs", "zero0.json")

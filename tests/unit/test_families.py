@@ -17,7 +17,7 @@ from dsnd.errors import UserError
 from dsnd.model import build_model, from_hf_state_dict
 from dsnd.model.count import layer_table
 from dsnd.model.hf_io import check_init_from, load_hf_stage, write_hf_dir
-from dsnd.model.spec import PRESET_DIR, check_model, load_model, presets
+from dsnd.model.source import PRESET_DIR, check_model, load_model, presets
 from tests.models import random_hf_model, spec_of
 
 torch.set_num_threads(1)

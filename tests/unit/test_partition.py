@@ -24,7 +24,7 @@ from torch import nn
 from dsnd.engine.pipe import deepspeed_specs
 from dsnd.errors import UserError
 from dsnd.model.layer_spec import LayerSpec
-from dsnd.model.specs import layer_specs
+from dsnd.model.stack import layer_specs
 from dsnd.plan.boundaries import partition_balanced, partition_uniform
 from dsnd.plan.partition import (
     layer_param_counts,

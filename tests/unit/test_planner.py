@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dsnd.engine.deepspeed_api import estimate_model_states
-from dsnd.model.spec import load_model
+from dsnd.model.source import load_model
 from dsnd.plan.schedule import StageRole, bubble, compute_order, max_in_flight, program, timeline
 from dsnd.planner import memory as mem
 from dsnd.planner import selene

@@ -101,7 +101,7 @@ def test_an_export_directory_that_cannot_be_written(capsys, tmp_path):
 def _export(path, root, step: int = 2) -> None:
     """An export dsnd wrote at `path` for the run whose checkpoint root is `root`."""
     from dsnd.model.hf_io import ExportOrigin, write_hf_dir
-    from dsnd.model.specs import build_model
+    from dsnd.model.stack import build_model
     from tests.models import spec_of
 
     spec = spec_of("llama-tiny")

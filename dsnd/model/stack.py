@@ -28,7 +28,7 @@ from dsnd.model.decoder import LMHead, tied_logits
 from dsnd.model.documents import Documents
 from dsnd.model.layer_spec import LayerSpec, TiedLayerSpec
 from dsnd.model.parallelize import materialize
-from dsnd.model.spec import ModelSpec
+from dsnd.model.source import ModelSpec
 from dsnd.tp import load_full
 from dsnd.tp.context import TensorParallel
 
