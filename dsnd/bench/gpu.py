@@ -26,7 +26,7 @@ MEMORY_TARGET = Target.between(0.85, 1.15)  # measured peak within 15% of the pr
 def _device():
     import torch
 
-    from dsnd.planner.hardware import DEVICES
+    from dsnd.layouts.hardware import DEVICES
 
     name = torch.cuda.get_device_name(0)
     for key in ("h200", "h100", "a100"):
@@ -40,9 +40,9 @@ def gpu(args: argparse.Namespace, tmp: str) -> list[Row]:
 
     if not torch.cuda.is_available():
         raise Skipped("torch sees no CUDA device")
-    from dsnd.planner.search import Problem, plan
-    from dsnd.planner.source import load
-    from dsnd.planner.validate import median_step, run_layout
+    from dsnd.layouts.search import Problem, plan
+    from dsnd.layouts.source import load
+    from dsnd.layouts.validate import median_step, run_layout
 
     device, name = _device()
     _, shape, split = load(MODEL)

@@ -1,5 +1,5 @@
 """``dsnd plan``: every layout a world admits for a model on a device, predicted and ranked
-(`dsnd.planner`); the best explained; ``--out`` writes it as a run YAML and DeepSpeed JSON that
+(`dsnd.layouts`); the best explained; ``--out`` writes it as a run YAML and DeepSpeed JSON that
 ``dsnd launch`` takes as is; ``--validate`` runs the top layouts on this machine."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def global_batch(requested: int | None, world: int) -> int:
 
 
 def _device(args: argparse.Namespace):
-    from dsnd.planner import hardware
+    from dsnd.layouts import hardware
 
     if args.gpu is not None and args.gpu.lower() == "cpu":
         return hardware.this_cpu(args.world)
@@ -53,8 +53,8 @@ def _device(args: argparse.Namespace):
 
 def problem(args: argparse.Namespace):
     """(the model, the planning problem) the arguments describe; UserError for bad ones."""
-    from dsnd.planner.search import Problem
-    from dsnd.planner.source import load
+    from dsnd.layouts.search import Problem
+    from dsnd.layouts.source import load
 
     if args.world < 1:
         raise UserError(f"--world must be >= 1, got {args.world}")
@@ -97,8 +97,8 @@ def table(layouts) -> list[str]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from dsnd.planner import emit
-    from dsnd.planner.search import explain, plan
+    from dsnd.layouts import emit
+    from dsnd.layouts.search import explain, plan
 
     model, pr = problem(args)
     if args.validate is not None and pr.device.name != "cpu":
@@ -113,7 +113,7 @@ def run_plan(args: argparse.Namespace) -> int:
     shown = layouts if args.all else fitting[: args.top]
     validation = []
     if args.validate is not None:
-        from dsnd.planner.validate import validate
+        from dsnd.layouts.validate import validate
 
         validation = validate(args.model, pr, fitting[: args.validate], args.steps)
     if args.out and fitting:

@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from dsnd.engine.deepspeed_api import estimate_model_states
+from dsnd.layouts import memory as mem
+from dsnd.layouts import selene
+from dsnd.layouts.hardware import DEVICES, SELENE_EFFICIENCY
+from dsnd.layouts.search import Problem, plan
+from dsnd.layouts.shape import from_model, gpt
+from dsnd.layouts.source import stage_split
+from dsnd.layouts.timing import in_flight, schedule_bubble
 from dsnd.model.source import load_model
 from dsnd.plan.schedule import StageRole, bubble, compute_order, max_in_flight, program, timeline
-from dsnd.planner import memory as mem
-from dsnd.planner import selene
-from dsnd.planner.hardware import DEVICES, SELENE_EFFICIENCY
-from dsnd.planner.search import Problem, plan
-from dsnd.planner.shape import from_model, gpt
-from dsnd.planner.source import stage_split
-from dsnd.planner.timing import in_flight, schedule_bubble
 
 GB = 1e9
 

@@ -3,10 +3,10 @@ shape and its split into stages as `parallel.partition: parameters` splits it.""
 
 from __future__ import annotations
 
+from dsnd.layouts.search import Split
+from dsnd.layouts.shape import ModelShape, from_model
 from dsnd.model.source import ModelSpec, load_model
 from dsnd.plan.partition import partition
-from dsnd.planner.search import Split
-from dsnd.planner.shape import ModelShape, from_model
 
 PARTITION = "parameters"  # the run config's default, and what `--out` writes
 

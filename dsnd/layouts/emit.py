@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 
 from dsnd.config.packaged import packaged_json
-from dsnd.planner.search import Layout
-from dsnd.planner.source import PARTITION
+from dsnd.layouts.search import Layout
+from dsnd.layouts.source import PARTITION
 
 RUN_YAML, DS_JSON = "run.yaml", "ds_config.json"
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 
+from dsnd.layouts.shape import ModelShape
 from dsnd.plan.memory import model_state_bytes
-from dsnd.planner.shape import ModelShape
 
 RECOMPUTE = ("none", "selective", "full")
 STATS_BYTES = 4  # norm statistics and attention log-sum-exps stay fp32

@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from dsnd.layouts.hardware import Device
+from dsnd.layouts.shape import ModelShape
 from dsnd.plan.schedule import (
     StageRole,
     bubble,
@@ -32,8 +34,6 @@ from dsnd.plan.schedule import (
     program,
     timeline,
 )
-from dsnd.planner.hardware import Device
-from dsnd.planner.shape import ModelShape
 
 OPTIMIZER_BYTES = 32  # per parameter an Adam step reads and writes (master, moments, grad, param)
 

@@ -1,7 +1,7 @@
 """``dsnd plan --validate``: run layouts here and compare the plan's predictions with what they
 measure.
 
-Each layout runs as the files ``--out`` would write (`dsnd.planner.emit`), through ``dsnd train``
+Each layout runs as the files ``--out`` would write (`dsnd.layouts.emit`), through ``dsnd train``
 on this machine's ranks (gloo, one thread each), for a few steps. Measured memory is the busiest
 stage's model-state bytes plus the activations autograd saved (what dsnd's telemetry reports on a
 CPU, which keeps no allocator statistics), sampled at the step's end; predicted, the same parts:
@@ -27,8 +27,8 @@ import tempfile
 from dataclasses import replace
 from typing import Any
 
-from dsnd.planner import emit
-from dsnd.planner.search import Layout, Problem, evaluate
+from dsnd.layouts import emit
+from dsnd.layouts.search import Layout, Problem, evaluate
 
 TIMEOUT_S = 600
 WARM_STEPS = 2  # steps left out of the time median (start-up, first allocations)

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
+from dsnd.layouts import memory as mem
+from dsnd.layouts.hardware import Device
+from dsnd.layouts.shape import ModelShape
+from dsnd.layouts.timing import Step, in_flight, step_seconds
 from dsnd.plan.memory import held_gradient_bytes
 from dsnd.plan.plan import ZERO_STAGES
-from dsnd.planner import memory as mem
-from dsnd.planner.hardware import Device
-from dsnd.planner.shape import ModelShape
-from dsnd.planner.timing import Step, in_flight, step_seconds
 
 HEADROOM = 0.9  # a layout fits when it needs at most this share of the device's memory
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)

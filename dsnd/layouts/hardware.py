@@ -3,7 +3,7 @@ vendors' datasheets (dense, no sparsity), and one efficiency constant.
 
 Links are per device and per direction: ``intra`` between the devices of one node (NVLink),
 ``inter`` from a device to another node (its share of the node's network adapters). The time
-model (`dsnd.planner.timing`) runs compute, memory traffic and communication at `efficiency` of
+model (`dsnd.layouts.timing`) runs compute, memory traffic and communication at `efficiency` of
 these peaks: one constant, calibrated once (see `SELENE_EFFICIENCY`).
 """
 
@@ -19,7 +19,7 @@ GiB = 1024**3
 SELENE_EFFICIENCY = 0.742
 """The fraction of every peak (FLOP/s, memory bandwidth, links) that reproduces Megatron's
 measured iteration time of GPT-3 175B on Selene's A100s with sequence parallelism and selective
-recomputation (13.75 s; `dsnd.planner.selene`). With it the time model predicts the other seven
+recomputation (13.75 s; `dsnd.layouts.selene`). With it the time model predicts the other seven
 published iteration times (22B, 530B, 1T; full and selective recomputation) within 9%."""
 
 
@@ -104,7 +104,7 @@ def this_cpu(world: int) -> Device:
     """This machine as `world` one-thread ranks (what tests and ``--validate`` run): each rank's
     share of the cores at the single-thread fp32 matmul peak and copy bandwidth measured here;
     the same copy bandwidth for gloo's loopback links (an upper bound: they copy through
-    sockets); all of the RAM. Efficiency 1 until `dsnd.planner.validate` calibrates it."""
+    sockets); all of the RAM. Efficiency 1 until `dsnd.layouts.validate` calibrates it."""
     import os
     import time
 
