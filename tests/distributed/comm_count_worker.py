@@ -11,7 +11,6 @@ writes every rank's records and each group's ranks and name.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -22,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch.distributed as dist  # noqa: E402
 
 from dsnd.bench.comm_count import count_comm  # noqa: E402
-from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.tp.mappings import copy_to_tp  # noqa: E402
+from tests.distributed.worker import everyone, this_rank, world, write_json  # noqa: E402
 
 
 def issue(sub: dist.ProcessGroup) -> None:
@@ -55,10 +54,8 @@ def issue(sub: dist.ProcessGroup) -> None:
 
 
 def main(out_path: str) -> None:
-    torch.set_num_threads(1)
-    info = world_info(dict(os.environ))
-    init_world(info, timeout_s=60)
-    try:
+    info = this_rank()
+    with world(info, timeout_s=60):
         sub = dist.new_group([0, 1])
         with count_comm() as counter:
             counter.label = "inside"
@@ -67,13 +64,8 @@ def main(out_path: str) -> None:
         mine = [vars(c) | {"sent": c.sent} for c in counter.calls]
         groups = {"world": [dist.group.WORLD.group_name, dist.get_process_group_ranks(None)],
                   "sub": [sub.group_name, dist.get_process_group_ranks(sub)]}  # fmt: skip
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    finally:
-        shutdown()
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"calls": everyone, "groups": groups}, f)
+        calls = everyone(mine)
+    write_json(out_path, {"calls": calls, "groups": groups}, info.rank)
 
 
 if __name__ == "__main__":

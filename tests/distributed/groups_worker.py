@@ -9,7 +9,6 @@ group. Rank 0 gathers every rank's findings and writes {"pp,tp": [finding per ra
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -20,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch.distributed as dist  # noqa: E402
 
 from dsnd.distributed.groups import build_groups  # noqa: E402
-from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.distributed.mpu import Mpu  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
+from tests.distributed.worker import everyone, this_rank, world, write_json  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
 
@@ -88,21 +87,12 @@ def check_layout(pp: int, tp: int) -> dict:
 
 
 def main(out_path: str) -> None:
-    torch.set_num_threads(1)
-    info = world_info(dict(os.environ))
-    init_world(info, timeout_s=60)
+    info = this_rank()
     results = {}
-    try:
+    with world(info, timeout_s=60):
         for pp, tp in LAYOUTS:
-            mine = check_layout(pp, tp)
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            results[f"{pp},{tp}"] = everyone
-    finally:
-        shutdown()
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+            results[f"{pp},{tp}"] = everyone(check_layout(pp, tp))
+    write_json(out_path, results, info.rank)
 
 
 if __name__ == "__main__":

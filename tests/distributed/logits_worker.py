@@ -24,10 +24,10 @@ import torch.distributed as dist  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.distributed.groups import build_groups  # noqa: E402
-from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model.hf_io import load_hf_stage  # noqa: E402
 from dsnd.pipeline.stage import build_stage  # noqa: E402
 from dsnd.tp import gather_from_tp  # noqa: E402
+from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
 
@@ -54,24 +54,18 @@ def logits(res, groups) -> torch.Tensor | None:
 
 
 def main(out_path: str, cases_path: str) -> None:
-    torch.set_num_threads(1)
+    info = this_rank()
     with open(cases_path) as f:
         cases = json.load(f)
-    info = world_info(dict(os.environ))
     resolved = [resolve(load(None, c["sets"]), info.world_size) for c in cases]
-    init_world(info, timeout_s=120)
     results = {}
-    try:
+    with world(info, timeout_s=120):
         for case, res in zip(cases, resolved, strict=True):
             out = logits(res, build_groups(res.topology))
             if out is not None:
                 results[case["name"]] = out.tolist()
-    finally:
-        shutdown()
     last = resolved[0].topology.rank(resolved[0].topology.pp - 1, 0, 0)
-    if info.rank == last:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    write_json(out_path, results, info.rank, writer=last)
 
 
 if __name__ == "__main__":

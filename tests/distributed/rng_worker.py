@@ -9,8 +9,6 @@ findings and writes [finding per rank] (masks as "0"/"1" strings).
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 
@@ -21,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dsnd.distributed.init import shutdown, world_info  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
 from dsnd.tp.random import TPRandomState  # noqa: E402
+from tests.distributed.worker import everyone, this_rank, world, write_json  # noqa: E402
 
 SEED = 1234
 WIDTH = 256  # two equal 256-element masks by chance: 2**-256
@@ -93,26 +91,11 @@ def findings(coord) -> dict:
 
 
 def main(out_path: str) -> None:
-    torch.set_num_threads(1)
-    info = world_info(dict(os.environ))
+    info = this_rank()
     # plain gloo, not `init_world`: the tracker needs no DeepSpeed, whose import costs seconds
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        world = dist.get_world_size()
-        coord = Topology(pp=1, dp=2, tp=2).coord(dist.get_rank())
-        everyone = [None] * world
-        dist.all_gather_object(everyone, findings(coord))
-    finally:
-        shutdown()
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(everyone, f)
+    with world(info, timeout_s=60, plain=True):
+        found = everyone(findings(Topology(pp=1, dp=2, tp=2).coord(dist.get_rank())))
+    write_json(out_path, found, info.rank)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ every rank's findings and writes {case: [finding per rank]}.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections import Counter
@@ -25,7 +24,6 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dsnd.distributed.groups import build_groups  # noqa: E402
-from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model import LayerStack, layer_specs  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
 from dsnd.tp import (  # noqa: E402
@@ -36,6 +34,7 @@ from dsnd.tp import (  # noqa: E402
     vocab_parallel_cross_entropy,
 )
 from dsnd.tp.context import TensorParallel  # noqa: E402
+from tests.distributed.worker import everyone, this_rank, world, write_json  # noqa: E402
 from tests.models import spec_of  # noqa: E402
 
 COUNTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather")
@@ -261,13 +260,11 @@ def block_case(group, family: str, sequence_parallel: bool) -> dict:
 
 
 def main(out_path: str) -> None:
-    torch.set_num_threads(1)
-    info = world_info(dict(os.environ))
-    init_world(info, timeout_s=60)
+    info = this_rank()
     results = {}
-    try:
-        world = dist.get_world_size()
-        group = build_groups(Topology.from_world(world, pp=1, tp=world)).tensor
+    with world(info, timeout_s=60):
+        tp = dist.get_world_size()
+        group = build_groups(Topology.from_world(tp, pp=1, tp=tp)).tensor
         cases = {
             "mlp": lambda: mlp_case(group, sequence_parallel=False),
             "mlp_sp": lambda: mlp_case(group, sequence_parallel=True),
@@ -281,14 +278,8 @@ def main(out_path: str) -> None:
             "gpt2_block_sp": lambda: block_case(group, "gpt2", sequence_parallel=True),
         }
         for name, run in cases.items():
-            everyone = [None] * world
-            dist.all_gather_object(everyone, run())
-            results[name] = everyone
-    finally:
-        shutdown()
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+            results[name] = everyone(run())
+    write_json(out_path, results, info.rank)
 
 
 if __name__ == "__main__":

@@ -11,27 +11,23 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from dsnd.checkpoint.resume import choose_resume  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.distributed.groups import build_groups  # noqa: E402
-from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.trainer import train  # noqa: E402
+from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 
 
 def main(out_path: str, cases_path: str) -> None:
-    torch.set_num_threads(1)
+    info = this_rank()
     with open(cases_path) as f:
         cases = json.load(f)
-    info = world_info(dict(os.environ))
     resolved = [resolve(load(c.get("config"), c["sets"]), info.world_size) for c in cases]
-    init_world(info, timeout_s=120)
     results = {}
-    try:
+    with world(info, timeout_s=120):
         for case, res in zip(cases, resolved, strict=True):
             if case.get("reference"):
                 from tests.reference import reference_rows
@@ -40,11 +36,7 @@ def main(out_path: str, cases_path: str) -> None:
             else:  # checkpoint.resume decides, as in `dsnd train` (auto: the newest valid one)
                 resume = choose_resume(res.run)
                 results[case["name"]] = train(res, build_groups(res.topology), resume)
-    finally:
-        shutdown()
-    if info.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    write_json(out_path, results, info.rank)
 
 
 if __name__ == "__main__":
