@@ -26,8 +26,8 @@ PP, DP, SEQ = 2, 2, 256
 def stage_parameters() -> list[int]:
     """Full parameters of each stage (the 'parameters' partition dsnd uses by default)."""
     from dsnd.model.count import layer_table
-    from dsnd.model.spec import load_model
-    from dsnd.model.specs import layer_specs
+    from dsnd.model.source import load_model
+    from dsnd.model.stack import layer_specs
     from dsnd.plan.partition import partition, stage_layers
 
     model = load_model("gpt2", "preset")
