@@ -1,6 +1,6 @@
 """Real processes for tests: rank programs (gloo over loopback) and the `dsnd` CLI.
 
-Rank processes come from `dsnd.launch.local_ranks` (the same code `dsnd bench` uses): each is its
+Rank processes come from `dsnd.launcher.local_ranks` (the same code `dsnd bench` uses): each is its
 own Python process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, exactly
 as DeepSpeed's launcher or torchrun would set them, and imports this checkout.
 """
@@ -12,8 +12,8 @@ import os
 import subprocess
 import sys
 
-from dsnd.launch.local_ranks import base_env, free_port
-from dsnd.launch.local_ranks import run_ranks as _run_ranks
+from dsnd.launcher.local_ranks import base_env, free_port
+from dsnd.launcher.local_ranks import run_ranks as _run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 __all__ = ["ROOT", "free_port", "rank_env", "run_cli", "run_ranks"]

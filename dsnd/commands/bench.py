@@ -60,7 +60,7 @@ def _check(args: argparse.Namespace) -> None:
 def _ranks(module: str, world: int, out: str, steps: int, warmup: int, micro_batches: int,
            extra: Sequence[str] = ()) -> dict:  # fmt: skip
     """Run rank program `module` on `world` ranks; the raw JSON its rank 0 wrote to `out`."""
-    from dsnd.launch.local_ranks import run_ranks
+    from dsnd.launcher.local_ranks import run_ranks
 
     argv = ["-m", module, out, "--steps", str(steps), "--warmup", str(warmup),
             "--micro-batches", str(micro_batches), *extra]  # fmt: skip
@@ -193,7 +193,7 @@ def _measure(name: str):
 def run_bench(args: argparse.Namespace) -> int:
     _check(args)
     from dsnd.bench.rows import Skipped, format_table, json_lines
-    from dsnd.launch.local_ranks import RanksFailed
+    from dsnd.launcher.local_ranks import RanksFailed
 
     measure = _measure(args.name)
     with tempfile.TemporaryDirectory(prefix="dsnd-bench-") as tmp:

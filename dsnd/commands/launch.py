@@ -3,9 +3,9 @@
 The whole config (YAML, DeepSpeed JSON, batch math, layout) is resolved for the launch's world
 size before any rank starts, so a bad input costs one line and exit code 2, not a hung job.
 
-With the default launcher (`dsnd`) every host runs a dsnd agent (`dsnd.launch.agent`, over ssh
+With the default launcher (`dsnd`) every host runs a dsnd agent (`dsnd.launcher.agent`, over ssh
 for remote hosts) that starts and watches its ranks; this process supervises the agents
-(`dsnd.launch.supervisor`). Before that, `preflight` asks every host for its versions, the
+(`dsnd.launcher.supervisor`). Before that, `preflight` asks every host for its versions, the
 rendezvous port and the checkpoint directory. `--max-restarts N` relaunches a failed job from its
 last committed checkpoint. The `pdsh`, `openmpi`, `mpich` and `slurm` launchers hand the job to
 `deepspeed --hostfile`, `mpirun` or `srun` instead (restarts still apply; failure detection is
@@ -35,19 +35,19 @@ from dsnd.config.resolve import Resolved, resolve
 from dsnd.config.schema import RunConfig
 from dsnd.distributed.slurm import derived_port
 from dsnd.errors import EXIT_DIVERGED, UserError
-from dsnd.launch import commands, preflight
-from dsnd.launch.environment import describe, passed_env
-from dsnd.launch.hostfile import (
+from dsnd.launcher import command_lines, preflight
+from dsnd.launcher.environment import describe, passed_env
+from dsnd.launcher.hostfile import (
     allocation_hosts,
     deepspeed_env_paths,
     parse_hostfile,
     read_deepspeed_env,
     select_slots,
 )
-from dsnd.launch.local_ranks import free_port
-from dsnd.launch.protocol import AgentSpec
-from dsnd.launch.rank_table import format_rank_table, rank_rows
-from dsnd.launch.supervisor import AgentLaunch, supervise
+from dsnd.launcher.local_ranks import free_port
+from dsnd.launcher.protocol import AgentSpec
+from dsnd.launcher.rank_table import format_rank_table, rank_rows
+from dsnd.launcher.supervisor import AgentLaunch, supervise
 from dsnd.plan.plan import Plan, plan_json
 
 LOCALHOST = "127.0.0.1"
@@ -147,20 +147,21 @@ def external_argv(
     train_args = _train_args(args, sets)
     addr = _master_addr(args, slots)
     if args.launcher == "slurm":
-        argv = commands.srun_argv(None if args.nprocs is not None else slots, args.nprocs, addr,
-                                  args.master_port, step_name(args.job_id), sys.executable,
-                                  train_args)  # fmt: skip
+        argv = command_lines.srun_argv(
+            None if args.nprocs is not None else slots, args.nprocs, addr, args.master_port,
+            step_name(args.job_id), sys.executable, train_args,
+        )  # fmt: skip
         return [_tool("srun"), *argv[1:]]
     if args.nprocs is not None:
-        argv = commands.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
+        argv = command_lines.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
         return [_tool("deepspeed"), *argv[1:]]
     if args.launcher == "pdsh":
-        argv = commands.deepspeed_hostfile_argv(
+        argv = command_lines.deepspeed_hostfile_argv(
             os.path.abspath(args.hostfile), "pdsh", addr, args.master_port, args.include,
             args.exclude, train_args, force_multi=not _only_this_machine(slots),
         )  # fmt: skip
         return [_tool("deepspeed"), *argv[1:]]
-    argv = commands.mpirun_argv(
+    argv = command_lines.mpirun_argv(
         args.launcher, slots, addr, args.master_port, env, sys.executable, train_args,
         as_root=os.geteuid() == 0,
     )  # fmt: skip
@@ -183,7 +184,7 @@ def agent_launches(
         first += len(host_slots)
         spec = AgentSpec(host, ranks, world, _master_addr(args, slots), args.master_port, program,
                          args.cwd, env, res.run.dist.timeout_s)  # fmt: skip
-        argv = _module_argv(args, slots, host, "dsnd.launch.agent")
+        argv = _module_argv(args, slots, host, "dsnd.launcher.agent")
         launches.append(AgentLaunch(host, argv, spec))
     return launches
 
@@ -191,7 +192,7 @@ def agent_launches(
 def _module_argv(args: argparse.Namespace, slots: dict[str, list[int]], host: str,
                  module: str) -> list[str]:  # fmt: skip
     remote = None if _only_this_machine(slots) else host
-    return commands.python_module_argv(remote, sys.executable, module, args.cwd,
+    return command_lines.python_module_argv(remote, sys.executable, module, args.cwd,
                                        os.environ.get("PYTHONPATH"))  # fmt: skip
 
 
@@ -235,7 +236,7 @@ def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
                 if _only_this_machine(slots):
                     futures[a.host] = pool.submit(preflight.probe, requests[a.host])
                 else:
-                    argv = _module_argv(args, slots, a.host, "dsnd.launch.preflight")
+                    argv = _module_argv(args, slots, a.host, "dsnd.launcher.preflight")
                     futures[a.host] = pool.submit(_ask, argv, requests[a.host])
             reports = {host: f.result() for host, f in futures.items()}
     finally:
@@ -254,10 +255,10 @@ def _stop_slurm_step(name: str) -> bool:
     """SIGTERM to every task of the job step `name` (srun itself, signalled, would end the step
     at once, where the tasks, signalled, save and stop after one same step); False when Slurm
     lists no such step (yet)."""
-    found = subprocess.run(commands.squeue_steps_argv(name), capture_output=True, text=True)
+    found = subprocess.run(command_lines.squeue_steps_argv(name), capture_output=True, text=True)
     steps = found.stdout.split()
     if steps:
-        subprocess.run(commands.scancel_argv("TERM", steps))
+        subprocess.run(command_lines.scancel_argv("TERM", steps))
         return True
     print(f"dsnd: no running Slurm step named {name} to stop "
           f"({found.stderr.strip() or 'squeue lists none'}): signalling srun",
@@ -335,7 +336,7 @@ def run_launch(args: argparse.Namespace) -> int:
     world = sum(len(s) for s in slots.values())
     res = resolve(load(args.config, args.sets), world)
     args.path_sets = absolute_path_sets(res.run, args.sets, args.cwd)
-    rows = rank_rows(res.topology, commands.placement(slots))
+    rows = rank_rows(res.topology, command_lines.placement(slots))
     if args.launcher != "dsnd":
         return _launch_external(args, slots, env_file, rows, res)
     env = passed_env(dict(os.environ), res.run.launch.env, env_file)

@@ -38,7 +38,7 @@ def run_layout(model: str, pr: Problem, lay: Layout, steps: int, tmp: str,
                sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
     """Run the layout for `steps` steps (as ``--out`` writes it, plus run keys `sets`) on this
     machine's ranks; its metrics rows."""
-    from dsnd.launch.local_ranks import run_ranks
+    from dsnd.launcher.local_ranks import run_ranks
     from dsnd.model.source import presets
 
     out = os.path.join(tmp, lay.key().replace(" ", "_").replace("=", ""))

@@ -17,15 +17,15 @@ import time
 
 import pytest
 
-from dsnd.launch.commands import python_module_argv
-from dsnd.launch.environment import passed_env
-from dsnd.launch.hostfile import read_deepspeed_env
-from dsnd.launch.protocol import AgentSpec
-from dsnd.launch.supervisor import AgentLaunch, supervise
+from dsnd.launcher.command_lines import python_module_argv
+from dsnd.launcher.environment import passed_env
+from dsnd.launcher.hostfile import read_deepspeed_env
+from dsnd.launcher.protocol import AgentSpec
+from dsnd.launcher.supervisor import AgentLaunch, supervise
 from tests.procs import ROOT
 
 RANK_PROGRAM = os.path.join(ROOT, "tests", "integration", "agent_rank.py")
-AGENT = [sys.executable, "-m", "dsnd.launch.agent"]
+AGENT = [sys.executable, "-m", "dsnd.launcher.agent"]
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +177,7 @@ def test_variables_reach_remote_hosts_byte_for_byte(cluster, tmp_path, monkeypat
         launch.host = launch.spec.host = host
         launch.argv = [
             *cluster.prefix,
-            *python_module_argv(host, sys.executable, "dsnd.launch.agent", ROOT, ROOT),
+            *python_module_argv(host, sys.executable, "dsnd.launcher.agent", ROOT, ROOT),
         ]
     monkeypatch.setenv("PATH", cluster.env["PATH"])
     after_start(tmp_path, [0, 1], lambda _: os.kill(os.getpid(), signal.SIGTERM))

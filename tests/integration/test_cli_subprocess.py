@@ -68,7 +68,7 @@ def test_acceptance_dry_run_prints_four_ranks():
     assert argv[1:-4] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2",
                           "--set", "parallel.tp=2"]  # fmt: skip
     assert argv[-4:-2] == ["--set", f"log.dir={ROOT}/runs/dsnd"] and argv[-2] == "--job-id"
-    assert agent.startswith("agent on localhost: ") and agent.endswith("-m dsnd.launch.agent")
+    assert agent.startswith("agent on localhost: ") and agent.endswith("-m dsnd.launcher.agent")
     assert len(table) == 5  # exactly the header and 4 rows
     assert table[0].split() == HEADER
     rows = [line.split() for line in table[1:]]

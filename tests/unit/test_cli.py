@@ -16,7 +16,7 @@ import pytest
 from dsnd import cli
 from dsnd.commands import launch as launch_cmd
 from dsnd.config.load import default_config_path
-from dsnd.launch.supervisor import JobResult
+from dsnd.launcher.supervisor import JobResult
 
 HEADER = ["rank", "host", "local_rank", "pp", "dp", "cp", "tp"]
 PACKAGED_DS = os.path.join(os.path.dirname(default_config_path()), "zero0.json")
@@ -602,7 +602,7 @@ def test_dsnd_launcher_plans_one_agent_per_host_over_ssh(capsys, tmp_path):
         ssh = agent["command"]
         assert ssh[:4] == ["ssh", "-o", "BatchMode=yes", agent["host"]]
         assert ssh[4].startswith(f"cd {tmp_path / 'work'} && exec ")
-        assert ssh[4].endswith("-u -m dsnd.launch.agent")
+        assert ssh[4].endswith("-u -m dsnd.launcher.agent")
     assert plan["ranks"] == expected_rows([("h1", 2), ("h2", 2)], pp=2, dp=2, tp=1)
 
 
@@ -616,7 +616,7 @@ def test_dsnd_launcher_passes_env_masks_secrets_and_checks_first(capsys, launche
     assert "hf_secret_value" not in out and "HF_TOKEN=****" in out
     assert 'JSON="{\\"a\\": \\"$b\\"}"' in out
     ((argvs, specs),) = launches
-    assert argvs == [[sys.executable, "-u", "-m", "dsnd.launch.agent"]]  # this machine: no ssh
+    assert argvs == [[sys.executable, "-u", "-m", "dsnd.launcher.agent"]]  # this machine: no ssh
     (spec,) = specs
     assert (spec.ranks, spec.world_size, spec.master_addr) == ([0, 1], 2, "127.0.0.1")
     assert spec.env["HF_TOKEN"] == "hf_secret_value" and spec.env["JSON"] == '{"a": "$b"}'

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from dsnd.errors import UserError
-from dsnd.launch.hostfile import (
+from dsnd.launcher.hostfile import (
     Host,
     allocation_hosts,
     deepspeed_env_paths,

@@ -20,7 +20,7 @@ from dsnd.commands.launch import absolute_path_sets, with_restarts
 from dsnd.config.schema import RunConfig
 from dsnd.distributed.discover import job_id
 from dsnd.errors import EXIT_DIVERGED, EXIT_PEER_FAILED
-from dsnd.launch.protocol import RankOutcome, diagnose, diverged
+from dsnd.launcher.protocol import RankOutcome, diagnose, diverged
 from tests.models import spec_of
 from tests.unit.test_checkpoint_layout import manifest_of, save
 from tests.unit.test_ckpt_cli import LEGACY_MODEL

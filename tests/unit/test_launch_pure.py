@@ -12,10 +12,10 @@ import socket
 import pytest
 
 from dsnd.errors import UserError
-from dsnd.launch.commands import python_module_argv
-from dsnd.launch.environment import describe, passed_env
-from dsnd.launch.preflight import port_free, problems
-from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, event_line, parse_event
+from dsnd.launcher.command_lines import python_module_argv
+from dsnd.launcher.environment import describe, passed_env
+from dsnd.launcher.preflight import port_free, problems
+from dsnd.launcher.protocol import AgentSpec, RankOutcome, diagnose, event_line, parse_event
 from dsnd.secrets import MASK, is_secret, mask_config, mask_env
 from tests.cluster import CREATED_FILES, Cluster, _setup_files
 from tests.procs import ROOT

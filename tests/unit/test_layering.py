@@ -13,7 +13,7 @@ import dsnd
 LAYERS = [
     "errors", "engine", "extensions", "secrets", "topology", "tp", "cp", "model", "plan", "config",
     "data", "distributed", "flops", "phases", "pipeline", "progress", "stop_request", "metrics",
-    "telemetry", "report", "checkpoint", "trainer", "launch", "layouts", "bench", "commands",
+    "telemetry", "report", "checkpoint", "trainer", "launcher", "layouts", "bench", "commands",
     "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsnd.launch.commands import placement
-from dsnd.launch.hostfile import parse_hostfile_text, select_slots
-from dsnd.launch.rank_table import format_rank_table, rank_rows
+from dsnd.launcher.command_lines import placement
+from dsnd.launcher.hostfile import parse_hostfile_text, select_slots
+from dsnd.launcher.rank_table import format_rank_table, rank_rows
 from dsnd.topology import Topology
 
 COLS = ("rank", "host", "local_rank", "pp", "dp", "cp", "tp")

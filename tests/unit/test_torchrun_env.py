@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dsnd.distributed.discover import discover, job_id
 from dsnd.distributed.elastic_store import PUBLISHED, TOKEN, process_group_store
-from dsnd.launch.local_ranks import free_port
+from dsnd.launcher.local_ranks import free_port
 
 LOOPBACK = "127.0.0.1"
 

@@ -1,6 +1,6 @@
 """Checks `dsnd launch` makes on every host before any rank starts.
 
-`python -m dsnd.launch.preflight` runs on each host (over ssh, like an agent) with a JSON request
+`python -m dsnd.launcher.preflight` runs on each host (over ssh, like an agent) with a JSON request
 on stdin and prints a JSON report: its dsnd / DeepSpeed / torch versions, whether the rendezvous
 port can still be bound (on the master host), and whether the checkpoint directory is the same
 one the launcher sees (a marker file the launcher wrote there, read back with its content) and

@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from dsnd.errors import UserError
-from dsnd.launch.commands import (
+from dsnd.launcher.command_lines import (
     deepspeed_hostfile_argv,
     deepspeed_local_argv,
     mpirun_argv,

@@ -22,8 +22,8 @@ import threading
 import time
 from typing import BinaryIO
 
-from dsnd.launch.agent import die_with_parent, tick
-from dsnd.launch.protocol import AgentSpec, RankOutcome, diagnose, diverged, parse_event
+from dsnd.launcher.agent import die_with_parent, tick
+from dsnd.launcher.protocol import AgentSpec, RankOutcome, diagnose, diverged, parse_event
 
 KILL_GRACE_S = 15.0
 
@@ -31,7 +31,7 @@ KILL_GRACE_S = 15.0
 @dataclasses.dataclass
 class AgentLaunch:
     host: str
-    argv: list[str]  # starts `python -m dsnd.launch.agent` on the host
+    argv: list[str]  # starts `python -m dsnd.launcher.agent` on the host
     spec: AgentSpec
 
 

@@ -1,6 +1,6 @@
 """A host's agent: starts this host's ranks, watches them, and ends them together.
 
-`python -m dsnd.launch.agent` reads its `AgentSpec` from stdin (see `protocol`), then:
+`python -m dsnd.launcher.agent` reads its `AgentSpec` from stdin (see `protocol`), then:
 - starts one process per rank, each in its own session (a signal to the group reaches the rank's
   children too) and set to die with the agent (PR_SET_PDEATHSIG), so no rank outlives it;
 - passes each rank's stdout and stderr through, line by line;
@@ -28,7 +28,7 @@ import time
 from typing import BinaryIO
 
 from dsnd.errors import EXIT_PEER_FAILED
-from dsnd.launch.protocol import AgentSpec, RankOutcome, describe_exit, event_line
+from dsnd.launcher.protocol import AgentSpec, RankOutcome, describe_exit, event_line
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.2
