@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.data import SampleSet, batch_for_step, load_corpus  # noqa: E402
-from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.model import build_model, init_layer, layer_specs, lm_loss, param_groups  # noqa: E402
 from dsnd.model.stack import TIED_EMBED_KEY  # noqa: E402
+from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 
 
 def _samples(res) -> SampleSet:
@@ -132,24 +132,15 @@ def run_case(case: dict, res) -> list[dict]:
 
 
 def main(out_path: str, cases_path: str) -> None:
-    torch.set_num_threads(1)
+    info = this_rank()
     with open(cases_path, encoding="utf-8") as f:
         cases = json.load(f)
-    info = world_info(dict(os.environ))
     kinds = [c["engine"] for c in cases]
     assert kinds == sorted(kinds, key=lambda k: k == "pipe"), "pipe cases must come last"
     resolved = [resolve_case(c, info.world_size) for c in cases]
-    init_world(info, timeout_s=120)
-    results = {}
-    try:
-        for case, res in zip(cases, resolved, strict=True):
-            results[case["name"]] = run_case(case, res)
-    finally:
-        shutdown()
-    if info.rank == 0:
-        with open(out_path, "w", encoding="utf-8") as f:
-            json.dump(results, f)
-
+    with world(info, timeout_s=120):
+        results = {c["name"]: run_case(c, res) for c, res in zip(cases, resolved, strict=True)}
+    write_json(out_path, results, info.rank)
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

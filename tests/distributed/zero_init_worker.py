@@ -10,7 +10,6 @@ every layer's initialisation (the construction peak) and after construction.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 
@@ -22,8 +21,8 @@ import dsnd.model.stack as specs_module  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.distributed.groups import build_groups  # noqa: E402
-from dsnd.distributed.init import init_world, shutdown, world_info  # noqa: E402
 from dsnd.pipeline.stage import build_stage  # noqa: E402
+from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 
 
 def live_param_bytes() -> int:
@@ -41,10 +40,8 @@ def live_param_bytes() -> int:
 
 
 def main(out_path: str) -> None:
-    torch.set_num_threads(1)
-    info = world_info(dict(os.environ))
+    info = this_rank()
     res = resolve(load(None, ["deepspeed=ds_configs/zero3.json"]), info.world_size)
-    init_world(info, timeout_s=60)
     samples = []
     original = specs_module.init_layer
 
@@ -54,25 +51,23 @@ def main(out_path: str) -> None:
 
     specs_module.init_layer = measured_init_layer
     try:
-        stack = build_stage(res, build_groups(res.topology))
-        params = list(stack.parameters())
-        result = {
-            "stage_bytes": sum(p.ds_numel * p.element_size() for p in params),
-            "largest_layer_bytes": max(
-                sum(p.ds_numel * p.element_size() for p in layer.parameters())
-                for layer in stack.layers.values()
-            ),
-            "after_build_bytes": live_param_bytes(),
-            "construction_peak_bytes": max(samples),
-            "all_partitioned": all(p.data.numel() == 0 for p in params),
-            "dp": res.topology.dp,
-        }
+        with world(info, timeout_s=60):
+            stack = build_stage(res, build_groups(res.topology))
+            params = list(stack.parameters())
+            result = {
+                "stage_bytes": sum(p.ds_numel * p.element_size() for p in params),
+                "largest_layer_bytes": max(
+                    sum(p.ds_numel * p.element_size() for p in layer.parameters())
+                    for layer in stack.layers.values()
+                ),
+                "after_build_bytes": live_param_bytes(),
+                "construction_peak_bytes": max(samples),
+                "all_partitioned": all(p.data.numel() == 0 for p in params),
+                "dp": res.topology.dp,
+            }
     finally:
         specs_module.init_layer = original
-        shutdown()
-    with open(f"{out_path}.{info.rank}", "w") as f:
-        json.dump(result, f)
-
+    write_json(f"{out_path}.{info.rank}", result, info.rank, writer=info.rank)
 
 if __name__ == "__main__":
     main(sys.argv[1])
