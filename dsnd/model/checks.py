@@ -27,6 +27,11 @@ METADATA = frozenset({
 })  # fmt: skip
 # Keys some published files carry that transformers' class no longer knows: fine while false.
 FALSE_ONLY = frozenset({"use_mrope"})
+# Keys some config classes do not declare that their model code reads when present (Qwen's MoE
+# attention and rotary code take `getattr(config, "head_dim", hidden // heads)`): honoured.
+UNDECLARED_READ: dict[str, frozenset[str]] = {
+    "qwen2_moe": frozenset({"head_dim"}), "qwen3_moe": frozenset({"head_dim"}),
+}  # fmt: skip
 # 4.x spellings transformers 5 folds into rope_parameters (and so honours).
 LEGACY = frozenset({"rope_theta", "rope_scaling", "partial_rotary_factor"})
 
@@ -34,6 +39,7 @@ LEGACY = frozenset({"rope_theta", "rope_scaling", "partial_rotary_factor"})
 def unknown_keys(raw: dict, config: PretrainedConfig) -> list[str]:
     """Keys of the raw config.json that `config`'s class does not define."""
     known = set(type(config)().to_dict()) | set(type(config).attribute_map) | METADATA | LEGACY
+    known |= UNDECLARED_READ.get(config.model_type, frozenset())
     known |= {k for k in FALSE_ONLY if raw.get(k) is False}
     return [f"{key}={raw[key]!r}: not a {type(config).__name__} setting, so dsnd cannot tell "
             "what it does to the model" for key in sorted(raw) if key not in known]  # fmt: skip

@@ -10,6 +10,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dsnd.model.layer_spec import TiedLayerSpec
+from dsnd.model.moe import active_share
 from dsnd.model.source import ModelSpec
 from dsnd.model.stack import layer_specs
 
@@ -51,10 +52,24 @@ def layer_table(model: ModelSpec) -> list[tuple[int, str, int]]:
 
 
 def matmul_params(model: ModelSpec) -> int:
-    """Parameters that take part in matrix multiplications: every block's projections (nn.Linear
-    and Conv1D weights) and the output head; not the input embedding (a lookup), norms, biases
-    or position embeddings. A head tied to the embedding counts once."""
-    with torch.device("meta"):
-        block = model.family.block(model.config, 0)
-    per_block = sum(m.weight.numel() for m in block.modules() if isinstance(m, (nn.Linear, Conv1D)))
-    return model.num_layers * per_block + model.vocab_size * model.hidden_size
+    """Parameters one token multiplies: every block's projections (nn.Linear and Conv1D
+    weights) and the output head; not the input embedding (a lookup), norms, biases or position
+    embeddings. A head tied to the embedding counts once. In a mixture-of-experts block the
+    router counts whole and the routed experts' 3-D weights by the token's share, top-k /
+    experts (its blocks can differ, dense or sparse by layer, so each is counted)."""
+    layers = range(model.num_layers) if model.family.moe else range(1)
+    share = active_share(model.config) if model.family.moe else 1.0
+    total = 0.0
+    for index in layers:
+        with torch.device("meta"):
+            block = model.family.block(model.config, index)
+        for mod in block.modules():
+            for attr, p in mod.named_parameters(recurse=False):
+                if attr == "weight" and isinstance(mod, (nn.Linear, Conv1D)):
+                    total += p.numel()
+                elif p.ndim == 3:  # routed experts (E, out, in)
+                    total += p.numel() * share
+                elif p.ndim == 2 and hasattr(mod, "top_k"):  # the router's (E, hidden)
+                    total += p.numel()
+    per_layer = 1 if model.family.moe else model.num_layers
+    return round(per_layer * total) + model.vocab_size * model.hidden_size

@@ -20,7 +20,8 @@ from transformers import PretrainedConfig
 from dsnd.cp.context import ContextParallel, attention_config
 from dsnd.model.checks import rotary_checks
 from dsnd.model.documents import Documents, active
-from dsnd.model.family import Family, HFNames, TPPlan
+from dsnd.model.family import ExpertFiles, Family, HFNames, TPPlan
+from dsnd.model.moe import moe_checks
 from dsnd.model.parallelize import parallelize
 from dsnd.tp import VocabParallelEmbedding, VocabParallelHead
 from dsnd.tp.context import TensorParallel
@@ -191,10 +192,13 @@ lm_head."""
 
 def rotary_family(name: str, architecture: str, config_class: type[PretrainedConfig],
                   layer_class: type[nn.Module], norm_class: type[nn.Module],
-                  rotary_class: type[nn.Module]) -> Family:  # fmt: skip
+                  rotary_class: type[nn.Module],
+                  experts: ExpertFiles | None = None) -> Family:  # fmt: skip
     """A Llama-style family (`model_type` `name`): token embedding, `transformers`' decoder
     layer with its own rotary embedding, final RMSNorm `norm`, Megatron's column/row plan,
-    HF names model.embed_tokens / model.layers / model.norm / lm_head, `rotary_checks`."""
+    HF names model.embed_tokens / model.layers / model.norm / lm_head, `rotary_checks`.
+    With `experts` (how its files store them) the layer's MLP is a mixture of experts:
+    `moe_checks`, and no tensor-parallel split (the plan's MLP names are not its modules)."""
     return Family(
         name=name,
         architectures=(architecture,),
@@ -204,6 +208,6 @@ def rotary_family(name: str, architecture: str, config_class: type[PretrainedCon
         block=rotary_block(layer_class, rotary_class, ROTARY_TP_PLAN),
         final_norm=final_norm(norm_class, "norm", "rms_norm_eps"),
         tp_plan=ROTARY_TP_PLAN,
-        names=ROTARY_NAMES,
-        check=rotary_checks,
+        names=HFNames(**{**ROTARY_NAMES.__dict__, "experts": experts}),
+        check=moe_checks if experts is not None else rotary_checks,
     )

@@ -39,6 +39,20 @@ class TPPlan:
 
 
 @dataclass(frozen=True)
+class ExpertFiles:
+    """How `transformers`' checkpoint files store a mixture-of-experts block: one 2-D weight
+    per expert (what `save_pretrained` writes and published checkpoints hold), where the model
+    in memory keeps each layer's experts as two 3-D tensors, `mlp.experts.gate_up_proj` (E, 2I,
+    H) = per expert [gate; up], and `mlp.experts.down_proj` (E, H, I); see `dsnd.model.hf_files`.
+    """
+
+    block: str  # the MoE block's name in files: "block_sparse_moe" (Mixtral) or "mlp"
+    gate: str  # per-expert projection names in files: w1 / gate_proj
+    up: str  # w3 / up_proj
+    down: str  # w2 / down_proj
+
+
+@dataclass(frozen=True)
 class HFNames:
     """Where a `*ForCausalLM` state dict keeps each dsnd layer (see `dsnd.model.hf_weights`)."""
 
@@ -48,6 +62,7 @@ class HFNames:
     final_norm: str  # first name part of the final norm's parameters
     tied_attr: str  # the embedding's parameter the head shares when tied
     ignored: str = r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$"  # recomputed buffers
+    experts: ExpertFiles | None = None  # a mixture-of-experts family's per-expert file names
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,8 @@ class Family:
     `block(config, layer_idx, tp, cp, documents)`, `final_norm(config, tp)`; `tp` and `cp` (the
     context-parallel group) are None for a single rank, `documents` (`dsnd.model.documents`)
     None unless packed documents are kept apart.
-    `check(config, seq_len)` returns one line per config value dsnd cannot honour."""
+    `check(config, seq_len)` returns one line per config value dsnd cannot honour.
+    A mixture-of-experts family (`moe`) names its per-expert files (`names.experts`)."""
 
     name: str
     architectures: tuple[str, ...]  # `architectures` entries of config.json it serves
@@ -68,3 +84,8 @@ class Family:
     tp_plan: TPPlan
     names: HFNames
     check: Callable[[PretrainedConfig, int], list[str]]
+
+    @property
+    def moe(self) -> bool:
+        """Whether blocks route each token to `num_experts_per_tok` of `num_experts` experts."""
+        return self.names.experts is not None

@@ -9,6 +9,8 @@
 - `export_hf`: at the end of a run every stage gathers its parameters (ZeRO-3: one layer at a
   time), one data-parallel replica sends them to global rank 0, which joins the tensor-parallel
   shards (`Shard.combine`, vocabulary padding dropped) and writes them with `write_hf_dir`.
+- Mixture-of-experts weights are stored in files one tensor per expert, as `save_pretrained`
+  writes them, and fused in memory (`dsnd.model.hf_files`); both directions convert.
 - `write_hf_dir`: full tensors by dsnd name -> HF names, `config.json` and `model.safetensors`,
   which `AutoModelForCausalLM.from_pretrained` loads, written whole beside the target and renamed
   into place, over nothing but the same run's earlier export (`dsnd.model.export_dir`). A tied
@@ -35,7 +37,9 @@ from dsnd.engine.public import gathered_parameters
 from dsnd.errors import UserError
 from dsnd.model.count import full_shapes
 from dsnd.model.export_dir import ExportOrigin, replacing, umask, write_whole
+from dsnd.model.hf_files import file_names, file_shapes, join, split
 from dsnd.model.hf_weights import from_hf_name, to_hf_names
+from dsnd.model.moe import num_experts
 from dsnd.model.source import TOKENIZER_FILES, ModelSpec, load_model
 from dsnd.model.stack import LayerStack
 from dsnd.tp import Shard
@@ -61,8 +65,11 @@ def check_init_from(path: str, model: ModelSpec) -> None:
             )
     files = _weight_files(path)
     shapes = _header_shapes(files)
-    # a tied weight under its first HF name (the embedding's), as save_pretrained writes it
-    want = {to_hf_names(name, model)[0]: shape for name, shape in full_shapes(model).items()}
+    # a tied weight under its first HF name (the embedding's), as save_pretrained writes it;
+    # experts one tensor each (`hf_files`)
+    experts = model.family.names.experts
+    want = {file: part for name, shape in full_shapes(model).items()
+            for file, part in file_shapes(to_hf_names(name, model)[0], shape, experts).items()}
     for hf_name, shape in want.items():
         if hf_name not in shapes:  # also a name the index lists in a file that lacks it
             raise UserError(f"{key}={path}: the checkpoint has no {hf_name} (shape {list(shape)})")
@@ -123,16 +130,31 @@ def load_hf_stage(stack: LayerStack, path: str, model: ModelSpec) -> None:
         named = list(module.named_parameters())
         if not named:  # e.g. a borrowed tied weight (pipeline/tied.py stripped it)
             continue
-        tensors = {}
-        for name, param in named:
-            hf_name = to_hf_names(prefix + name, model)[0]
-            if hf_name not in files:
-                raise UserError(f"model.init_from={path}: the checkpoint has no {hf_name}")
-            tensors[name] = _read(files[hf_name], hf_name, param, path)
+        tensors = {name: _read_param(files, to_hf_names(prefix + name, model)[0], param, path,
+                                     model) for name, param in named}  # fmt: skip
         params = [p for _, p in named]
         with gathered_parameters(params, modifier_rank=0), torch.no_grad():
             for name, param in named:
                 param.data.copy_(tensors[name].to(device=param.device, dtype=param.dtype))
+
+
+def _read_param(files: dict[str, str], hf_name: str, param: torch.Tensor, path: str,
+                model: ModelSpec) -> torch.Tensor:  # fmt: skip
+    """`param` (HF name `hf_name` in memory) from the file tensors that hold it (`hf_files`:
+    a fused expert weight from one tensor per expert, read whole: MoE blocks are not split
+    over tensor-parallel ranks)."""
+    experts = model.family.names.experts
+    names = file_names(hf_name, experts, num_experts(model.config) if experts else 0)
+    for name in names:
+        if name not in files:
+            raise UserError(f"model.init_from={path}: the checkpoint has no {name}")
+    if names == [hf_name]:
+        return _read(files[hf_name], hf_name, param, path)
+    parts = []
+    for name in names:
+        with safe_open(files[name], framework="pt") as f:
+            parts.append(f.get_tensor(name))
+    return join(hf_name, parts, experts)
 
 
 def _read(file: str, hf_name: str, param: torch.Tensor, path: str) -> torch.Tensor:
@@ -164,9 +186,11 @@ def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
     named: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         hf_name = to_hf_names(name, model)[0]  # a tie: the embedding's
-        if hf_name in named:
-            raise ValueError(f"two dsnd tensors map to the HF name {hf_name!r}")
-        named[hf_name] = tensor.detach().to("cpu").contiguous()
+        for file_name, part in split(hf_name, tensor.detach().to("cpu"),
+                                     model.family.names.experts).items():  # fmt: skip
+            if file_name in named:
+                raise ValueError(f"two dsnd tensors map to the HF name {file_name!r}")
+            named[file_name] = part.contiguous()
     return write_whole(path, origin or ExportOrigin(None, None),
                        lambda tmp: _write_files(tmp, model, named, tokenizer_from),
                        where)  # fmt: skip

@@ -19,7 +19,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 from dsnd.errors import UserError
-from dsnd.model.checks import METADATA, rope_conflicts, unknown_keys
+from dsnd.model.checks import METADATA, UNDECLARED_READ, rope_conflicts, unknown_keys
 from dsnd.model.families import by_name, family_of, supported
 from dsnd.model.family import Family
 
@@ -179,7 +179,7 @@ def _apply(family: Family, raw: dict[str, Any], shape: dict[str, int | None],
     """`raw` with the run's overrides; when the width or heads change, head_dim follows
     (hidden / heads) unless it is given too, as it would for a config built from scratch."""
     out = dict(raw)
-    known = set(family.config_class().to_dict())
+    known = set(family.config_class().to_dict()) | UNDECLARED_READ.get(family.name, frozenset())
     for key, value in shape.items():
         if value is None:
             continue

@@ -102,7 +102,7 @@ def test_init_from_is_checked_before_start(capsys, tmp_path, command):
             (),
             "model.config={path}: architecture ['PhiForCausalLM'] is not supported; dsnd trains "
             "LlamaForCausalLM, GPT2LMHeadModel, MistralForCausalLM, Qwen2ForCausalLM, "
-            "Qwen3ForCausalLM",
+            "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM",
         ),
         (
             {},

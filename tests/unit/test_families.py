@@ -29,6 +29,10 @@ PUBLISHED = {
     "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
     "mistral-7b": 7_248_023_552, "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
     "qwen3-0.6b": 596_049_920,
+    # mixtures of experts: every expert counted (Mixtral-8x7B's "46.7B", Qwen3-30B-A3B's "30.5B",
+    # Qwen1.5-MoE-A2.7B's "14.3B")
+    "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624,
+    "qwen1.5-moe-a2.7b": 14_315_784_192,
 }  # fmt: skip
 
 
@@ -132,8 +136,15 @@ def _dir(tmp_path, name: str, **changes) -> str:
         ("llama-3.2-1b", {"attention_dropout": 0.1}, 64, r"attention_dropout=0.1"),
         ("llama-3.2-1b", {"hidden_act": "swishy"}, 64, r"hidden_act='swishy': not an activation"),
         ("gpt2", {}, 2048, r"model.seq_len=2048 must be in 1..1024, the max_position_embeddings"),
-    ],
-    ids=["window", "gpt2-dropout", "llama-dropout", "activation", "seq-len"],
+        ("mixtral-8x7b", {"router_jitter_noise": 0.01}, 64,
+         r"router_jitter_noise=0.01: dsnd trains without random router noise"),
+        ("qwen3-30b-a3b", {"output_router_logits": True}, 64,
+         r"output_router_logits=true: dsnd does not add the router's load-balancing loss "
+         r"\(router_aux_loss_coef=0.001\)"),
+        ("mixtral-8x7b", {"num_experts_per_tok": 9}, 64, r"num_experts_per_tok=9: must be in 1..8"),
+    ],  # fmt: skip
+    ids=["window", "gpt2-dropout", "llama-dropout", "activation", "seq-len", "router-noise",
+         "aux-loss", "top-k"],  # fmt: skip
 )
 def test_what_cannot_be_honoured_is_refused_by_field_and_value(tmp_path, preset, changes,
                                                                seq_len, message):  # fmt: skip
@@ -153,7 +164,8 @@ def test_a_window_at_least_the_sequence_is_honoured(tmp_path):
         (
             {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
             r"architecture \['GemmaForCausalLM'\] is not supported; dsnd trains LlamaForCausalLM, "
-            r"GPT2LMHeadModel, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+            r"GPT2LMHeadModel, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+            r"MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM",
         ),
         ({"use_mrope": True}, r"use_mrope=True: not a Qwen2Config setting"),
         ({"my_new_trick": 3}, r"my_new_trick=3: not a Qwen2Config setting, so dsnd cannot tell"),

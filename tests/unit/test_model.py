@@ -27,12 +27,12 @@ torch.set_num_threads(1)
 
 
 def _hf_model(dims, sd):
-    model = AutoModelForCausalLM.from_config(dims.config).eval()
+    model = AutoModelForCausalLM.from_config(dims.config, dtype=torch.float32).eval()
     model.load_state_dict(sd, strict=True)
     return model
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny", "mixtral-tiny", "qwen3-moe-tiny"])
 def test_logits_match_transformers(preset):
     dims = spec_of(preset)
     model = build_model(dims, seed=0).eval()
@@ -49,6 +49,40 @@ def test_logits_match_transformers(preset):
     with torch.no_grad():
         hf_loss = hf(input_ids=ids, labels=ids).loss
     assert torch.allclose(lm_loss(ours, labels), hf_loss, atol=1e-5)
+
+
+MOE = {
+    "mixtral": spec_of("mixtral-tiny"),
+    "qwen3_moe": spec_of("qwen3-moe-tiny"),  # layer 0 dense (mlp_only_layers), top-k renormalised
+    "qwen2_moe": spec_of("qwen1.5-moe-a2.7b", {"moe_intermediate_size": 32,
+                                               "shared_expert_intermediate_size": 48},
+                         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                         ffn_size=96, vocab_size=256),  # shared expert, top-4 of 60 unnormalised
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_training_step_is_transformers(family):
+    """In training mode: the same loss (relative 1e-5) and the same gradient of every tensor,
+    routed experts and router included, as transformers' model with the same weights."""
+    dims = MOE[family]
+    model = build_model(dims, seed=0).train()
+    hf = _hf_model(dims, to_hf_state_dict(model, dims)).train()
+    ids = torch.randint(0, dims.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    ours = lm_loss(model(ids), labels)
+    theirs = hf(input_ids=ids, labels=ids).loss
+    assert abs(ours.item() - theirs.item()) <= 1e-5 * theirs.item()
+    ours.backward()
+    theirs.backward()
+    grads = to_hf_state_dict(model, dims).keys()
+    hf_params = dict(hf.named_parameters())
+    ours_by_hf = dict(zip(grads, (p.grad for p in model.parameters()), strict=True))
+    assert any(".experts." in n for n in ours_by_hf)
+    for name, grad in ours_by_hf.items():
+        want = hf_params[name].grad
+        assert (grad - want).abs().max().item() <= 1e-5 * (1 + want.abs().max().item()), name
 
 
 def test_causal():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dsnd.model.families import gpt2, llama, mistral, qwen2, qwen3
+from dsnd.model.families import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from dsnd.model.family import Family
 
 FAMILIES: tuple[Family, ...] = (
-    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY
+    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY,
 )  # fmt: skip
 
 

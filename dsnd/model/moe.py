@@ -1,0 +1,54 @@
+"""Mixture-of-experts blocks as `transformers` configures them: each token goes to the
+`num_experts_per_tok` (top-k) of a layer's experts its router scores highest, no token dropped
+(Mixtral, Qwen2-MoE, Qwen3-MoE route this way; none has a capacity limit). The blocks are
+`transformers`' own layers, so whatever they read (top-k, expert count and sizes, Qwen's
+`norm_topk_prob`, shared expert and its gate, `decoder_sparse_step` / `mlp_only_layers`) is
+honoured by construction; what dsnd cannot honour yet is refused here by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from transformers import PretrainedConfig
+
+from dsnd.model.checks import rotary_checks
+
+EXPERT_WEIGHTS = re.compile(r"(^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
+"""In-memory names of the fused 3-D expert weights (E, ., .) of an MoE block."""
+
+
+def num_experts(config: PretrainedConfig) -> int:
+    """Routed experts per MoE layer (Mixtral's `num_local_experts`, Qwen's `num_experts`)."""
+    for name in ("num_local_experts", "num_experts"):
+        if getattr(config, name, None) is not None:
+            return getattr(config, name)
+    raise AttributeError(f"{type(config).__name__} names no expert count")
+
+
+def active_share(config: PretrainedConfig) -> float:
+    """The share of a layer's routed-expert weights one token multiplies: top-k / experts."""
+    return config.num_experts_per_tok / num_experts(config)
+
+
+def moe_checks(config: PretrainedConfig, seq_len: int) -> list[str]:
+    """What a Mixtral / Qwen2-MoE / Qwen3-MoE config may say that dsnd cannot honour: the
+    rotary families' refusals, plus router noise (random multipliers, which layouts would draw
+    differently, like dropout), the router's load-balancing loss, and a top-k the experts
+    cannot fill."""
+    out = rotary_checks(config, seq_len)
+    experts, top_k = num_experts(config), config.num_experts_per_tok
+    if not 1 <= top_k <= experts:
+        out.append(f"num_experts_per_tok={top_k}: must be in 1..{experts}, the number of "
+                   "experts per layer")  # fmt: skip
+    if getattr(config, "router_jitter_noise", 0) not in (0, 0.0, None):
+        out.append(f"router_jitter_noise={config.router_jitter_noise}: dsnd trains without "
+                   "random router noise (layouts would draw different noise); set it to 0 "
+                   "(--set model.overrides.router_jitter_noise=0)")  # fmt: skip
+    if getattr(config, "output_router_logits", False):
+        out.append(
+            f"output_router_logits=true: dsnd does not add the router's load-balancing loss "
+            f"(router_aux_loss_coef={config.router_aux_loss_coef}) yet; set it to false, as "
+            "published configs do (transformers then trains without that loss too)"
+        )
+    return out
