@@ -18,7 +18,8 @@ from dsnd.commands.generate import generate, load_checkpoint_model
 from tests.distributed.parity import run_cases
 from tests.models import random_hf_model, spec_of
 
-PRESETS = ("gpt2", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b")
+PRESETS = ("gpt2", "llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b", "mixtral-8x7b",
+           "qwen3-moe-tiny")
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, ffn_size=96, vocab_size=320)
 LR0 = ("ds.optimizer.params.lr=0", "ds.scheduler.params.warmup_min_lr=0",
        "ds.scheduler.params.warmup_max_lr=0")  # fmt: skip
