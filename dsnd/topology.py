@@ -111,6 +111,23 @@ class Topology:
         shards over and averages gradients over."""
         return self.groups_across(("data", "context"))
 
+    def expert_groups(self, ep: int) -> list[list[int]]:
+        """Expert-parallel groups: each data-parallel group cut into runs of `ep` consecutive
+        data indices. Its ranks hold different experts of every MoE layer and exchange tokens
+        (all-to-all); they see the same weights otherwise."""
+        return [g[i : i + ep] for g in self._data_groups(ep) for i in range(0, len(g), ep)]
+
+    def expert_data_groups(self, ep: int) -> list[list[int]]:
+        """Expert-data-parallel groups (dp / ep ranks each): the ranks at the same place of
+        every expert-parallel group of a data-parallel group, which hold the same experts; what
+        the experts' gradients are averaged over and their ZeRO shards split over."""
+        return [g[j::ep] for g in self._data_groups(ep) for j in range(ep)]
+
+    def _data_groups(self, ep: int) -> list[list[int]]:
+        if ep < 1 or self.dp % ep:
+            raise ValueError(f"expert-parallel size {ep} does not divide dp={self.dp}")
+        return self.groups("data")
+
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ranks that share every coordinate with `rank` except `axis`."""
         for ranks in self.groups(axis):

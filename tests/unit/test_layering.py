@@ -11,10 +11,10 @@ import sys
 import dsnd
 
 LAYERS = [
-    "errors", "engine", "extensions", "secrets", "topology", "tp", "cp", "model", "plan", "config",
-    "data", "distributed", "flops", "phases", "pipeline", "progress", "stop_request", "metrics",
-    "telemetry", "report", "checkpoint", "trainer", "launcher", "layouts", "bench", "commands",
-    "cli", "__main__",
+    "errors", "engine", "extensions", "secrets", "topology", "tp", "ep", "cp", "model", "plan",
+    "config", "data", "distributed", "flops", "phases", "pipeline", "progress", "stop_request",
+    "metrics", "telemetry", "report", "checkpoint", "trainer", "launcher", "layouts", "bench",
+    "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent
 

@@ -135,3 +135,18 @@ def test_context_axis_sits_between_data_and_model():
         UserError, match=r"parallel.pp \* parallel.tp \* parallel.cp = 2 \* 1 \* 4 = 8"
     ):
         Topology.from_world(12, pp=2, tp=1, cp=4)
+
+
+def test_expert_groups_are_carved_out_of_data_parallel():
+    """pp=2 x dp=4 x tp=1, ep=2: each stage's data group [0..3] / [4..7] splits into runs of
+    two (the ranks that exchange tokens) and the ranks at the same place of each run (which
+    hold the same experts)."""
+    topo = Topology(pp=2, dp=4, tp=1)
+    assert topo.expert_groups(2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.expert_data_groups(2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.expert_groups(4) == topo.groups("data")
+    assert topo.expert_data_groups(1) == topo.groups("data")
+    with_tp = Topology(pp=1, dp=2, tp=2)  # tensor-parallel peers are neighbours: 0,1 | 2,3
+    assert with_tp.expert_groups(2) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="expert-parallel size 3 does not divide dp=4"):
+        topo.expert_groups(3)
