@@ -64,7 +64,15 @@ def block_activation_bytes(shape: ModelShape, b: int, s: int, t: int, cp: int, s
     attention = 2 * q + 2 * kv
     mlp = shape.mlp_saved * f
     elements = norms / rep + attention + mlp
-    return tokens * (elements * dtype_bytes + stats * STATS_BYTES)
+    extra = 0.0
+    if shape.moe:  # (never tensor-parallel) each of a token's k rows gathered for its expert
+        # and the expert's output; the router's probabilities (fp32) and top-k weights; the
+        # routing's int64 indices (top-k ids, the sort's order and its inverse, the gather)
+        k = shape.top_k
+        elements += 2 * k * h
+        stats += shape.experts + 2 * k + 1
+        extra = 4 * k * 8
+    return tokens * (elements * dtype_bytes + stats * STATS_BYTES + extra)
 
 
 def _megatron_layer(tokens: float, s: int, shape: ModelShape, t: int, rep: int,

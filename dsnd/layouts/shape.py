@@ -35,6 +35,12 @@ class ModelShape:
     mlp_saved: int  # see MLP_SAVED
     rms_norm: bool = True  # RMSNorm (one statistic) or LayerNorm (two)
     megatron_layer: bool = False  # activations as Megatron's GPT layer (dropout, scores saved)
+    top_k: int = 0  # mixture-of-experts blocks: experts per token (`ffn` spans all of them)
+    experts: int = 0  # ... of this many per layer (0 and 0: a dense model)
+
+    @property
+    def moe(self) -> bool:
+        return self.top_k > 0
 
     @property
     def params(self) -> int:
@@ -62,6 +68,7 @@ class ModelShape:
 
 def from_model(model: ModelSpec, name: str) -> ModelShape:
     from dsnd.model.count import layer_table, matmul_params
+    from dsnd.model.moe import num_experts, token_ffn
 
     table = layer_table(model)
     per_block = (matmul_params(model) - model.vocab_size * model.hidden_size) // model.num_layers
@@ -71,10 +78,14 @@ def from_model(model: ModelSpec, name: str) -> ModelShape:
     if act not in MLP_SAVED:
         raise ValueError(f"no activation accounting for the MLP activation {act!r}")
     blocks = tuple(i for i, kind, _ in table if "Block" in kind)
+    moe = model.family.moe
+    ffn = token_ffn(model.config) if moe else model.ffn_size
+    routing = (model.config.num_experts_per_tok, num_experts(model.config)) if moe else (0, 0)
     return ModelShape(name, tuple(n for _, _, n in table), blocks, model.hidden_size,
-                      model.num_heads, model.num_kv_heads, model.head_dim, model.ffn_size,
+                      model.num_heads, model.num_kv_heads, model.head_dim, ffn,
                       model.vocab_size, model.max_seq_len, per_block, MLP_SAVED[act],
-                      rms_norm=hasattr(model.config, "rms_norm_eps"))  # fmt: skip
+                      rms_norm=hasattr(model.config, "rms_norm_eps"), top_k=routing[0],
+                      experts=routing[1])  # fmt: skip
 
 
 def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048

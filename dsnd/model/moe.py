@@ -31,6 +31,15 @@ def active_share(config: PretrainedConfig) -> float:
     return config.num_experts_per_tok / num_experts(config)
 
 
+def token_ffn(config: PretrainedConfig) -> int:
+    """The MLP width one token's activations span in an MoE layer: its top-k experts'
+    intermediate width (Qwen's `moe_intermediate_size`, Mixtral's `intermediate_size`) plus
+    the shared expert's (Qwen2-MoE). Layers made dense (`mlp_only_layers`) are not told apart."""
+    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    return config.num_experts_per_tok * expert + shared
+
+
 def moe_checks(config: PretrainedConfig, seq_len: int) -> list[str]:
     """What a Mixtral / Qwen2-MoE / Qwen3-MoE config may say that dsnd cannot honour: the
     rotary families' refusals, plus router noise (random multipliers, which layouts would draw

@@ -1,7 +1,9 @@
 """Mixture-of-experts models (experts whole on each rank, ep=1) train the same on 4-rank
 layouts as in one plain PyTorch process: Mixtral-tiny (4 experts, top-2) and Qwen3-MoE-tiny
-(8 experts, top-2 renormalised, layer 0 dense) over pipeline stages and data parallelism,
-ZeRO-1 and ZeRO-3 (the 3-D expert weights sharded like any other). Losses, gradient norms and
+(8 experts, top-2 renormalised, layer 0 dense) over pipeline stages (1F1B, zero-bubble H1 whose
+weight pass runs the router's and experts' gradients apart, interleaved with activation
+checkpointing) and data parallelism, ZeRO-1 to ZeRO-3 (the 3-D expert weights sharded like any
+other). Losses, gradient norms and
 learning rates within 1e-4 relative over five steps.
 """
 
@@ -25,10 +27,12 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     refs = run_cases(tmp_path / "w1", 1, [moe_case(f"{f}-ref", None, reference=True)
                                           for f in PRESETS])  # fmt: skip
     got = run_cases(tmp_path / "w4", 4, [
-        moe_case("mixtral-pp2-dp2-z1", 1, "parallel.pp=2"),
+        moe_case("mixtral-pp2-dp2-zbh1-z1", 1, "parallel.pp=2", "parallel.schedule=zb-h1"),
         moe_case("mixtral-dp4-z3", 3),
         moe_case("qwen3moe-pp2-dp2-z3", 3, "parallel.pp=2"),
-        moe_case("qwen3moe-pp4-z2", 2, "parallel.pp=4"),
+        moe_case("qwen3moe-pp2-dp2-il2-ac-z2", 2, "parallel.pp=2",
+                 "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
+                 "parallel.activation_checkpoint_interval=1"),
     ])  # fmt: skip
     for name, rows in got.items():
         assert_same(rows, refs[f"{name.split('-')[0]}-ref"], name)

@@ -72,7 +72,7 @@ def _saved_bytes(block: nn.Module, x: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny", "mixtral-tiny"])
 def test_block_accounting_matches_what_a_dsnd_block_saves(preset):
     model = load_model(preset, "model")
     shape = from_model(model, preset)
@@ -136,6 +136,21 @@ def test_schedule_facts_past_2p_micro_batches_are_the_timeline_s(schedule, p, v)
         assert in_flight(schedule, p, m, v) == tuple(
             max_in_flight(compute_order(schedule, p, s, m, v)) for s in range(p)
         )
+
+
+def test_moe_layouts_keep_experts_whole_and_count_active_flops():
+    """dsnd does not split MoE blocks over tensor parallelism, so the planner offers no tp > 1
+    for Mixtral; its block FLOPs count the router and a token's top-2 of 8 experts, and its
+    activations a token's rows through both experts."""
+    model = load_model("mixtral-8x7b", "--model")
+    shape = from_model(model, "mixtral-8x7b")
+    assert shape.moe and (shape.top_k, shape.experts, shape.ffn) == (2, 8, 2 * 14336)
+    h = 4096
+    attention = 2 * h * h + 2 * h * 1024
+    assert shape.block_matmul_params == attention + 8 * h + 2 * 3 * h * 14336
+    pr = Problem(shape, stage_split(model), 64, DEVICES["h100"], 4096, 128, bf16=True)
+    layouts = plan(pr)
+    assert layouts and {x.tp for x in layouts} == {1}
 
 
 def test_plan_layouts_are_valid_and_ranked():
