@@ -4,14 +4,18 @@ layouts as in one plain PyTorch process: Mixtral-tiny (4 experts, top-2) and Qwe
 weight pass runs the router's and experts' gradients apart, interleaved with activation
 checkpointing) and data parallelism, ZeRO-1 to ZeRO-3 (the 3-D expert weights sharded like any
 other). Losses, gradient norms and
-learning rates within 1e-4 relative over five steps.
+learning rates within 1e-4 relative over five steps. In the same launch, checkpoints: Qwen3-MoE
+at pp=2 x dp=2 ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its
+step-5 checkpoint continues at pp=1 x dp=4 ZeRO-1 within 1e-4 of the straight run.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.parity import assert_same, case, run_cases
+import os
+
+from tests.distributed.parity import RTOL, assert_same, case, run_cases
 
 PRESETS = {"mixtral": "mixtral-tiny", "qwen3moe": "qwen3-moe-tiny"}
 
@@ -33,6 +37,34 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
         moe_case("qwen3moe-pp2-dp2-il2-ac-z2", 2, "parallel.pp=2",
                  "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
                  "parallel.activation_checkpoint_interval=1"),
+        *resume_cases(tmp_path / "w4"),
     ])  # fmt: skip
+    check_resume(got)
     for name, rows in got.items():
         assert_same(rows, refs[f"{name.split('-')[0]}-ref"], name)
+
+
+def resume_cases(root) -> list[dict]:
+    ten, pp2 = "train.steps=10", "parallel.pp=2"
+    saved = os.path.join(root, "qwen3moe-halves", "checkpoints", "step_00000005")
+    rest = moe_case("qwen3moe-halves", 3, pp2, ten)
+    rest["name"] = "qwen3moe-halves-rest"
+    return [
+        moe_case("qwen3moe-straight", 3, pp2, ten, "checkpoint.resume=never"),
+        moe_case("qwen3moe-halves", 3, pp2),
+        rest,
+        moe_case("qwen3moe-to-pp1-dp4-z1", 1, ten, f"checkpoint.resume={saved}"),
+    ]
+
+
+def check_resume(got: dict) -> None:
+    """Pops the resume cases from `got` once checked."""
+    full = got.pop("qwen3moe-straight")
+    first, rest = got.pop("qwen3moe-halves"), got.pop("qwen3moe-halves-rest")
+    reshaped = got.pop("qwen3moe-to-pp1-dp4-z1")
+    assert [r["step"] for r in full] == list(range(1, 11))
+    assert [r["step"] for r in rest] == [r["step"] for r in reshaped] == list(range(6, 11))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in first + rest] == [r[key] for r in full], key
+        for got_row, want in zip(reshaped, full[5:], strict=True):
+            assert abs(got_row[key] - want[key]) <= RTOL * abs(want[key]), (key, got_row["step"])
