@@ -37,7 +37,7 @@ import sys
 from itertools import pairwise
 
 from dsnd.checkpoint import layout
-from dsnd.checkpoint.layout import MANIFEST, MANIFEST_SUM, CheckpointError
+from dsnd.checkpoint.layout import MANIFEST, MANIFEST_SUM, MODEL_SUFFIX, CheckpointError
 from dsnd.checkpoint.members import Problem, member_problem, printable
 from dsnd.checkpoint.verify import check_intact, read_manifest, verify
 
@@ -84,6 +84,25 @@ def _table(manifest: dict, key: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _experts(step_dir: str, files: list[dict]) -> list[dict]:
+    """Each MoE layer's expert tensors as its model file stores them (name and shape, read from
+    the safetensors header of an intact file): what a reshape across expert layouts works on."""
+    from safetensors import safe_open
+
+    from dsnd.model.moe import EXPERT_WEIGHTS
+
+    out = []
+    for row in files:
+        if row["status"] != "ok" or not row["file"].endswith(MODEL_SUFFIX):
+            continue
+        with safe_open(os.path.join(step_dir, row["file"]), framework="pt") as f:
+            found = {name: list(f.get_slice(name).get_shape()) for name in f.keys()
+                     if EXPERT_WEIGHTS.search(name)}  # fmt: skip
+        if found:
+            out.append({"file": row["file"], "tensors": found})
+    return out
+
+
 def report(step_dir: str) -> dict:
     """Everything `inspect` shows, as plain data."""
     problems = verify(step_dir)
@@ -106,6 +125,7 @@ def report(step_dir: str) -> dict:
         "stages": [[first, last - 1] for first, last in pairwise(parts)],
         "files": files,
         "total_bytes": sum(row["bytes"] or 0 for row in files),
+        "experts": _experts(step_dir, files),
     }
 
 
@@ -138,6 +158,11 @@ def format_report(r: dict) -> str:
         ("versions", ", ".join(f"{k} {v}" for k, v in r["versions"].items())),
         *[(f"stage {s}", f"layers {first}-{last}") for s, (first, last) in enumerate(r["stages"])],
     ]
+    for layer in r["experts"]:  # a mixture of experts: E experts per layer, stored whole
+        shapes = ", ".join(f"{name.rsplit('.', 1)[-1]} {shape}"
+                           for name, shape in sorted(layer["tensors"].items()))  # fmt: skip
+        count = next(iter(layer["tensors"].values()))[0]
+        rows.append((f"experts {layer['file'].split('-')[0]}", f"{count} experts: {shapes}"))
     width = max(len(key) for key, _ in rows)
     lines = [f"{key:<{width}}  {value}" for key, value in rows]
     name_width = max(len(row["file"]) for row in r["files"])

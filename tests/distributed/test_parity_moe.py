@@ -11,9 +11,9 @@ step-5 checkpoint continues at pp=1 x dp=4 ZeRO-1 within 1e-4 of the straight ru
 
 from __future__ import annotations
 
-import pytest
-
 import os
+
+import pytest
 
 from tests.distributed.parity import RTOL, assert_same, case, run_cases
 
@@ -40,6 +40,7 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
         *resume_cases(tmp_path / "w4"),
     ])  # fmt: skip
     check_resume(got)
+    check_inspect(tmp_path / "w4")
     for name, rows in got.items():
         assert_same(rows, refs[f"{name.split('-')[0]}-ref"], name)
 
@@ -55,6 +56,20 @@ def resume_cases(root) -> list[dict]:
         rest,
         moe_case("qwen3moe-to-pp1-dp4-z1", 1, ten, f"checkpoint.resume={saved}"),
     ]
+
+
+def check_inspect(root) -> None:
+    """`dsnd ckpt inspect` lists each MoE layer's experts as stored: Qwen3-MoE-tiny's blocks 1-3
+    (global layers 2-4; block 0 is dense), 8 experts of width 32 over hidden 64."""
+    from dsnd.commands.ckpt import format_report, report
+
+    r = report(os.path.join(root, "qwen3moe-halves", "checkpoints", "step_00000005"))
+    files = [f"layer_00{i}-model.safetensors" for i in (2, 3, 4)]
+    assert [e["file"] for e in r["experts"]] == files
+    for layer in r["experts"]:
+        assert sorted(layer["tensors"].values()) == [[8, 64, 32], [8, 64, 64]]
+    assert "experts layer_002  8 experts: down_proj [8, 64, 32], gate_up_proj [8, 64, 64]" in (
+        format_report(r))
 
 
 def check_resume(got: dict) -> None:
