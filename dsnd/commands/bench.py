@@ -40,7 +40,7 @@ PARTITION_SHARE = 2  # the partition bench runs 1/2 of them, each a step of both
 
 DEFAULT_REPS = {"pipeline": (40, 10), "partition": (40, 10), "context": (3, 1),
                 "zero-memory": (1, 1), "activation-checkpointing": (10, 1), "overhead": (40, 5),
-                "zero-comm": (1, 1), "tp-comm": (1, 0), "gpu": (8, 2)}  # fmt: skip
+                "zero-comm": (1, 1), "tp-comm": (1, 0), "gpu": (8, 2), "moe": (10, 2)}  # fmt: skip
 """(timed, warm-up) repetitions of each bench unless --steps / --warmup say otherwise: a context
 step at 8192 tokens takes seconds, a pipeline step of the tiny model milliseconds."""
 
@@ -173,6 +173,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "activation-checkpointing": (
         "dsnd.commands.bench_memory:activation_checkpointing",
         "activation memory and step time with activation checkpointing on against off",
+    ),
+    "moe": (
+        "dsnd.bench.moe:moe",
+        "one MoE layer's experts as a grouped matmul against a per-expert loop (8 experts)",
     ),
     "overhead": (
         "dsnd.commands.bench_memory:overhead",
