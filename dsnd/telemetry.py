@@ -95,3 +95,21 @@ def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens
         for kind in MEMORY:
             out[f"memory/stage{stage}_{kind}"] = max(row[col[kind]] for row in ranks)
     return out
+
+
+def expert_load(load: list[list[float]]) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """From `RouterLoad.gathered` (per block, tokens per expert): TensorBoard tags per MoE
+    layer, its busiest and idlest expert over the mean (1 and 1: perfectly balanced), and the
+    metrics.jsonl counts by block number. Dense blocks (no tokens counted) are left out."""
+    tags: dict[str, float] = {}
+    counts: dict[str, list[int]] = {}
+    for block, row in enumerate(load):
+        total = sum(row)
+        if total == 0:
+            continue
+        mean = total / len(row)
+        tags[f"moe/layer{block}_load_max_over_mean"] = max(row) / mean
+        tags[f"moe/layer{block}_load_min_over_mean"] = min(row) / mean
+        counts[str(block)] = [int(c) for c in row]
+    return tags, counts
+

@@ -44,11 +44,18 @@ from dsnd.flops import flops_per_token, peak_flops
 from dsnd.model.count import layer_table
 from dsnd.model.export_dir import ExportOrigin
 from dsnd.model.hf_io import export_hf
+from dsnd.model.router_load import RouterLoad
 from dsnd.pipeline.runner import StageRunner
 from dsnd.progress import RankLogFile
 from dsnd.report import Reporter, step_row
 from dsnd.stop_request import StopRequest
-from dsnd.telemetry import check_skips_agree, gather_stats, step_numbers, stop_agreed
+from dsnd.telemetry import (
+    check_skips_agree,
+    expert_load,
+    gather_stats,
+    step_numbers,
+    stop_agreed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +130,7 @@ class _Stage:
     held_out: SampleSet | None
     root: str
     start: int
+    router_load: RouterLoad | None = None  # an MoE model's tokens per expert, counted per step
 
 
 def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
@@ -146,7 +154,9 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
              f"{total:,}", res.plan.zero_stage, res.topology.dp, res.topology.cp,
              res.topology.tp)  # fmt: skip
     start = 0 if resume is None else _resume(engine, res, resume, corpus)
-    return _Stage(runner, corpus, samples, held_out, root, start)
+    load = RouterLoad(engine.module, res.model.config, res.model.num_layers) \
+        if res.model.family.moe else None  # fmt: skip
+    return _Stage(runner, corpus, samples, held_out, root, start, load)
 
 
 def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> int:
@@ -198,6 +208,10 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step, res.batch.train,
                            *flops)  # fmt: skip
     row = step_row(step + 1, loss, lr, norm, elapsed, res.tokens_per_step, numbers) | scaling
+    if st.router_load is not None:
+        tags, counts = expert_load(st.router_load.gathered(engine.device))
+        numbers |= tags
+        row["moe_tokens_per_expert"] = counts
     if st.held_out is not None and (step + 1) % run.eval.every == 0:
         row["eval_loss"] = _evaluate(st.runner, res, groups, st.held_out)
         row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))

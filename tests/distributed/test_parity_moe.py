@@ -6,7 +6,8 @@ checkpointing) and data parallelism, ZeRO-1 to ZeRO-3 (the 3-D expert weights sh
 other). Losses, gradient norms and
 learning rates within 1e-4 relative over five steps. In the same launch, checkpoints: Qwen3-MoE
 at pp=2 x dp=2 ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its
-step-5 checkpoint continues at pp=1 x dp=4 ZeRO-1 within 1e-4 of the straight run.
+step-5 checkpoint continues at pp=1 x dp=4 ZeRO-1 within 1e-4 of the straight run; every
+layout's metrics count the tokens each expert received.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     ])  # fmt: skip
     check_resume(got)
     check_inspect(tmp_path / "w4")
+    check_router_load(got)
     for name, rows in got.items():
         assert_same(rows, refs[f"{name.split('-')[0]}-ref"], name)
 
@@ -56,6 +58,21 @@ def resume_cases(root) -> list[dict]:
         rest,
         moe_case("qwen3moe-to-pp1-dp4-z1", 1, ten, f"checkpoint.resume={saved}"),
     ]
+
+
+MOE_BLOCKS = {"mixtral": ["0", "1", "2", "3"], "qwen3moe": ["1", "2", "3"]}  # qwen3: 0 dense
+
+
+def check_router_load(got: dict) -> None:
+    """metrics rows count each MoE layer's tokens per expert: each of the step's 16 x 64 tokens
+    once per top-2 choice (dropless), whatever the layout, not again when activation
+    checkpointing recomputes a block nor under ZB-H1's split backward."""
+    for name, rows in got.items():
+        for row in rows:
+            load = row["moe_tokens_per_expert"]
+            assert sorted(load) == MOE_BLOCKS[name.split("-")[0]], name
+            for counts in load.values():
+                assert sum(counts) == 16 * 64 * 2 and len(counts) in (4, 8), (name, counts)
 
 
 def check_inspect(root) -> None:
