@@ -3,7 +3,7 @@ layouts as in one plain PyTorch process: Mixtral-tiny (4 experts, top-2) and Qwe
 (8 experts, top-2 renormalised, layer 0 dense) over pipeline stages (1F1B, zero-bubble H1 whose
 weight pass runs the router's and experts' gradients apart, interleaved with activation
 checkpointing) and data parallelism, ZeRO-1 to ZeRO-3 (the 3-D expert weights sharded like any
-other). Losses, gradient norms and
+other; also with parameters and optimizer offloaded to the CPU). Losses, gradient norms and
 learning rates within 1e-4 relative over five steps. In the same launch, checkpoints: Qwen3-MoE
 at pp=2 x dp=2 ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its
 step-5 checkpoint continues at pp=1 x dp=4 ZeRO-1 within 1e-4 of the straight run; every
@@ -18,6 +18,9 @@ import pytest
 
 from tests.distributed.parity import RTOL, assert_same, case, run_cases
 
+OFFLOAD = ('ds.zero_optimization.offload_optimizer={"device": "cpu"}',
+           'ds.zero_optimization.offload_param={"device": "cpu"}',
+           "ds.optimizer.params.torch_adam=null")  # DeepSpeedCPUAdam on the offloaded states
 PRESETS = {"mixtral": "mixtral-tiny", "qwen3moe": "qwen3-moe-tiny"}
 
 
@@ -34,6 +37,7 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     got = run_cases(tmp_path / "w4", 4, [
         moe_case("mixtral-pp2-dp2-zbh1-z1", 1, "parallel.pp=2", "parallel.schedule=zb-h1"),
         moe_case("mixtral-dp4-z3", 3),
+        moe_case("mixtral-dp4-z3-offload", 3, *OFFLOAD),
         moe_case("qwen3moe-pp2-dp2-z3", 3, "parallel.pp=2"),
         moe_case("qwen3moe-pp2-dp2-il2-ac-z2", 2, "parallel.pp=2",
                  "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
