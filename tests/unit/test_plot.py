@@ -52,3 +52,20 @@ def test_missing_run_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dsnd: error: ") and "metrics.jsonl: cannot read" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_moe_runs_get_an_expert_load_panel(tmp_path):
+    """A mixture of experts' rows carry tokens per expert per MoE layer; the third panel draws
+    the most unbalanced layer's busiest expert over the mean (a dense run draws none there)."""
+    writer = MetricsWriter(str(tmp_path / "moe"))
+    for step in (1, 2):
+        writer.write({"step": step, "loss": 5.0, "tokens_per_s": 10.0,
+                      "moe_tokens_per_expert": {"0": [4, 4, 4, 4], "1": [8, 4, 2, 2 * step]}})
+    writer.close()
+    write_run(tmp_path / "dense", 1.0)
+    fig = plot_runs([str(tmp_path / "moe"), str(tmp_path / "dense")])
+    load_ax = fig.axes[2]
+    assert "Expert load" in load_ax.get_title()
+    (line,) = load_ax.get_lines()
+    assert line.get_label() == "moe"
+    assert list(line.get_ydata()) == [2.0, 8 * 4 / 18]  # layer 1: busiest 8 of 16, then of 18
