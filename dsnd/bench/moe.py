@@ -13,7 +13,6 @@ gradients (1e-5, fp32).
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import torch
@@ -77,7 +76,7 @@ def moe(args: argparse.Namespace, tmp: str) -> list[Row]:
     try:
         grouped = _experts("grouped_mm")
         loop = _experts("eager")
-        loop.load_state_dict(copy.deepcopy(grouped.state_dict()))
+        loop.load_state_dict(grouped.state_dict())
         inputs = _inputs()
         times: dict[str, list[float]] = {"grouped": [], "loop": []}
         for rep in range(args.warmup + args.steps):

@@ -13,6 +13,8 @@ KV cache). Every layer records `init_std` (the config's `initializer_range`) for
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -208,6 +210,6 @@ def rotary_family(name: str, architecture: str, config_class: type[PretrainedCon
         block=rotary_block(layer_class, rotary_class, ROTARY_TP_PLAN),
         final_norm=final_norm(norm_class, "norm", "rms_norm_eps"),
         tp_plan=ROTARY_TP_PLAN,
-        names=HFNames(**{**ROTARY_NAMES.__dict__, "experts": experts}),
+        names=replace(ROTARY_NAMES, experts=experts),
         check=moe_checks if experts is not None else rotary_checks,
     )

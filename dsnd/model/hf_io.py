@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -150,10 +151,10 @@ def _read_param(files: dict[str, str], hf_name: str, param: torch.Tensor, path: 
             raise UserError(f"model.init_from={path}: the checkpoint has no {name}")
     if names == [hf_name]:
         return _read(files[hf_name], hf_name, param, path)
-    parts = []
-    for name in names:
-        with safe_open(files[name], framework="pt") as f:
-            parts.append(f.get_tensor(name))
+    with contextlib.ExitStack() as opened:  # each file opened once for all of its experts
+        handles = {file: opened.enter_context(safe_open(file, framework="pt"))
+                   for file in dict.fromkeys(files[name] for name in names)}  # fmt: skip
+        parts = [handles[files[name]].get_tensor(name) for name in names]
     return join(hf_name, parts, experts)
 
 

@@ -30,8 +30,10 @@ class RouterLoad:
         def count(module: nn.Module, _inputs, output) -> None:
             in_backward = torch._C._current_graph_task_id() != -1  # a checkpoint's recompute
             if module.training and not in_backward:
-                ids = output[2].detach().reshape(-1).to("cpu")
-                self.counts[block] += torch.bincount(ids, minlength=self.counts.shape[1])
+                ids = output[2].detach().reshape(-1)
+                if self.counts.device != ids.device:  # counted where routing runs: no sync
+                    self.counts = self.counts.to(ids.device)
+                self.counts[block].index_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
 
         return count
 

@@ -131,9 +131,11 @@ def from_manifest(entry: dict[str, Any]) -> ModelSpec:
 def _build(family: Family, raw: dict[str, Any]) -> PretrainedConfig:
     config = family.config_class.from_dict(raw)
     config._attn_implementation = "sdpa"  # no mask → causal SDPA kernels (see decoder.py)
-    if family.moe:  # what from_pretrained picks: one grouped matmul over a layer's experts
-        config._experts_implementation = "grouped_mm"  # (transformers falls back to a loop
-    return config  # where torch has no grouped matmul on the device)
+    # what from_pretrained picks for experts: one grouped matmul over a layer's experts
+    # (transformers falls back to a loop where torch has no grouped matmul on the device)
+    if family.moe:
+        config._experts_implementation = "grouped_mm"
+    return config
 
 
 def _read(path: str, key: str) -> dict[str, Any]:
