@@ -1,7 +1,7 @@
-"""Expert parallelism: the experts of each MoE layer split over an expert-parallel group carved
-out of data parallelism (`dsnd.topology.Topology.expert_groups`), tokens sent to the rank that
-holds their expert and back with all-to-all (`dsnd.ep.experts`)."""
+"""Expert parallelism: the experts of each MoE layer computed over an expert-parallel group
+carved out of data parallelism (`dsnd.topology.Topology.expert_groups`), tokens sent to the
+rank that computes their expert and back with all-to-all (`dsnd.ep.experts`)."""
 
-from dsnd.ep.experts import ExpertParallel, ParallelExperts, local_experts
+from dsnd.ep.experts import ExpertParallel, ParallelExperts, parallelize_experts
 
-__all__ = ["ExpertParallel", "ParallelExperts", "local_experts"]
+__all__ = ["ExpertParallel", "ParallelExperts", "parallelize_experts"]

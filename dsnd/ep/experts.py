@@ -1,23 +1,26 @@
-"""A MoE layer's experts split over an expert-parallel group, tokens exchanged by all-to-all.
+"""A MoE layer's experts computed over an expert-parallel group, tokens exchanged by all-to-all.
 
-Rank r of a group of `ep` holds experts [r * E/ep, (r + 1) * E/ep) (contiguous, so expert e
-lives on rank e // (E/ep)). `ParallelExperts` stands in for `transformers`' experts module of
-an MoE block (same call: hidden (T, H), top-k expert ids and weights (T, k)); per layer:
+Rank r of a group of `ep` computes experts [r * E/ep, (r + 1) * E/ep) (contiguous, so expert e
+runs on rank e // (E/ep)). `ParallelExperts` takes the place of `transformers`' experts module
+of an MoE block (same call: hidden (T, H), top-k expert ids and weights (T, k); same parameter
+names and shapes); per layer:
 
 1. every (token, choice) row is sorted by its expert and the per-expert counts are exchanged
    first (all-to-all of E integers), so each rank knows how many rows it receives from whom:
    dropless, uneven splits;
 2. the rows go to their experts' ranks (all-to-all, differentiable: its backward is the
    reverse exchange of the gradients);
-3. the rank runs its local experts on what it received with `transformers`' own experts
-   module cut to those experts (its grouped-matmul path where torch has one on the device:
-   one batched matmul over the local experts, not a loop);
+3. the rank runs its experts on what it received with `transformers`' own experts code on
+   those experts' slices of the (E, ., .) weights (its grouped-matmul path where torch has one
+   on the device: one batched matmul over the local experts, not a loop);
 4. the outputs come back by the reverse all-to-all, are weighted by the router's weights and
    summed over each token's k choices in the order `transformers` sums them.
 
-Gradients of the local experts hold the contributions of the whole expert-parallel group's
-tokens; averaging them over the expert-data-parallel group must count each token once
-(`Topology.expert_data_groups`).
+The module keeps the layer's whole (E, ., .) tensors, so to ZeRO, the optimizer and checkpoints
+the model is the model of one process: what changes with `ep` is who computes which expert, not
+what is stored. A rank's gradient of its own experts holds the contributions of every token of
+its expert-parallel group, and of the other experts zero; summed over the data-parallel group
+(ZeRO's average, / dp) each expert's gradient counts each token once, as in one process.
 """
 
 from __future__ import annotations
@@ -40,37 +43,37 @@ class ExpertParallel(RankGroup):
     """This rank's expert-parallel group."""
 
     def local_range(self, experts: int) -> range:
-        """The experts this rank holds, of `experts` per layer."""
+        """The experts this rank computes, of `experts` per layer."""
+        if experts % self.size:
+            raise ValueError(f"{experts} experts do not split over an expert-parallel group "
+                             f"of {self.size}")  # fmt: skip
         per_rank = experts // self.size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
-def local_experts(experts: nn.Module, ep: ExpertParallel) -> nn.Module:
-    """A copy of `transformers`' experts module holding only this rank's experts (their slices
-    of every (E, ., .) tensor, and `num_experts` set to their count)."""
-    total = experts.num_experts
-    if total % ep.size:
-        raise ValueError(f"{total} experts do not split over an expert-parallel group of {ep.size}")
-    local = copy.copy(experts)  # shares the act_fn and config; parameters replaced below
-    local._parameters = dict(experts._parameters)
-    span = ep.local_range(total)
-    for name in EXPERT_TENSORS:
-        full = getattr(experts, name)
-        local._parameters[name] = nn.Parameter(full.detach()[span.start : span.stop].clone(),
-                                               requires_grad=full.requires_grad)  # fmt: skip
-    local.num_experts = len(span)
-    return local
-
-
 class ParallelExperts(nn.Module):
-    """Experts of one MoE layer over `ep`: this rank's share as `local` (see `local_experts`),
-    called like the whole experts module; `num_experts` is the layer's total."""
+    """`experts` (a `transformers` experts module) over `ep`: the same (E, ., .) parameters,
+    of which this rank computes its `local_range`."""
 
-    def __init__(self, local: nn.Module, num_experts: int, ep: ExpertParallel) -> None:
+    def __init__(self, experts: nn.Module, ep: ExpertParallel) -> None:
         super().__init__()
-        self.local = local
-        self.num_experts = num_experts
+        self.num_experts = experts.num_experts
+        self.span = ep.local_range(self.num_experts)
         self.ep = ep
+        for name in EXPERT_TENSORS:
+            self.register_parameter(name, getattr(experts, name))
+        # `transformers`' module, unregistered (its parameters are this module's): its code,
+        # activation and config compute the local experts (`_local`)
+        self._code = (experts,)
+
+    def _local(self) -> nn.Module:
+        """`transformers`' experts module seeing only this rank's experts: their slices of each
+        (E, ., .) weight (views, so gradients land in the whole tensors)."""
+        view = copy.copy(self._code[0])
+        view._parameters = {name: getattr(self, name)[self.span.start : self.span.stop]
+                            for name in EXPERT_TENSORS}  # fmt: skip
+        view.num_experts = len(self.span)
+        return view
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -86,11 +89,23 @@ class ParallelExperts(nn.Module):
                                          got_splits, sent_splits, group=self.ep.group)  # fmt: skip
         local_ids = torch.arange(counts.shape[1], device=hidden.device).repeat(self.ep.size)
         local_ids = local_ids.repeat_interleave(received.reshape(-1))
-        out = self.local(mine, local_ids.unsqueeze(1),
-                         torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype,
-                                    device=hidden.device))  # fmt: skip
+        ones = torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype, device=hidden.device)
+        # the module's forward, not its __call__: the view shares its hooks' dictionaries
+        out = self._local().forward(mine, local_ids.unsqueeze(1), ones)
         back = dist_fn.all_to_all_single(out.new_empty(rows.shape), out, sent_splits, got_splits,
                                          group=self.ep.group)  # fmt: skip
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
         unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
         return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def parallelize_experts(block: nn.Module, ep: ExpertParallel) -> bool:
+    """Put `ParallelExperts` in the place of `block`'s MoE experts (`mlp.experts`, as every
+    `transformers` MoE family names them); False where the block has none (a dense layer)."""
+    mlp = getattr(block, "mlp", None)
+    experts = getattr(mlp, "experts", None)
+    if experts is None or not all(hasattr(experts, n) for n in EXPERT_TENSORS):
+        return False
+    if ep.size > 1:
+        mlp.experts = ParallelExperts(experts, ep)
+    return True

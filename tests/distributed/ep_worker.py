@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch.distributed as dist  # noqa: E402
 
-from dsnd.ep import ExpertParallel, ParallelExperts, local_experts  # noqa: E402
+from dsnd.ep import ExpertParallel, parallelize_experts  # noqa: E402
 from tests.distributed.worker import everyone, this_rank, world, write_json  # noqa: E402
 from tests.models import spec_of  # noqa: E402
 
@@ -42,7 +42,7 @@ def _block(spec, layer: int = 1) -> torch.nn.Module:
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0.0, 0.2)
-    return block.mlp
+    return block
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -56,28 +56,31 @@ def _case(spec, ep: ExpertParallel, world_size: int) -> dict:
               for r in range(world_size)]  # fmt: skip
     weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(100 + r))
                for r, t in enumerate(tokens)]  # fmt: skip
-    ref = _block(spec)
+    ref = _block(spec).mlp
     ref_in = [t.clone().requires_grad_() for t in tokens]
     loss = sum((ref(x) * w).sum() for x, w in zip(ref_in, weights, strict=True))
     loss.backward()
 
-    moe = _block(spec)
-    full = moe.experts
-    moe.experts = ParallelExperts(local_experts(full, ep), full.num_experts, ep)
+    block = _block(spec)
+    assert parallelize_experts(block, ep)
+    moe = block.mlp
     mine = tokens[ep.rank].clone().requires_grad_()
     out = moe(mine)
     (out * weights[ep.rank]).sum().backward()
     with torch.no_grad():
         want = ref(tokens[ep.rank])
-    span = ep.local_range(full.num_experts)
+    span = ep.local_range(moe.experts.num_experts)
     found = {
         "out": _diff(out, want),
         "x_grad": _diff(mine.grad, ref_in[ep.rank].grad),
         "local_experts": len(span),
     }
     for name in ("gate_up_proj", "down_proj"):
-        got = getattr(moe.experts.local, name).grad
-        found[name] = _diff(got, getattr(ref.experts, name).grad[span.start : span.stop])
+        got = getattr(moe.experts, name).grad
+        found[name] = _diff(got[span.start : span.stop],
+                            getattr(ref.experts, name).grad[span.start : span.stop])
+        others = torch.cat([got[: span.start], got[span.stop :]])
+        found[f"{name}_others"] = others.abs().max().item()  # experts other ranks compute
     router = moe.gate.weight.grad.clone()
     dist.all_reduce(router, group=ep.group)
     found["router"] = _diff(router, ref.gate.weight.grad)
