@@ -148,11 +148,11 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
     engine = runner.engine
     total = sum(n for _, _, n in layer_table(res.model))
     log.info("stage %d of %d holds global layers %s: %s of the model's %s parameters, "
-             "ZeRO-%d over dp=%d x cp=%d, tp=%d", groups.coord.pp, res.topology.pp,
+             "ZeRO-%d over dp=%d x cp=%d, tp=%d, ep=%d", groups.coord.pp, res.topology.pp,
              list(engine.module.global_indices),
              f"{res.plan.stage_parameters(res.model)[groups.coord.pp]:,}",
              f"{total:,}", res.plan.zero_stage, res.topology.dp, res.topology.cp,
-             res.topology.tp)  # fmt: skip
+             res.topology.tp, res.run.parallel.ep)  # fmt: skip
     start = 0 if resume is None else _resume(engine, res, resume, corpus)
     load = RouterLoad(engine.module, res.model.config, res.model.num_layers) \
         if res.model.family.moe else None  # fmt: skip
@@ -209,9 +209,12 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
                            *flops)  # fmt: skip
     row = step_row(step + 1, loss, lr, norm, elapsed, res.tokens_per_step, numbers) | scaling
     if st.router_load is not None:
-        tags, counts = expert_load(st.router_load.gathered(engine.device))
+        load, sent = st.router_load.gathered(engine.device)
+        tags, counts = expert_load(load, sent)
         numbers |= tags
         row["moe_tokens_per_expert"] = counts
+        if res.run.parallel.ep > 1:  # (token, choice) rows each layer's all-to-all sent off-rank
+            row["moe_rows_sent"] = {b: int(sent[int(b)]) for b in counts}
     if st.held_out is not None and (step + 1) % run.eval.every == 0:
         row["eval_loss"] = _evaluate(st.runner, res, groups, st.held_out)
         row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))

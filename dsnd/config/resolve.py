@@ -24,6 +24,7 @@ from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
 from dsnd.cp.slices import IMPLS, divisor
 from dsnd.errors import UserError
+from dsnd.model.moe import num_experts
 from dsnd.model.source import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.plan.plan import Plan, make_plan
 from dsnd.plan.profile import profile_partition
@@ -235,6 +236,26 @@ def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str,
     )
 
 
+def check_ep(model: ModelSpec, par: ParallelConfig, dp: int) -> None:
+    """Expert parallelism splits each MoE layer's experts over `parallel.ep` data-parallel
+    ranks: the model needs experts, and ep must divide them and dp."""
+    ep = par.ep
+    if ep == 1:
+        return
+    if ep < 1:
+        raise UserError(f"parallel.ep={ep} must be >= 1")
+    if not model.family.moe:
+        raise UserError(f"parallel.ep={ep}: {model.source} is a dense model "
+                        f"({model.family.name}), with no experts to split; use parallel.ep=1")
+    experts = num_experts(model.config)
+    if experts % ep:
+        raise UserError(f"parallel.ep={ep} must divide the {experts} experts per layer of "
+                        f"{model.source}")  # fmt: skip
+    if dp % ep:
+        raise UserError(f"parallel.ep={ep} must divide the data-parallel size dp={dp} "
+                        f"(world / (pp * tp * cp))")  # fmt: skip
+
+
 def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
     """Hybrid sharding (`parallel.dp_shard`, `dsnd.engine.hsdp`): ZeRO-3 over groups of dp_shard
     data-parallel ranks, replicated across them. null, 0 or dp = plain ZeRO-3."""
@@ -280,6 +301,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     model = run_model(run)
     check_tp(model, par.tp, run.model.seq_len, par.sequence_parallel)
     check_cp(model, par, run.model.seq_len)
+    check_ep(model, par, topology.dp)
     if run.data.packing == "documents" and par.cp > 1:
         # each rank would hold a slice of every document mask, and ring / Ulysses attention
         # take none: refused rather than attending across documents

@@ -86,6 +86,15 @@ class ParallelConfig:
         "per tensor-parallel rank must divide by cp).",
         "ring",
     )
+    ep: int = doc(
+        "Expert parallelism (mixture-of-experts models): each data-parallel group cut into "
+        "groups of ep consecutive ranks that split every MoE layer's experts (rank i computes "
+        "experts [i*E/ep, (i+1)*E/ep)) and exchange tokens with all-to-all, dropless. Must "
+        "divide dp and the number of experts. Expert weights stay the model's: ZeRO shards and "
+        "averages them over dp like every parameter, so checkpoints do not depend on ep. "
+        "1 = every rank computes every expert.",
+        1,
+    )
     dp_shard: int | None = doc(
         "Hybrid sharding (FSDP's HSDP, DeepSpeed's former MiCS mics_shard_size): ZeRO-3 "
         "partitions each stage's parameters, gradients and optimizer state over groups of this "

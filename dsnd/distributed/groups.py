@@ -68,6 +68,13 @@ def hpz_group(topology: Topology, rank: int, size: int) -> dist.ProcessGroup:
     return _own_group(_consecutive(topology, size), rank)
 
 
+def expert_group(topology: Topology, rank: int, ep: int) -> dist.ProcessGroup:
+    """Expert parallelism (`parallel.ep`): this rank's group of `ep` consecutive data-parallel
+    ranks of its stage (`Topology.expert_groups`), which split the MoE layers' experts. Every
+    rank creates every group."""
+    return _own_group(topology.expert_groups(ep), rank)
+
+
 def _consecutive(topology: Topology, size: int) -> list[list[int]]:
     """Every stage's ZeRO group cut into runs of `size` consecutive ranks."""
     return [ranks[i : i + size] for ranks in topology.zero_groups()

@@ -3,7 +3,11 @@ routers of one stage's blocks (`transformers`' top-k routers return (logits, wei
 ids)), counted in training forwards only, and not again when activation checkpointing recomputes
 a block inside backward. Every rank counts its own tokens of its own layers; one sum over the
 world (`gathered`) gives the whole step's load of every layer: each token counted top-k times
-per MoE layer, as routing is dropless."""
+per MoE layer, as routing is dropless.
+
+With expert parallelism (`dsnd.ep`) a hook on each layer's `ParallelExperts` also counts the
+(token, choice) rows this rank sends to another rank of its expert-parallel group: the rows
+its all-to-all dispatches (and the combine brings back), the traffic `parallel.ep` costs."""
 
 from __future__ import annotations
 
@@ -11,7 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dsnd.ep import ParallelExperts
 from dsnd.model.moe import num_experts
+
+
+def _counting(module: nn.Module) -> bool:
+    """A training forward, not a checkpoint's recompute inside backward."""
+    return module.training and torch._C._current_graph_task_id() == -1
 
 
 class RouterLoad:
@@ -19,29 +29,48 @@ class RouterLoad:
     (block b is global layer b + 1), over `blocks` blocks in the model."""
 
     def __init__(self, stack: nn.Module, config, blocks: int) -> None:
-        self.counts = torch.zeros(blocks, num_experts(config), dtype=torch.float64)
+        # per block: tokens per expert, then the rows sent to other expert-parallel ranks
+        self.counts = torch.zeros(blocks, num_experts(config) + 1, dtype=torch.float64)
         self._handles = []
         for index, layer in stack.layers.items():
-            router = getattr(getattr(layer, "mlp", None), "gate", None)
+            mlp = getattr(layer, "mlp", None)
+            router = getattr(mlp, "gate", None)
             if router is not None and hasattr(router, "top_k"):
                 self._handles.append(router.register_forward_hook(self._hook(int(index) - 1)))
+            if isinstance(getattr(mlp, "experts", None), ParallelExperts):
+                self._handles.append(mlp.experts.register_forward_hook(
+                    self._sent_hook(int(index) - 1), with_kwargs=True))  # fmt: skip
+
+    def _row(self, block: int, on: torch.Tensor) -> torch.Tensor:
+        if self.counts.device != on.device:  # counted where routing runs: no sync
+            self.counts = self.counts.to(on.device)
+        return self.counts[block]
 
     def _hook(self, block: int):
         def count(module: nn.Module, _inputs, output) -> None:
-            in_backward = torch._C._current_graph_task_id() != -1  # a checkpoint's recompute
-            if module.training and not in_backward:
+            if _counting(module):
                 ids = output[2].detach().reshape(-1)
-                if self.counts.device != ids.device:  # counted where routing runs: no sync
-                    self.counts = self.counts.to(ids.device)
-                self.counts[block].index_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+                row = self._row(block, ids)
+                row[:-1].index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
 
         return count
 
-    def gathered(self, device: torch.device) -> list[list[float]]:
+    def _sent_hook(self, block: int):
+        def count(module: ParallelExperts, args, kwargs, _output) -> None:
+            if _counting(module):
+                ids = (args[1] if len(args) > 1 else kwargs["top_k_index"]).detach()
+                owner = ids // len(module.span)
+                self._row(block, ids)[-1] += (owner != module.ep.rank).sum()
+
+        return count
+
+    def gathered(self, device: torch.device) -> tuple[list[list[float]], list[float]]:
         """Every MoE layer's counts this step, summed over the world (collective), by block
-        number; blocks without experts (dense ones, other families' layers) all zero. Resets
-        the counts."""
+        number: tokens per expert, and rows sent to another expert-parallel rank (0 without
+        expert parallelism); blocks without experts (dense ones, other families' layers) all
+        zero. Resets the counts."""
         total = self.counts.to(device, copy=True)
         dist.all_reduce(total)
         self.counts.zero_()
-        return total.cpu().tolist()
+        rows = total.cpu().tolist()
+        return [r[:-1] for r in rows], [r[-1] for r in rows]

@@ -9,10 +9,11 @@ import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
 from dsnd.cp import ContextParallel
-from dsnd.distributed.groups import ProcessGroups, hpz_group
+from dsnd.distributed.groups import ProcessGroups, expert_group, hpz_group
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.compat import nvme_param_swapper, use_hpz_group
 from dsnd.engine.public import zero_init
+from dsnd.ep import ExpertParallel, parallelize_experts
 from dsnd.model import LayerStack, layer_specs
 from dsnd.model.documents import Documents
 from dsnd.tp.context import TensorParallel
@@ -29,6 +30,12 @@ def tensor_parallel(res: Resolved, groups: ProcessGroups) -> TensorParallel:
 def context_parallel(res: Resolved, groups: ProcessGroups) -> ContextParallel:
     """This rank's context-parallel group (of one rank without context parallelism)."""
     return ContextParallel(groups.context, res.run.parallel.cp_impl)
+
+
+def expert_parallel(res: Resolved, groups: ProcessGroups) -> ExpertParallel | None:
+    """This rank's expert-parallel group (`parallel.ep` > 1), else None."""
+    ep = res.run.parallel.ep
+    return ExpertParallel(expert_group(res.topology, groups.rank, ep)) if ep > 1 else None
 
 
 def zero3_dtype(ds: dict) -> torch.dtype:
@@ -48,8 +55,9 @@ def build_stage(res: Resolved, groups: ProcessGroups,
     Each layer is built on the meta device and given memory for this rank's shards only. With
     ZeRO-3 it is then handed to `deepspeed.zero.Init(module=...)` over the stage's
     data-parallel group, one layer at a time, so no rank ever holds its whole stage, let alone
-    the model. `documents` is what the layers read the micro-batch's documents from
-    (`data.packing: documents`).
+    the model. With `parallel.ep` > 1 each MoE block's experts are computed over the rank's
+    expert-parallel group first (`dsnd.ep`; the parameters stay the same). `documents` is
+    what the layers read the micro-batch's documents from (`data.packing: documents`).
     """
     plan, stage = res.plan, groups.coord.pp
     zero3 = plan.zero_stage == 3
@@ -60,6 +68,14 @@ def build_stage(res: Resolved, groups: ProcessGroups,
     if hpz_ranks is not None:
         log.info("ZeRO++ hpZ: parameters' secondary partition over ranks %s",
                  dist.get_process_group_ranks(hpz_ranks))  # fmt: skip
+
+    ep = expert_parallel(res, groups)
+
+    def prepare(layer: torch.nn.Module) -> None:
+        if ep is not None:
+            parallelize_experts(layer, ep)
+        if zero3:
+            partition(layer)
 
     def partition(layer: torch.nn.Module) -> None:
         nonlocal swapper
@@ -85,6 +101,6 @@ def build_stage(res: Resolved, groups: ProcessGroups,
         res.run.train.seed,
         layer_indices=plan.stage_layers(stage),
         activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
-        partition=partition if zero3 else None,
+        partition=prepare if zero3 or ep is not None else None,
         chunk_sizes=[len(plan.chunk_layers(stage, c)) for c in range(plan.chunks)],
     )

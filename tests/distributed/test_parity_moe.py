@@ -1,13 +1,15 @@
-"""Mixture-of-experts models (experts whole on each rank, ep=1) train the same on 4-rank
-layouts as in one plain PyTorch process: Mixtral-tiny (4 experts, top-2) and Qwen3-MoE-tiny
-(8 experts, top-2 renormalised, layer 0 dense) over pipeline stages (1F1B, zero-bubble H1 whose
-weight pass runs the router's and experts' gradients apart, interleaved with activation
-checkpointing) and data parallelism, ZeRO-1 to ZeRO-3 (the 3-D expert weights sharded like any
-other; also with parameters and optimizer offloaded to the CPU). Losses, gradient norms and
-learning rates within 1e-4 relative over five steps. In the same launch, checkpoints: Qwen3-MoE
-at pp=2 x dp=2 ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its
-step-5 checkpoint continues at pp=1 x dp=4 ZeRO-1 within 1e-4 of the straight run; every
-layout's metrics count the tokens each expert received.
+"""Mixture-of-experts models train the same on 4-rank layouts as in one plain PyTorch process:
+Mixtral-tiny (4 experts, top-2) and Qwen3-MoE-tiny (8 experts, top-2 renormalised, layer 0
+dense), experts whole on each rank (ep=1) or split over expert-parallel groups of 2 or 4 ranks
+(tokens exchanged by all-to-all), over pipeline stages (1F1B, zero-bubble H1 whose weight pass
+runs the router's and experts' gradients apart, interleaved with activation checkpointing) and
+data parallelism, ZeRO-0 to ZeRO-3 (the 3-D expert weights sharded like any other; also with
+parameters and optimizer offloaded to the CPU). Losses, gradient norms and learning rates within
+1e-4 relative over five steps. In the same launch, checkpoints: Qwen3-MoE at pp=2 x dp=2 x ep=2
+ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its step-5
+checkpoint continues at pp=1 x dp=4 with ep=4 (ZeRO-1) and ep=1 (ZeRO-2) within 1e-4 of the
+straight run; every layout's metrics count the tokens each expert received, and with ep > 1
+the rows each layer's all-to-all sent to another rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ OFFLOAD = ('ds.zero_optimization.offload_optimizer={"device": "cpu"}',
            'ds.zero_optimization.offload_param={"device": "cpu"}',
            "ds.optimizer.params.torch_adam=null")  # DeepSpeedCPUAdam on the offloaded states
 PRESETS = {"mixtral": "mixtral-tiny", "qwen3moe": "qwen3-moe-tiny"}
+EP2 = "parallel.ep=2"
 
 
 def moe_case(name: str, zero: int | None, *sets: str, reference: bool = False) -> dict:
@@ -37,9 +40,14 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     got = run_cases(tmp_path / "w4", 4, [
         moe_case("mixtral-pp2-dp2-zbh1-z1", 1, "parallel.pp=2", "parallel.schedule=zb-h1"),
         moe_case("mixtral-dp4-z3", 3),
-        moe_case("mixtral-dp4-z3-offload", 3, *OFFLOAD),
+        moe_case("mixtral-dp4-ep2-z3-offload", 3, EP2, *OFFLOAD),
+        moe_case("mixtral-pp2-dp2-ep2-z1", 1, "parallel.pp=2", EP2),
+        moe_case("mixtral-dp4-ep4-z0", 0, "parallel.ep=4"),
         moe_case("qwen3moe-pp2-dp2-z3", 3, "parallel.pp=2"),
-        moe_case("qwen3moe-pp2-dp2-il2-ac-z2", 2, "parallel.pp=2",
+        moe_case("qwen3moe-dp4-ep2-z3", 3, EP2),  # expert-data-parallel groups of 2
+        moe_case("qwen3moe-pp2-dp2-ep2-zbh1-z2", 2, "parallel.pp=2", EP2,
+                 "parallel.schedule=zb-h1"),
+        moe_case("qwen3moe-pp2-dp2-ep2-il2-ac-z2", 2, "parallel.pp=2", EP2,
                  "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
                  "parallel.activation_checkpoint_interval=1"),
         *resume_cases(tmp_path / "w4"),
@@ -54,13 +62,15 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
 def resume_cases(root) -> list[dict]:
     ten, pp2 = "train.steps=10", "parallel.pp=2"
     saved = os.path.join(root, "qwen3moe-halves", "checkpoints", "step_00000005")
-    rest = moe_case("qwen3moe-halves", 3, pp2, ten)
+    rest = moe_case("qwen3moe-halves", 3, pp2, EP2, ten)
     rest["name"] = "qwen3moe-halves-rest"
     return [
-        moe_case("qwen3moe-straight", 3, pp2, ten, "checkpoint.resume=never"),
-        moe_case("qwen3moe-halves", 3, pp2),
+        moe_case("qwen3moe-straight", 3, pp2, EP2, ten, "checkpoint.resume=never"),
+        moe_case("qwen3moe-halves", 3, pp2, EP2),
         rest,
-        moe_case("qwen3moe-to-pp1-dp4-z1", 1, ten, f"checkpoint.resume={saved}"),
+        moe_case("qwen3moe-to-pp1-dp4-ep4-z1", 1, ten, "parallel.ep=4",
+                 f"checkpoint.resume={saved}"),
+        moe_case("qwen3moe-to-pp1-dp4-ep1-z2", 2, ten, f"checkpoint.resume={saved}"),
     ]
 
 
@@ -70,13 +80,22 @@ MOE_BLOCKS = {"mixtral": ["0", "1", "2", "3"], "qwen3moe": ["1", "2", "3"]}  # q
 def check_router_load(got: dict) -> None:
     """metrics rows count each MoE layer's tokens per expert: each of the step's 16 x 64 tokens
     once per top-2 choice (dropless), whatever the layout, not again when activation
-    checkpointing recomputes a block nor under ZB-H1's split backward."""
+    checkpointing recomputes a block nor under ZB-H1's split backward. With ep > 1 some of those
+    rows went to another rank: about 1 - 1/ep of them, as the routers spread tokens about evenly
+    over experts (ep=1: no exchange, no count)."""
     for name, rows in got.items():
+        ep = next((int(p[2:]) for p in name.split("-") if p.startswith("ep")), 1)
         for row in rows:
             load = row["moe_tokens_per_expert"]
             assert sorted(load) == MOE_BLOCKS[name.split("-")[0]], name
             for counts in load.values():
                 assert sum(counts) == 16 * 64 * 2 and len(counts) in (4, 8), (name, counts)
+            if ep == 1:
+                assert "moe_rows_sent" not in row, name
+                continue
+            assert sorted(row["moe_rows_sent"]) == sorted(load), name
+            for sent in row["moe_rows_sent"].values():
+                assert abs(sent / (16 * 64 * 2) - (1 - 1 / ep)) < 0.2, (name, sent)
 
 
 def check_inspect(root) -> None:
@@ -97,10 +116,12 @@ def check_resume(got: dict) -> None:
     """Pops the resume cases from `got` once checked."""
     full = got.pop("qwen3moe-straight")
     first, rest = got.pop("qwen3moe-halves"), got.pop("qwen3moe-halves-rest")
-    reshaped = got.pop("qwen3moe-to-pp1-dp4-z1")
+    reshaped = [got.pop("qwen3moe-to-pp1-dp4-ep4-z1"), got.pop("qwen3moe-to-pp1-dp4-ep1-z2")]
     assert [r["step"] for r in full] == list(range(1, 11))
-    assert [r["step"] for r in rest] == [r["step"] for r in reshaped] == list(range(6, 11))
+    assert [r["step"] for r in rest] == list(range(6, 11))
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in first + rest] == [r[key] for r in full], key
-        for got_row, want in zip(reshaped, full[5:], strict=True):
-            assert abs(got_row[key] - want[key]) <= RTOL * abs(want[key]), (key, got_row["step"])
+        for other in reshaped:
+            assert [r["step"] for r in other] == list(range(6, 11))
+            for got_row, want in zip(other, full[5:], strict=True):
+                assert abs(got_row[key] - want[key]) <= RTOL * abs(want[key]), (key, got_row)

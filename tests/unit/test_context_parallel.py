@@ -10,7 +10,7 @@ from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.cp.ring import _pairs
 from dsnd.cp.slices import slice_positions
-from dsnd.errors import UserError
+from tests.config_errors import resolve_error
 
 
 def test_ring_ranks_hold_an_early_and_a_late_chunk():
@@ -40,30 +40,25 @@ def test_ring_gives_every_rank_the_same_causal_work(cp):
     assert sum(work) == (2 * cp) ** 2 / 2  # the causal half of (2cp)^2 chunk blocks
 
 
-def _error(sets: list[str], world: int) -> str:
-    with pytest.raises(UserError) as e:
-        resolve(load(None, sets), world)
-    return str(e.value)
-
 
 def test_bad_context_layouts_are_refused_before_start():
-    assert _error(["parallel.cp=4", "model.seq_len=60"], 4) == (
+    assert resolve_error(["parallel.cp=4", "model.seq_len=60"], 4) == (
         "parallel.cp=4 (ring): model.seq_len=60 is not divisible by 2 * parallel.cp = 8"
     )
-    assert _error(["parallel.cp=2", "parallel.cp_impl=ulysses", "model.seq_len=63"], 2) == (
+    assert resolve_error(["parallel.cp=2", "parallel.cp_impl=ulysses", "model.seq_len=63"], 2) == (
         "parallel.cp=2 (ulysses): model.seq_len=63 is not divisible by parallel.cp = 2"
     )
-    assert "times parallel.tp = 2 (sequence parallelism)" in _error(
+    assert "times parallel.tp = 2 (sequence parallelism)" in resolve_error(
         ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=36"],
         4)  # fmt: skip
-    assert _error(["parallel.cp=4", "parallel.cp_impl=ulysses"], 4) == (
+    assert resolve_error(["parallel.cp=4", "parallel.cp_impl=ulysses"], 4) == (
         "parallel.cp_impl=ulysses: preset llama-tiny: num_kv_heads=2 gives 2 heads per "
         "tensor-parallel rank, not divisible by parallel.cp=4 (use cp_impl: ring, which splits "
         "the sequence only)")  # fmt: skip
-    assert _error(["parallel.cp=2", "parallel.cp_impl=stripes"], 2) == (
+    assert resolve_error(["parallel.cp=2", "parallel.cp_impl=stripes"], 2) == (
         "parallel.cp_impl='stripes': expected one of ring, ulysses"
     )
-    assert _error(["parallel.cp=3"], 4) == (
+    assert resolve_error(["parallel.cp=3"], 4) == (
         "world size 4 is not divisible by parallel.pp * parallel.tp * parallel.cp = 1 * 1 * 3 = 3"
     )
 

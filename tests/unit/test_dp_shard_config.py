@@ -6,16 +6,10 @@ import pytest
 
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
-from dsnd.errors import UserError
+from tests.config_errors import resolve_error
 
 Z3 = "deepspeed=ds_configs/zero3.json"
 
-
-def _error(sets: list[str], world: int) -> str:
-    with pytest.raises(UserError) as e:
-        resolve(load(None, sets), world)
-    assert "\n" not in str(e.value)
-    return str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -37,11 +31,11 @@ def _error(sets: list[str], world: int) -> str:
     ],
 )  # fmt: skip
 def test_bad_dp_shard_is_one_line_naming_the_key(sets, world, message):
-    assert _error(sets, world).startswith(message)
+    assert resolve_error(sets, world).startswith(message)
 
 
 def test_zero1_message_names_the_json_and_its_stage():
-    msg = _error(["deepspeed=ds_configs/zero1.json", "parallel.dp_shard=2"], 4)
+    msg = resolve_error(["deepspeed=ds_configs/zero1.json", "parallel.dp_shard=2"], 4)
     assert msg.endswith("ds_configs/zero1.json sets zero_optimization.stage=1")
 
 
@@ -60,13 +54,14 @@ def test_dp_shard_equal_to_dp_needs_no_zero3():
 @pytest.mark.parametrize("key", ["mics_shard_size", "mics_hierarchical_params_gather"])
 def test_mics_keys_are_refused_by_name_pointing_at_dp_shard(key):
     value = "2" if key == "mics_shard_size" else "true"
-    msg = _error([Z3, f"ds.zero_optimization.{key}={value}"], 4)
+    msg = resolve_error([Z3, f"ds.zero_optimization.{key}={value}"], 4)
     assert f"zero_optimization: '{key}' is refused: DeepSpeed 0.19.8 removed MiCS" in msg
     assert "parallel.dp_shard" in msg
 
 
 def test_reshard_after_forward_false_needs_zero3():
-    msg = _error(["deepspeed=ds_configs/zero2.json", "parallel.reshard_after_forward=false"], 2)
+    msg = resolve_error(["deepspeed=ds_configs/zero2.json",
+                         "parallel.reshard_after_forward=false"], 2)  # fmt: skip
     assert msg.startswith("parallel.reshard_after_forward=false needs ZeRO stage 3 (only it "
                           "partitions parameters); ")  # fmt: skip
     assert msg.endswith("zero2.json sets zero_optimization.stage=2")

@@ -1,0 +1,51 @@
+"""`parallel.ep` (expert parallelism): what resolves, what is refused before start, one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsnd.config.load import load
+from dsnd.config.resolve import resolve
+from tests.config_errors import resolve_error
+
+MIXTRAL = "model.preset=mixtral-tiny"  # 4 experts per layer
+QWEN3 = "model.preset=qwen3-moe-tiny"  # 8
+
+
+
+@pytest.mark.parametrize(
+    "sets, world, message",
+    [
+        (["parallel.ep=2"], 4,
+         "parallel.ep=2: preset llama-tiny is a dense model (llama), with no experts to split; "
+         "use parallel.ep=1"),
+        (["model.preset=gpt2-tiny", "parallel.ep=2"], 2, "parallel.ep=2: preset gpt2-tiny is a "
+         "dense model (gpt2)"),
+        ([MIXTRAL, "parallel.ep=3"], 3,
+         "parallel.ep=3 must divide the 4 experts per layer of preset mixtral-tiny"),
+        ([MIXTRAL, "parallel.ep=8"], 8, "parallel.ep=8 must divide the 4 experts per layer"),
+        ([MIXTRAL, "parallel.ep=4", "parallel.pp=2"], 4,
+         "parallel.ep=4 must divide the data-parallel size dp=2 (world / (pp * tp * cp))"),
+        ([QWEN3, "parallel.ep=4"], 2, "parallel.ep=4 must divide the data-parallel size dp=2"),
+        ([MIXTRAL, "parallel.ep=0"], 4, "parallel.ep=0 must be >= 1"),
+        ([MIXTRAL, "parallel.ep=-2"], 4, "parallel.ep=-2 must be >= 1"),
+        ([MIXTRAL, "parallel.ep=2", "parallel.tp=2"], 4,
+         "parallel.tp=2: preset mixtral-tiny is a mixture-of-experts model"),
+    ],
+)  # fmt: skip
+def test_bad_ep_is_one_line_naming_the_key_and_numbers(sets, world, message):
+    assert resolve_error(sets, world).startswith(message)
+
+
+@pytest.mark.parametrize("sets, world", [
+    ([MIXTRAL, "parallel.ep=2"], 2),
+    ([MIXTRAL, "parallel.ep=4"], 4),
+    ([MIXTRAL, "parallel.ep=2", "parallel.pp=2"], 4),
+    ([QWEN3, "parallel.ep=8"], 8),
+    (["parallel.ep=1"], 1),  # a dense model at ep=1: nothing to split, nothing refused
+])  # fmt: skip
+def test_ep_that_resolves_keeps_the_batch_over_dp(sets, world):
+    res = resolve(load(None, sets), world)
+    # expert parallelism is carved out of dp: the batch still counts every data-parallel rank
+    assert res.batch.train == res.batch.micro * res.batch.gas * res.topology.dp
+    assert res.topology.dp % res.run.parallel.ep == 0
