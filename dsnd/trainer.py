@@ -154,7 +154,8 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
              f"{total:,}", res.plan.zero_stage, res.topology.dp, res.topology.cp,
              res.topology.tp, res.run.parallel.ep)  # fmt: skip
     start = 0 if resume is None else _resume(engine, res, resume, corpus)
-    load = RouterLoad(engine.module, res.model.config, res.model.num_layers) \
+    own_tokens = groups.coord.tp == 0 or res.run.parallel.sequence_parallel  # see RouterLoad
+    load = RouterLoad(engine.module, res.model.config, res.model.num_layers, own_tokens) \
         if res.model.family.moe else None  # fmt: skip
     return _Stage(runner, corpus, samples, held_out, root, start, load)
 

@@ -89,14 +89,12 @@ def run_model(run: RunConfig) -> ModelSpec:
 
 def check_tp(model: ModelSpec, tp: int, seq_len: int, sequence_parallel: bool) -> None:
     """Megatron splits heads and the MLP width across tp ranks, and with sequence parallelism
-    the sequence: every count must divide. (The vocabulary is padded.) Mixture-of-experts
-    blocks are not split over tensor-parallel ranks."""
-    if model.family.moe and tp > 1:
-        raise UserError(f"parallel.tp={tp}: {model.source} is a mixture-of-experts model "
-                        f"({model.family.name}), whose expert blocks dsnd does not split over "
-                        "tensor-parallel ranks; use parallel.tp=1")  # fmt: skip
-    for name, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                        ("ffn_size", model.ffn_size)):  # fmt: skip
+    the sequence: every count must divide. (The vocabulary is padded.) Mixture-of-experts MLPs
+    are not split (`dsnd.model.decoder.MOE_TP_PLAN`), so their width need not divide."""
+    counts = [("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)]
+    if not model.family.moe:
+        counts.append(("ffn_size", model.ffn_size))
+    for name, value in counts:
         if value % tp:
             raise UserError(f"{model.source}: {name}={value} is not divisible by parallel.tp={tp}")
     if sequence_parallel and tp > 1 and seq_len % tp:

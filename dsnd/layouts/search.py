@@ -89,7 +89,7 @@ def candidates(pr: Problem) -> Iterator[Layout]:
         for tp in _divisors(pr.world // pp):
             if tp > pr.device.per_node or sh.heads % tp or sh.kv_heads % tp or pr.seq % tp:
                 continue
-            if sh.moe and tp > 1:  # dsnd does not split MoE blocks over tensor parallelism
+            if sh.moe and tp > 1:  # MoE MLPs are replicated over tp: not modelled here yet
                 continue
             for cp in _divisors(pr.world // (pp * tp)):
                 if pr.seq % (2 * cp) and cp > 1:

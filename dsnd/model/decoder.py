@@ -186,6 +186,18 @@ ROTARY_TP_PLAN = TPPlan(
 counts must divide by tp), o and down by input features; one f entering attention and one
 entering the MLP; their biases (Qwen2's q/k/v, `attention_bias`, `mlp_bias`) follow."""
 
+MOE_TP_PLAN = TPPlan(
+    enter=("self_attn",),
+    column={"self_attn.q_proj": 1, "self_attn.k_proj": 1, "self_attn.v_proj": 1},
+    row=("self_attn.o_proj",),
+)
+"""Mixture-of-experts blocks: attention split as in `ROTARY_TP_PLAN`; the MoE MLP (router,
+experts, Qwen's shared expert) is replicated on every tensor-parallel rank. Under sequence
+parallelism each rank routes and computes its own slice of the tokens (its gradients summed over
+the group, like a norm's); without it every rank computes the whole MoE block for the same
+tokens. Experts are split over ranks by expert parallelism (`parallel.ep`), not by tensor
+parallelism."""
+
 ROTARY_NAMES = HFNames(base="model.", blocks="model.layers.", embedding=("embed_tokens",),
                        final_norm="norm", tied_attr=TokenEmbedding.tied_weight_attr)  # fmt: skip
 """`*ForCausalLM` of Llama-style models: model.embed_tokens, model.layers.<i>, model.norm,
@@ -200,16 +212,17 @@ def rotary_family(name: str, architecture: str, config_class: type[PretrainedCon
     layer with its own rotary embedding, final RMSNorm `norm`, Megatron's column/row plan,
     HF names model.embed_tokens / model.layers / model.norm / lm_head, `rotary_checks`.
     With `experts` (how its files store them) the layer's MLP is a mixture of experts:
-    `moe_checks`, and no tensor-parallel split (the plan's MLP names are not its modules)."""
+    `moe_checks`, and tensor parallelism splits attention only (`MOE_TP_PLAN`)."""
+    plan = ROTARY_TP_PLAN if experts is None else MOE_TP_PLAN
     return Family(
         name=name,
         architectures=(architecture,),
         model_types=(name,),
         config_class=config_class,
         embedding=TokenEmbedding,
-        block=rotary_block(layer_class, rotary_class, ROTARY_TP_PLAN),
+        block=rotary_block(layer_class, rotary_class, plan),
         final_norm=final_norm(norm_class, "norm", "rms_norm_eps"),
-        tp_plan=ROTARY_TP_PLAN,
+        tp_plan=plan,
         names=replace(ROTARY_NAMES, experts=experts),
         check=moe_checks if experts is not None else rotary_checks,
     )

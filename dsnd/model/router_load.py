@@ -26,13 +26,15 @@ def _counting(module: nn.Module) -> bool:
 
 class RouterLoad:
     """Per-expert token counts of the MoE layers of `stack` (a `LayerStack`), by block number
-    (block b is global layer b + 1), over `blocks` blocks in the model."""
+    (block b is global layer b + 1), over `blocks` blocks in the model. `counts` False: this
+    rank's tokens are another's too (a tensor-parallel rank other than the first, without
+    sequence parallelism, routes the same tokens as the first), so it counts nothing."""
 
-    def __init__(self, stack: nn.Module, config, blocks: int) -> None:
+    def __init__(self, stack: nn.Module, config, blocks: int, counts: bool = True) -> None:
         # per block: tokens per expert, then the rows sent to other expert-parallel ranks
         self.counts = torch.zeros(blocks, num_experts(config) + 1, dtype=torch.float64)
         self._handles = []
-        for index, layer in stack.layers.items():
+        for index, layer in stack.layers.items() if counts else ():
             mlp = getattr(layer, "mlp", None)
             router = getattr(mlp, "gate", None)
             if router is not None and hasattr(router, "top_k"):

@@ -1,15 +1,16 @@
 """Mixture-of-experts models train the same on 4-rank layouts as in one plain PyTorch process:
 Mixtral-tiny (4 experts, top-2) and Qwen3-MoE-tiny (8 experts, top-2 renormalised, layer 0
 dense), experts whole on each rank (ep=1) or split over expert-parallel groups of 2 or 4 ranks
-(tokens exchanged by all-to-all), over pipeline stages (1F1B, zero-bubble H1 whose weight pass
+(tokens exchanged by all-to-all), with attention over 2 tensor-parallel ranks (with and without
+sequence parallelism), over pipeline stages (1F1B, zero-bubble H1 whose weight pass
 runs the router's and experts' gradients apart, interleaved with activation checkpointing) and
 data parallelism, ZeRO-0 to ZeRO-3 (the 3-D expert weights sharded like any other; also with
 parameters and optimizer offloaded to the CPU). Losses, gradient norms and learning rates within
 1e-4 relative over five steps. In the same launch, checkpoints: Qwen3-MoE at pp=2 x dp=2 x ep=2
 ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its step-5
-checkpoint continues at pp=1 x dp=4 with ep=4 (ZeRO-1) and ep=1 (ZeRO-2) within 1e-4 of the
-straight run; every layout's metrics count the tokens each expert received, and with ep > 1
-the rows each layer's all-to-all sent to another rank.
+checkpoint continues at pp=1 x dp=4 x ep=4 (ZeRO-1) and at tp=2 x dp=2, ep=1 (ZeRO-2) within
+1e-4 of the straight run; every layout's metrics count the tokens each expert received, and
+with ep > 1 the rows each layer's all-to-all sent to another rank.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ OFFLOAD = ('ds.zero_optimization.offload_optimizer={"device": "cpu"}',
            'ds.zero_optimization.offload_param={"device": "cpu"}',
            "ds.optimizer.params.torch_adam=null")  # DeepSpeedCPUAdam on the offloaded states
 PRESETS = {"mixtral": "mixtral-tiny", "qwen3moe": "qwen3-moe-tiny"}
-EP2 = "parallel.ep=2"
+EP2, TP2 = "parallel.ep=2", "parallel.tp=2"
 
 
 def moe_case(name: str, zero: int | None, *sets: str, reference: bool = False) -> dict:
@@ -43,8 +44,10 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
         moe_case("mixtral-dp4-ep2-z3-offload", 3, EP2, *OFFLOAD),
         moe_case("mixtral-pp2-dp2-ep2-z1", 1, "parallel.pp=2", EP2),
         moe_case("mixtral-dp4-ep4-z0", 0, "parallel.ep=4"),
+        moe_case("mixtral-tp2-dp2-ep2-z1", 1, TP2, EP2),  # MoE block whole on both tp ranks
         moe_case("qwen3moe-pp2-dp2-z3", 3, "parallel.pp=2"),
         moe_case("qwen3moe-dp4-ep2-z3", 3, EP2),  # expert-data-parallel groups of 2
+        moe_case("qwen3moe-tp2-dp2-ep2-sp-z2", 2, TP2, EP2, "parallel.sequence_parallel=true"),
         moe_case("qwen3moe-pp2-dp2-ep2-zbh1-z2", 2, "parallel.pp=2", EP2,
                  "parallel.schedule=zb-h1"),
         moe_case("qwen3moe-pp2-dp2-ep2-il2-ac-z2", 2, "parallel.pp=2", EP2,
@@ -70,7 +73,7 @@ def resume_cases(root) -> list[dict]:
         rest,
         moe_case("qwen3moe-to-pp1-dp4-ep4-z1", 1, ten, "parallel.ep=4",
                  f"checkpoint.resume={saved}"),
-        moe_case("qwen3moe-to-pp1-dp4-ep1-z2", 2, ten, f"checkpoint.resume={saved}"),
+        moe_case("qwen3moe-to-tp2-dp2-ep1-z2", 2, ten, TP2, f"checkpoint.resume={saved}"),
     ]
 
 
@@ -116,7 +119,7 @@ def check_resume(got: dict) -> None:
     """Pops the resume cases from `got` once checked."""
     full = got.pop("qwen3moe-straight")
     first, rest = got.pop("qwen3moe-halves"), got.pop("qwen3moe-halves-rest")
-    reshaped = [got.pop("qwen3moe-to-pp1-dp4-ep4-z1"), got.pop("qwen3moe-to-pp1-dp4-ep1-z2")]
+    reshaped = [got.pop("qwen3moe-to-pp1-dp4-ep4-z1"), got.pop("qwen3moe-to-tp2-dp2-ep1-z2")]
     assert [r["step"] for r in full] == list(range(1, 11))
     assert [r["step"] for r in rest] == list(range(6, 11))
     for key in ("loss", "grad_norm", "lr"):
