@@ -116,22 +116,26 @@ def test_hf_roundtrip_tensor_parallel_and_init_independent_of_tp(tmp_path):
     """tp=2 x pp=2 (4 ranks): HF weights in and out for Llama (grouped-query attention) and GPT-2
     (fused q|k|v, tied head), with and without sequence parallelism; and dsnd's own
     initialisation exported from tp=2 x pp=2 and from pp=2 x dp=2 is the same model, bit for
-    bit, for both families, also after one training step (within 1e-5)."""
+    bit, for both families, also after one training step (within 1e-5). The MoE families
+    (attention split, experts whole on each tensor-parallel rank; per-expert tensors in the
+    files) in and out at tp=2 x pp=2 and at tp=2 x dp=2 with the experts over ep=2."""
     models, cases = {}, []
-    for preset in ("llama-tiny", "gpt2-tiny"):
+    for preset in ("llama-tiny", "gpt2-tiny", "mixtral-tiny", "qwen3-moe-tiny"):
         models[preset] = _hf_model(preset)
         models[preset].save_pretrained(tmp_path / f"in-{preset}")
     tp2 = ("parallel.tp=2",)
     sp = (*tp2, "parallel.sequence_parallel=true")
-    plan = [
-        ("llama-tp2-z0", "llama-tiny", 0, tp2),
-        ("llama-tp2-sp-z3", "llama-tiny", 3, sp),
-        ("gpt2-tp2-z3", "gpt2-tiny", 3, tp2),
-        ("gpt2-tp2-sp-z1", "gpt2-tiny", 1, sp),
+    plan = [  # name, preset, ZeRO stage, extra sets, pp
+        ("llama-tp2-z0", "llama-tiny", 0, tp2, 2),
+        ("llama-tp2-sp-z3", "llama-tiny", 3, sp, 2),
+        ("gpt2-tp2-z3", "gpt2-tiny", 3, tp2, 2),
+        ("gpt2-tp2-sp-z1", "gpt2-tiny", 1, sp, 2),
+        ("mixtral-tp2-z3", "mixtral-tiny", 3, tp2, 2),
+        ("qwen3moe-tp2-sp-ep2-z1", "qwen3-moe-tiny", 1, (*sp, "parallel.ep=2"), 1),
     ]
-    for name, preset, zero, extra in plan:
+    for name, preset, zero, extra, pp in plan:
         src = tmp_path / f"in-{preset}"
-        cases.append(_case(name, preset, zero, src, tmp_path / "hf" / name, 0, 2, *extra))
+        cases.append(_case(name, preset, zero, src, tmp_path / "hf" / name, 0, pp, *extra))
     for preset in ("llama-tiny", "gpt2-tiny"):
         for steps in (0, 1):
             for layout, extra in (("tp1", ()), ("tp2", tp2)):
@@ -139,7 +143,7 @@ def test_hf_roundtrip_tensor_parallel_and_init_independent_of_tp(tmp_path):
                 cases.append(_case(name, preset, 3, None, tmp_path / "hf" / name, steps, 2,
                                    *extra))  # fmt: skip
     run_cases(tmp_path, 4, cases)
-    for name, preset, _, _ in plan:
+    for name, preset, *_ in plan:
         _check_export(tmp_path / "hf" / name, models[preset], TOKENS, 0)
     for preset in ("llama-tiny", "gpt2-tiny"):
         for steps in (0, 1):
