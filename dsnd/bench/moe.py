@@ -1,4 +1,5 @@
-"""``dsnd bench moe``: the expert computation of one MoE layer, grouped against a loop.
+"""``dsnd bench moe``'s first part: the expert computation of one MoE layer, grouped against a
+loop (its second, expert parallelism on 4 ranks: `dsnd.bench.ep_rank`, `dsnd.bench.ep_results`).
 
 `transformers`' experts module computes a layer's experts either as one grouped matrix multiply
 over all of them (`grouped_mm`, what dsnd's MoE blocks run: `config._experts_implementation`) or
@@ -70,7 +71,8 @@ def _step(experts: torch.nn.Module, inputs) -> tuple[float, list[torch.Tensor]]:
     return seconds, [out.detach(), x.grad, *(p.grad for p in experts.parameters())]
 
 
-def moe(args: argparse.Namespace, tmp: str) -> list[Row]:
+def grouped_rows(args: argparse.Namespace) -> list[Row]:
+    """The grouped matmul against the loop, here in this process."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

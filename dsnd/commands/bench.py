@@ -139,6 +139,19 @@ def _context(args: argparse.Namespace, tmp: str) -> list:
     return context_rows(raw)
 
 
+def _moe(args: argparse.Namespace, tmp: str) -> list:
+    """``dsnd bench moe``: the grouped experts against the loop in this process, then expert
+    parallelism at ep=1, 2, 4 on 4 ranks."""
+    from dsnd.bench.ep_rank import EP_WORLD
+    from dsnd.bench.ep_results import ep_rows
+    from dsnd.bench.moe import grouped_rows
+
+    extra = [f"--set={item}" for item in args.sets]
+    raw = _ranks("dsnd.bench.ep_rank", EP_WORLD, os.path.join(tmp, "ep.json"), args.steps,
+                 args.warmup, args.micro_batches, extra)  # fmt: skip
+    return grouped_rows(args) + ep_rows(raw)
+
+
 BENCHES: dict[str, tuple[str, str]] = {
     "gpu": (
         "dsnd.bench.gpu:gpu",
@@ -175,8 +188,9 @@ BENCHES: dict[str, tuple[str, str]] = {
         "activation memory and step time with activation checkpointing on against off",
     ),
     "moe": (
-        "dsnd.bench.moe:moe",
-        "one MoE layer's experts as a grouped matmul against a per-expert loop (8 experts)",
+        "dsnd.commands.bench:_moe",
+        "one MoE layer's experts as a grouped matmul against a per-expert loop (8 experts); "
+        "expert parallelism's all-to-all bytes against the formula and throughput at ep=1/2/4",
     ),
     "overhead": (
         "dsnd.commands.bench_memory:overhead",

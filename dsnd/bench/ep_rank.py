@@ -1,0 +1,105 @@
+"""Rank program of ``dsnd bench moe``'s expert-parallel part::
+
+    python -m dsnd.bench.ep_rank OUT.json [--steps N] [--warmup W] [--set KEY=VALUE ...]
+
+Mixtral-tiny (4 experts per layer, top-2) on 4 ranks (dp=4, ZeRO-1, fp32, `EP_MICRO_BATCHES`
+micro-batches per step) at ep=1, 2 and 4: three `StageRunner`s (what the trainer runs) built
+side by side on the same ranks, stepped in turns on the same batches (`rank.take_turns`), each
+step timed; then one more step of each inside a `dsnd.bench.comm_count.CommCounter`, which
+sees every collective: the experts' all-to-alls and ZeRO's data-parallel traffic apart. Per
+run each rank records its step times, the counted step's all-to-all calls and payload bytes and
+its other collectives' bytes, its model-state bytes (`dsnd.engine.memory.state_bytes`) and the
+losses; rank 0 writes them all to OUT.json (`dsnd.bench.ep_results` makes the rows).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from dsnd.bench import rank
+from dsnd.bench.comm_count import CommCounter
+from dsnd.config.load import load
+from dsnd.config.resolve import Resolved, resolve
+from dsnd.distributed.groups import build_groups
+from dsnd.engine.memory import state_bytes
+from dsnd.model.moe import num_experts
+from dsnd.pipeline.runner import StageRunner
+
+EP_WORLD = 4
+EP_SIZES = (1, 2, 4)
+EP_MICRO_BATCHES = 2
+
+
+def run_sets(ep: int) -> list[str]:
+    return ["model.preset=mixtral-tiny", f"deepspeed={rank.ds_json(1)}",
+            "ds.train_batch_size=null", f"ds.gradient_accumulation_steps={EP_MICRO_BATCHES}",
+            f"parallel.ep={ep}"]  # fmt: skip
+
+
+def layout(res: Resolved) -> dict[str, Any]:
+    cfg = res.model.config
+    moe_layers = sum(1 for i in range(res.model.num_layers)
+                     if i not in (getattr(cfg, "mlp_only_layers", None) or []))  # fmt: skip
+    return {"ep": res.run.parallel.ep, "dp": res.topology.dp, "micro": res.batch.micro,
+            "micro_batches": res.batch.gas, "seq_len": res.run.model.seq_len,
+            "hidden": res.model.hidden_size, "moe_layers": moe_layers,
+            "experts": num_experts(cfg), "top_k": cfg.num_experts_per_tok,
+            "element_bytes": 4}  # fmt: skip
+
+
+def _counted(runner: StageRunner, micro) -> dict[str, Any]:
+    counter = CommCounter()
+    with counter:
+        runner.run(micro)
+    a2a = [c for c in counter.calls if c.op == "all_to_all"]
+    return {"a2a_calls": len(a2a), "a2a_payload": sum(c.payload for c in a2a),
+            "other_sent": sum(c.sent for c in counter.calls if c.op != "all_to_all")}  # fmt: skip
+
+
+def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any]:
+    first = next(iter(runs.values()))
+    samples = rank.sample_set(first)
+    runners = {}
+    for name, res in runs.items():
+        runners[name] = StageRunner(res, build_groups(res.topology), load_hf=False)
+    groups = build_groups(first.topology)
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+
+    def step(name: str, micro) -> dict[str, Any]:
+        dist.barrier()
+        start = time.perf_counter()
+        result = runners[name].run(micro)
+        seconds = time.perf_counter() - start
+        losses[name].append(runners[name].report(result)[0])
+        return {"seconds": seconds}
+
+    try:
+        reps = rank.take_turns(list(runs), steps, warmup,
+                               lambda r: rank.step_batches(first, samples, groups, r), step)
+        micro = rank.step_batches(first, samples, groups, warmup + steps)
+        mine = {name: {"times": [r["runs"][name]["seconds"] for r in reps if r["timed"]],
+                       **_counted(runner, micro), "state": state_bytes(runner.engine),
+                       "losses": losses[name]}
+                for name, runner in runners.items()}  # fmt: skip
+    finally:
+        for runner in runners.values():
+            runner.engine.destroy()
+    return {"layouts": {name: layout(res) for name, res in runs.items()},
+            "ranks": rank.gather(mine)}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = rank.parser("dsnd.bench.ep_rank", steps=5, warmup=1)
+    args = parser.parse_args(argv)
+    rank.run(args.out, "expert parallelism", EP_WORLD,
+             lambda: {f"ep{ep}": resolve(load(None, [*run_sets(ep), *args.sets]), EP_WORLD)
+                      for ep in EP_SIZES},
+             lambda runs: measure(runs, args.steps, args.warmup))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
