@@ -44,6 +44,7 @@ from dsnd.flops import flops_per_token, peak_flops
 from dsnd.model.count import layer_table
 from dsnd.model.export_dir import ExportOrigin
 from dsnd.model.hf_io import export_hf
+from dsnd.model.router_aux import wants_router_aux
 from dsnd.model.router_load import RouterLoad
 from dsnd.pipeline.runner import StageRunner
 from dsnd.progress import RankLogFile
@@ -214,6 +215,9 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
         tags, counts = expert_load(load, sent)
         numbers |= tags
         row["moe_tokens_per_expert"] = counts
+        if wants_router_aux(res.model.config):  # part of `loss`, as transformers reports it
+            row["moe_aux_loss"] = st.runner.aux_loss(result)
+            numbers["moe/aux_loss"] = row["moe_aux_loss"]
         if res.run.parallel.ep > 1:  # (token, choice) rows each layer's all-to-all sent off-rank
             row["moe_rows_sent"] = {b: int(sent[int(b)]) for b in counts}
     if st.held_out is not None and (step + 1) % run.eval.every == 0:

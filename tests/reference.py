@@ -20,18 +20,24 @@ from dsnd.data.sampler import IGNORE_INDEX
 from dsnd.data.sources import load_data
 from dsnd.model import build_model, param_groups
 from dsnd.model.documents import Documents
+from dsnd.model.router_aux import RouterAux, wants_router_aux
 
 
 def reference_rows(res: Resolved) -> list[dict]:
     """Metric rows of `train.steps` steps on one process. The loss of a step is what every layout
     must give: the summed token losses of the global batch over its number of counted labels
-    (not -100), computed here as that sum, not as dsnd's weighted micro-batch means."""
+    (not -100), computed here as that sum, not as dsnd's weighted micro-batch means (plus, for
+    a mixture of experts with `output_router_logits`, the mean of its micro-batches'
+    load-balancing losses)."""
     run, ds = res.run, res.ds
     torch.manual_seed(run.train.seed)
     corpus = load_data(run.data, run.model)
     samples, _ = sample_sets(corpus, run.model.seq_len, run.data.packing)
     documents = Documents() if run.data.packing == "documents" else None
     model = build_model(res.model, run.train.seed, documents)
+    # a mixture of experts' routers' load-balancing loss (output_router_logits), as transformers
+    # adds it: per forward of one micro-batch, averaged over the global batch's micro-batches
+    aux = RouterAux(model, res.model.config) if wants_router_aux(res.model.config) else None
     opt = reference_optimizer(param_groups(model), ds["optimizer"])
     sched = getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
     clip = ds.get("gradient_clipping", 0.0)
@@ -42,14 +48,20 @@ def reference_rows(res: Resolved) -> list[dict]:
         micro = batch_for_step(samples, *where)
         layout = step_layout(samples, *where)
         counted = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
-        total = 0.0
+        total = aux_total = 0.0
         for k, (x, y) in enumerate(micro):
             if documents is not None:
                 documents.use(layout.documents[k])
             logits = model(x).float()
             summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
                                      ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
-            (summed / counted).backward()
+            loss = summed / counted
+            if aux is not None:
+                extra = aux.pop() / len(micro)
+                loss = loss + extra
+                total += extra.item() * counted
+                aux_total += extra.item()
+            loss.backward()
             total += summed.item()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
@@ -59,6 +71,8 @@ def reference_rows(res: Resolved) -> list[dict]:
         opt.zero_grad()
         sched.step()
         rows.append({"step": step + 1, "loss": total / counted, "lr": lr, "grad_norm": norm})
+        if aux is not None:
+            rows[-1]["moe_aux_loss"] = aux_total
     return rows
 
 

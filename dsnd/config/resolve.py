@@ -25,6 +25,7 @@ from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
 from dsnd.cp.slices import IMPLS, divisor
 from dsnd.errors import UserError
 from dsnd.model.moe import num_experts
+from dsnd.model.router_aux import wants_router_aux
 from dsnd.model.source import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.plan.plan import Plan, make_plan
 from dsnd.plan.profile import profile_partition
@@ -254,6 +255,25 @@ def check_ep(model: ModelSpec, par: ParallelConfig, dp: int) -> None:
                         f"(world / (pp * tp * cp))")  # fmt: skip
 
 
+def check_router_aux(model: ModelSpec, par: ParallelConfig) -> None:
+    """`output_router_logits: true` adds the routers' load-balancing loss, which pools every
+    MoE layer's routing of a forward over all its tokens (`dsnd.model.router_aux`): all layers
+    on one stage, every token of a sequence on the rank."""
+    if not model.family.moe or not wants_router_aux(model.config):
+        return
+    why = (f"{model.source}: output_router_logits=true (the routers' load-balancing loss, "
+           f"router_aux_loss_coef={model.config.router_aux_loss_coef}) pools every MoE layer's "
+           "routing of a forward over all its tokens")  # fmt: skip
+    if par.pp > 1:
+        raise UserError(f"{why}, which dsnd computes with every layer on one stage: needs "
+                        f"parallel.pp=1 (got {par.pp}), or set it to false "
+                        "(--set model.overrides.output_router_logits=false)")  # fmt: skip
+    if par.cp > 1 or (par.sequence_parallel and par.tp > 1):
+        key = f"parallel.cp={par.cp}" if par.cp > 1 else "parallel.sequence_parallel=true"
+        raise UserError(f"{why}: not with {key}, which gives each rank a slice of every "
+                        "sequence's tokens")  # fmt: skip
+
+
 def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
     """Hybrid sharding (`parallel.dp_shard`, `dsnd.engine.hsdp`): ZeRO-3 over groups of dp_shard
     data-parallel ranks, replicated across them. null, 0 or dp = plain ZeRO-3."""
@@ -300,6 +320,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     check_tp(model, par.tp, run.model.seq_len, par.sequence_parallel)
     check_cp(model, par, run.model.seq_len)
     check_ep(model, par, topology.dp)
+    check_router_aux(model, par)
     if run.data.packing == "documents" and par.cp > 1:
         # each rank would hold a slice of every document mask, and ring / Ulysses attention
         # take none: refused rather than attending across documents

@@ -43,8 +43,9 @@ def token_ffn(config: PretrainedConfig) -> int:
 def moe_checks(config: PretrainedConfig, seq_len: int) -> list[str]:
     """What a Mixtral / Qwen2-MoE / Qwen3-MoE config may say that dsnd cannot honour: the
     rotary families' refusals, plus router noise (random multipliers, which layouts would draw
-    differently, like dropout), the router's load-balancing loss, and a top-k the experts
-    cannot fill."""
+    differently, like dropout) and a top-k the experts cannot fill. (The router's
+    load-balancing loss, `output_router_logits`, is honoured: `dsnd.model.router_aux`; the
+    layouts it needs are checked with the run's.)"""
     out = rotary_checks(config, seq_len)
     experts, top_k = num_experts(config), config.num_experts_per_tok
     if not 1 <= top_k <= experts:
@@ -54,10 +55,4 @@ def moe_checks(config: PretrainedConfig, seq_len: int) -> list[str]:
         out.append(f"router_jitter_noise={config.router_jitter_noise}: dsnd trains without "
                    "random router noise (layouts would draw different noise); set it to 0 "
                    "(--set model.overrides.router_jitter_noise=0)")  # fmt: skip
-    if getattr(config, "output_router_logits", False):
-        out.append(
-            f"output_router_logits=true: dsnd does not add the router's load-balancing loss "
-            f"(router_aux_loss_coef={config.router_aux_loss_coef}) yet; set it to false, as "
-            "published configs do (transformers then trains without that loss too)"
-        )
     return out

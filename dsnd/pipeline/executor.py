@@ -64,6 +64,9 @@ class StageMath:
 
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     sync_grads: Callable[[], None] | None = None  # the sp_sum instruction
+    # a mixture of experts' router load-balancing loss of the micro-batch just forwarded
+    # (`dsnd.model.router_aux`), added to its loss
+    aux_loss: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
@@ -84,6 +87,9 @@ class StepResult:
     # the most bytes of activations saved for backward this rank held at once in the step
     # (`dsnd.pipeline.activations`)
     activation_peak_bytes: int = 0
+    # mean over this rank's micro-batches of the router load-balancing loss (`StageMath`),
+    # part of `loss`; None without it
+    aux_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -97,6 +103,7 @@ class _Step:
     grads: dict = field(default_factory=dict)  # received output gradients
     pending_w: dict = field(default_factory=dict)  # state of an I awaiting its W
     losses: list = field(default_factory=list)
+    aux_losses: list = field(default_factory=list)
     result: StepResult = field(default_factory=lambda: StepResult(None, None))
 
 
@@ -172,6 +179,8 @@ class Executor:
         times["comm"] -= times["pipeline_wait"]  # receives were timed as comm above
         if state.losses:
             state.result.loss = torch.stack(state.losses).double().mean()
+        if state.aux_losses:
+            state.result.aux_loss = torch.stack(state.aux_losses).double().mean()
         state.result.activation_peak_bytes = self.activations.peak
         return state.result
 
@@ -203,9 +212,15 @@ class Executor:
         counted labels (`dsnd.data.layout`; exactly 1 where every label counts)."""
         weight = 1.0 if state.layout is None else state.layout.weights[x.micro]
         if weight == 0.0:  # no label counts: no mean (0/0); zero gradients all the same
-            return logits.sum() * 0.0
-        loss = self.math.loss_fn(logits, state.batches[x.micro][1].to(self.engine.device))
-        return loss if weight == 1.0 else loss * weight
+            loss = logits.sum() * 0.0
+        else:
+            loss = self.math.loss_fn(logits, state.batches[x.micro][1].to(self.engine.device))
+            loss = loss if weight == 1.0 else loss * weight
+        if self.math.aux_loss is None:
+            return loss
+        aux = self.math.aux_loss()  # as transformers adds it: to each forward's loss
+        state.aux_losses.append(aux.detach())
+        return loss + aux.to(loss.dtype)
 
     def _forward(self, x: Instr, state: _Step) -> None:
         key = (x.micro, x.chunk)

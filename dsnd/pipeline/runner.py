@@ -5,6 +5,7 @@ Shared by the trainer and `dsnd bench`, so what is measured is exactly what trai
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -22,6 +23,7 @@ from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
 from dsnd.model.documents import Documents
 from dsnd.model.hf_io import load_hf_stage
+from dsnd.model.router_aux import RouterAux, wants_router_aux
 from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, StepResult
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.stage import build_stage, context_parallel, tensor_parallel
@@ -82,6 +84,8 @@ class StageRunner:
             math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
         if self.cp.size > 1:
             math = StageMath(context_parallel_loss(math.loss_fn, self.cp.group), math.sync_grads)
+        if wants_router_aux(res.model.config):  # pp=1: every MoE layer on this stage
+            math = replace(math, aux_loss=RouterAux(self.engine.module, res.model.config).pop)
         stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
                                    res.run.parallel.reshard_after_forward)  # fmt: skip
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
@@ -110,6 +114,11 @@ class StageRunner:
         if norm is None:
             norm = self.engine.get_global_grad_norm()
         return loss, None if norm is None else float(norm)
+
+    def aux_loss(self, result: StepResult) -> float:
+        """The routers' load-balancing loss of the step (part of `report`'s loss), over the
+        global batch, on every rank; only with `output_router_logits`."""
+        return self._global_loss(result.aux_loss)
 
     def _global_loss(self, local: torch.Tensor | None) -> float:
         """The last stage's mean over its data-parallel replicas (and context-parallel slices:

@@ -10,7 +10,9 @@ parameters and optimizer offloaded to the CPU). Losses, gradient norms and learn
 ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its step-5
 checkpoint continues at pp=1 x dp=4 x ep=4 (ZeRO-1) and at tp=2 x dp=2, ep=1 (ZeRO-2) within
 1e-4 of the straight run; every layout's metrics count the tokens each expert received, and
-with ep > 1 the rows each layer's all-to-all sent to another rank.
+with ep > 1 the rows each layer's all-to-all sent to another rank. Mixtral with the routers'
+load-balancing loss (`output_router_logits`) at ZeRO-0/1/3, with ep, tp and activation
+checkpointing: the same losses, of which the load-balancing part is also compared.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ from tests.distributed.parity import RTOL, assert_same, case, run_cases
 OFFLOAD = ('ds.zero_optimization.offload_optimizer={"device": "cpu"}',
            'ds.zero_optimization.offload_param={"device": "cpu"}',
            "ds.optimizer.params.torch_adam=null")  # DeepSpeedCPUAdam on the offloaded states
-PRESETS = {"mixtral": "mixtral-tiny", "qwen3moe": "qwen3-moe-tiny"}
+AUX = ("model.overrides.output_router_logits=true", "model.overrides.router_aux_loss_coef=0.2")
+FAMILIES = {"mixtral": ("mixtral-tiny", ()), "qwen3moe": ("qwen3-moe-tiny", ()),
+            "mixtralaux": ("mixtral-tiny", AUX)}  # fmt: skip
+"""Case name prefixes: the preset and its sets (with the routers' load-balancing loss, its
+coefficient ten times Mixtral's, so that the loss's share shows at 1e-4)."""
 EP2, TP2 = "parallel.ep=2", "parallel.tp=2"
 
 
 def moe_case(name: str, zero: int | None, *sets: str, reference: bool = False) -> dict:
-    return case(name, zero, PRESETS[name.split("-")[0]], reference, sets)
+    preset, family_sets = FAMILIES[name.split("-")[0]]
+    return case(name, zero, preset, reference, (*family_sets, *sets))
 
 
 @pytest.mark.dist
@@ -37,7 +44,7 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     (tmp_path / "w1").mkdir()
     (tmp_path / "w4").mkdir()
     refs = run_cases(tmp_path / "w1", 1, [moe_case(f"{f}-ref", None, reference=True)
-                                          for f in PRESETS])  # fmt: skip
+                                          for f in FAMILIES])  # fmt: skip
     got = run_cases(tmp_path / "w4", 4, [
         moe_case("mixtral-pp2-dp2-zbh1-z1", 1, "parallel.pp=2", "parallel.schedule=zb-h1"),
         moe_case("mixtral-dp4-z3", 3),
@@ -53,13 +60,21 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
         moe_case("qwen3moe-pp2-dp2-ep2-il2-ac-z2", 2, "parallel.pp=2", EP2,
                  "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
                  "parallel.activation_checkpoint_interval=1"),
+        moe_case("mixtralaux-dp4-ep2-z3", 3, EP2),
+        moe_case("mixtralaux-tp2-dp2-ac-z1", 1, TP2, "parallel.activation_checkpoint_interval=1"),
+        moe_case("mixtralaux-dp4-ep4-z0", 0, "parallel.ep=4"),
         *resume_cases(tmp_path / "w4"),
     ])  # fmt: skip
     check_resume(got)
     check_inspect(tmp_path / "w4")
     check_router_load(got)
     for name, rows in got.items():
-        assert_same(rows, refs[f"{name.split('-')[0]}-ref"], name)
+        ref = refs[f"{name.split('-')[0]}-ref"]
+        assert_same(rows, ref, name)
+        if "moe_aux_loss" in ref[0] or "moe_aux_loss" in rows[0]:  # part of the loss compared
+            for got_row, want in zip(rows, ref, strict=True):
+                assert got_row["moe_aux_loss"] == pytest.approx(want["moe_aux_loss"], rel=RTOL)
+                assert want["moe_aux_loss"] > 0.1, want  # 0.2 x (k = 2 at perfect balance)
 
 
 def resume_cases(root) -> list[dict]:
@@ -77,7 +92,8 @@ def resume_cases(root) -> list[dict]:
     ]
 
 
-MOE_BLOCKS = {"mixtral": ["0", "1", "2", "3"], "qwen3moe": ["1", "2", "3"]}  # qwen3: 0 dense
+MOE_BLOCKS = {"mixtral": ["0", "1", "2", "3"], "mixtralaux": ["0", "1", "2", "3"],
+              "qwen3moe": ["1", "2", "3"]}  # qwen3: block 0 dense
 
 
 def check_router_load(got: dict) -> None:

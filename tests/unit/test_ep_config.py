@@ -1,4 +1,6 @@
-"""`parallel.ep` (expert parallelism): what resolves, what is refused before start, one line."""
+"""Mixture-of-experts layouts: `parallel.ep` (expert parallelism) and the routers'
+load-balancing loss (`output_router_logits`): what resolves, what is refused before start, in
+one line."""
 
 from __future__ import annotations
 
@@ -48,3 +50,28 @@ def test_ep_that_resolves_keeps_the_batch_over_dp(sets, world):
     # expert parallelism is carved out of dp: the batch still counts every data-parallel rank
     assert res.batch.train == res.batch.micro * res.batch.gas * res.topology.dp
     assert res.topology.dp % res.run.parallel.ep == 0
+
+
+AUX = "model.overrides.output_router_logits=true"
+
+
+@pytest.mark.parametrize("sets, world, message", [
+    ([MIXTRAL, AUX, "parallel.pp=2"], 2,
+     "preset mixtral-tiny: output_router_logits=true (the routers' load-balancing loss, "
+     "router_aux_loss_coef=0.02) pools every MoE layer's routing of a forward over all its "
+     "tokens, which dsnd computes with every layer on one stage: needs parallel.pp=1 (got 2), "
+     "or set it to false (--set model.overrides.output_router_logits=false)"),
+    ([MIXTRAL, AUX, "parallel.tp=2", "parallel.sequence_parallel=true"], 2,
+     "preset mixtral-tiny: output_router_logits=true (the routers' load-balancing loss, "
+     "router_aux_loss_coef=0.02) pools every MoE layer's routing of a forward over all its "
+     "tokens: not with parallel.sequence_parallel=true, which gives each rank a slice"),
+    ([QWEN3, AUX, "parallel.cp=2"], 2, "preset qwen3-moe-tiny: output_router_logits=true"),
+])  # fmt: skip
+def test_the_load_balancing_loss_is_refused_where_a_rank_lacks_layers_or_tokens(sets, world,
+                                                                                message):
+    assert resolve_error(sets, world).startswith(message)
+
+
+def test_the_load_balancing_loss_resolves_with_ep_tp_and_dp():
+    res = resolve(load(None, [MIXTRAL, AUX, "parallel.ep=2", "parallel.tp=2"]), 4)
+    assert res.model.config.output_router_logits is True

@@ -138,13 +138,10 @@ def _dir(tmp_path, name: str, **changes) -> str:
         ("gpt2", {}, 2048, r"model.seq_len=2048 must be in 1..1024, the max_position_embeddings"),
         ("mixtral-8x7b", {"router_jitter_noise": 0.01}, 64,
          r"router_jitter_noise=0.01: dsnd trains without random router noise"),
-        ("qwen3-30b-a3b", {"output_router_logits": True}, 64,
-         r"output_router_logits=true: dsnd does not add the router's load-balancing loss "
-         r"\(router_aux_loss_coef=0.001\)"),
         ("mixtral-8x7b", {"num_experts_per_tok": 9}, 64, r"num_experts_per_tok=9: must be in 1..8"),
     ],  # fmt: skip
     ids=["window", "gpt2-dropout", "llama-dropout", "activation", "seq-len", "router-noise",
-         "aux-loss", "top-k"],  # fmt: skip
+         "top-k"],  # fmt: skip
 )
 def test_what_cannot_be_honoured_is_refused_by_field_and_value(tmp_path, preset, changes,
                                                                seq_len, message):  # fmt: skip

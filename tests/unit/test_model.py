@@ -21,6 +21,7 @@ from dsnd.model import (
 from dsnd.model.hf_io import write_hf_dir
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
 from dsnd.model.layer_spec import TiedLayerSpec
+from dsnd.model.router_aux import RouterAux
 from tests.models import spec_of
 
 torch.set_num_threads(1)
@@ -51,28 +52,48 @@ def test_logits_match_transformers(preset):
     assert torch.allclose(lm_loss(ours, labels), hf_loss, atol=1e-5)
 
 
-MOE = {
-    "mixtral": spec_of("mixtral-tiny"),
-    "qwen3_moe": spec_of("qwen3-moe-tiny"),  # layer 0 dense (mlp_only_layers), top-k renormalised
-    "qwen2_moe": spec_of("qwen1.5-moe-a2.7b", {"moe_intermediate_size": 32,
-                                               "shared_expert_intermediate_size": 48},
-                         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
-                         ffn_size=96, vocab_size=256),  # shared expert, top-4 of 60 unnormalised
+MOE_SHAPES = {  # preset, config overrides, shape overrides
+    "mixtral": ("mixtral-tiny", {}, {}),
+    "qwen3_moe": ("qwen3-moe-tiny", {}, {}),  # layer 0 dense (mlp_only_layers), top-k renormalised
+    "qwen2_moe": ("qwen1.5-moe-a2.7b", {"moe_intermediate_size": 32,
+                                        "shared_expert_intermediate_size": 48},
+                  {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4,
+                   "head_dim": 16, "ffn_size": 96, "vocab_size": 256}),  # shared expert,
 }  # fmt: skip
+"""(qwen2_moe: top-4 of 60 experts, unnormalised)"""
 
 
+def moe_spec(family: str, overrides: dict | None = None):
+    preset, config, shape = MOE_SHAPES[family]
+    return spec_of(preset, {**config, **(overrides or {})}, **shape)
+
+
+MOE = {family: moe_spec(family) for family in MOE_SHAPES}
+
+
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}  # large: it must show
+
+
+@pytest.mark.parametrize("aux", [False, True], ids=["no-aux", "aux"])
 @pytest.mark.parametrize("family", sorted(MOE))
-def test_moe_training_step_is_transformers(family):
+def test_moe_training_step_is_transformers(family, aux):
     """In training mode: the same loss (relative 1e-5) and the same gradient of every tensor,
-    routed experts and router included, as transformers' model with the same weights."""
-    dims = MOE[family]
+    routed experts and router included, as transformers' model with the same weights; with
+    `output_router_logits` the loss includes the routers' load-balancing loss, as theirs does."""
+    dims = moe_spec(family, AUX if aux else None)
     model = build_model(dims, seed=0).train()
+    router_aux = RouterAux(model, dims.config) if aux else None
     hf = _hf_model(dims, to_hf_state_dict(model, dims)).train()
     ids = torch.randint(0, dims.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     ours = lm_loss(model(ids), labels)
-    theirs = hf(input_ids=ids, labels=ids).loss
+    out = hf(input_ids=ids, labels=ids)
+    if aux:
+        extra = router_aux.pop()
+        assert abs(extra.item() - 0.5 * out.aux_loss.item()) <= 1e-6 and extra.item() > 0.4
+        ours = ours + extra
+    theirs = out.loss
     assert abs(ours.item() - theirs.item()) <= 1e-5 * theirs.item()
     ours.backward()
     theirs.backward()
