@@ -57,7 +57,7 @@ def reference_rows(res: Resolved) -> list[dict]:
                                      ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
             loss = summed / counted
             if aux is not None:
-                extra = aux.pop() / len(micro)
+                extra = aux.loss(aux.partial(logits.device)) / len(micro)
                 loss = loss + extra
                 total += extra.item() * counted
                 aux_total += extra.item()

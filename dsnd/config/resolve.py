@@ -257,21 +257,19 @@ def check_ep(model: ModelSpec, par: ParallelConfig, dp: int) -> None:
 
 def check_router_aux(model: ModelSpec, par: ParallelConfig) -> None:
     """`output_router_logits: true` adds the routers' load-balancing loss, which pools every
-    MoE layer's routing of a forward over all its tokens (`dsnd.model.router_aux`): all layers
-    on one stage, every token of a sequence on the rank."""
+    MoE layer's routing of a forward over all its tokens (`dsnd.model.router_aux`): every token
+    of a sequence must be on the rank."""
     if not model.family.moe or not wants_router_aux(model.config):
         return
-    why = (f"{model.source}: output_router_logits=true (the routers' load-balancing loss, "
-           f"router_aux_loss_coef={model.config.router_aux_loss_coef}) pools every MoE layer's "
-           "routing of a forward over all its tokens")  # fmt: skip
-    if par.pp > 1:
-        raise UserError(f"{why}, which dsnd computes with every layer on one stage: needs "
-                        f"parallel.pp=1 (got {par.pp}), or set it to false "
-                        "(--set model.overrides.output_router_logits=false)")  # fmt: skip
     if par.cp > 1 or (par.sequence_parallel and par.tp > 1):
         key = f"parallel.cp={par.cp}" if par.cp > 1 else "parallel.sequence_parallel=true"
-        raise UserError(f"{why}: not with {key}, which gives each rank a slice of every "
-                        "sequence's tokens")  # fmt: skip
+        raise UserError(
+            f"{model.source}: output_router_logits=true (the routers' load-balancing loss, "
+            f"router_aux_loss_coef={model.config.router_aux_loss_coef}) pools every MoE "
+            f"layer's routing over all tokens of a forward: not with {key}, which gives each "
+            "rank a slice of every sequence's tokens; or set it to false "
+            "(--set model.overrides.output_router_logits=false)"
+        )
 
 
 def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:

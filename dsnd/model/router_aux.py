@@ -1,20 +1,26 @@
 """The routers' load-balancing loss of a mixture-of-experts model whose config sets
-`output_router_logits: true`, as `transformers` adds it to the language-model loss:
-``router_aux_loss_coef * load_balancing_loss_func(router logits of every MoE layer, E, k)``
-(Switch Transformer's E · Σ_e f_e · p_e, with f_e the share of (token, choice) assignments to
-expert e and p_e its mean router probability, both pooled over every MoE layer's tokens of the
-forward). `transformers`' own function of the family computes it, from the logits that forward
-hooks on this stage's routers collect during one micro-batch's forward (not again when
-activation checkpointing recomputes a block inside backward).
+`output_router_logits: true`, as `transformers` adds it to each forward's language-model loss
+(its `load_balancing_loss_func`, Switch Transformer's):
 
-The loss couples all MoE layers of a forward, so it needs them on one stage (`parallel.pp` 1)
-and every token of a sequence on the rank (no sequence or context parallelism): the run config
-refuses the rest before start (`dsnd.config.resolve.check_router_aux`).
+    router_aux_loss_coef * E * sum_e f_e * p_e,    f = C / R,  p = S / R
+
+over every MoE layer's tokens of one forward pooled: C_e the (token, choice) assignments to
+expert e (top-k of the router's softmax), S_e the sum of the router's probability of e, R the
+rows (tokens times MoE layers). The pooling couples all layers of a forward, so under pipeline
+parallelism each stage adds its layers' share to running sums that travel with the activations
+(`sums`, `loss`): a stage's forward hooks on its routers collect the logits (not again when
+activation checkpointing recomputes a block inside backward); `partial()` turns them into this
+stage's (S, C, layers) per token, which the executor adds to what the previous stage sent and
+hands on; the last stage's loss is then transformers'. The gradient of S flows back through the
+pipeline's own messages with the activations' (C counts, no gradient), so every schedule, ZeRO
+stage and the loss scaling treat it as they treat the activations. The sums travel in the
+activations' dtype: exact in fp32, to bf16's precision in a bf16 run.
+
+Every token of a sequence must be on the rank (no sequence or context parallelism): the run
+config refuses those before start (`dsnd.config.resolve.check_router_aux`).
 """
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 from torch import nn
@@ -29,15 +35,12 @@ def wants_router_aux(config: PretrainedConfig) -> bool:
 
 
 class RouterAux:
-    """Collects one forward's router logits from the MoE layers of `stack` (a `LayerStack`);
-    `pop()` gives their load-balancing loss, times the coefficient, and forgets them."""
+    """The load-balancing loss's share of the MoE layers of `stack` (a `LayerStack`)."""
 
     def __init__(self, stack: nn.Module, config: PretrainedConfig) -> None:
-        module = importlib.import_module(
-            f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-        self._loss_fn = module.load_balancing_loss_func
         self.coef = config.router_aux_loss_coef
         self.experts, self.top_k = num_experts(config), config.num_experts_per_tok
+        self.width = 2 * self.experts + 1  # what `partial` gives: S and C per token, layers
         self._logits: list[torch.Tensor] = []
         self._handles = []
         for layer in stack.modules():
@@ -49,9 +52,24 @@ class RouterAux:
         if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
             self._logits.append(output[0])
 
-    def pop(self) -> torch.Tensor:
-        """The coefficient times the loss of the logits collected since the last `pop`."""
-        logits, self._logits = tuple(self._logits), []
-        if not logits:
+    def partial(self, device: torch.device) -> torch.Tensor:
+        """This stage's (S / T, C / T, MoE layers) of the forward just run (T its tokens), in
+        fp32, S with its gradient; forgets the logits."""
+        logits, self._logits = self._logits, []
+        sums = torch.zeros(self.width, device=device)
+        for layer in logits:  # (T, E) each, as transformers' function reads them
+            probs = torch.softmax(layer.float(), dim=-1)
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
+            tokens = probs.shape[0]
+            counts = torch.bincount(chosen, minlength=self.experts).float()
+            sums = sums + torch.cat([probs.sum(0) / tokens, counts / tokens,
+                                     torch.ones(1, device=device)])  # fmt: skip
+        return sums
+
+    def loss(self, sums: torch.Tensor) -> torch.Tensor:
+        """The coefficient times transformers' loss of the whole forward's `sums`."""
+        e = self.experts
+        layers = sums[-1].detach()
+        if layers.item() == 0:
             raise RuntimeError("no router logits collected for the load-balancing loss")
-        return self.coef * self._loss_fn(logits, self.experts, self.top_k)
+        return self.coef * e * (sums[:e] * sums[e:2 * e].detach()).sum() / layers**2

@@ -34,6 +34,7 @@ from dsnd.data.layout import StepLayout
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import lm_loss
 from dsnd.model.documents import Documents
+from dsnd.model.router_aux import RouterAux
 from dsnd.phases import PHASES
 from dsnd.pipeline.activations import ActivationMeter
 from dsnd.pipeline.p2p import StageLinks
@@ -46,16 +47,38 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class StageShape:
-    """What flows between stages: (micro, seq, hidden) activations in `dtype`."""
+    """What flows between stages: (micro, seq, hidden) activations in `dtype`; with `extra`
+    values carried along (the load-balancing loss's running sums, `StageMath.aux`), one flat
+    tensor of the activations' elements and then those."""
 
     micro: int
     seq_len: int
     hidden: int
     dtype: torch.dtype
+    extra: int = 0
 
     @property
-    def activation(self) -> tuple[int, int, int]:
+    def hidden_shape(self) -> tuple[int, int, int]:
         return (self.micro, self.seq_len, self.hidden)
+
+    @property
+    def activation(self) -> tuple[int, ...]:
+        if not self.extra:
+            return self.hidden_shape
+        return (self.micro * self.seq_len * self.hidden + self.extra,)
+
+    def unpack(self, received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the activations, the extra values in fp32, or None) of a received tensor."""
+        if not self.extra:
+            return received, None
+        cut = received.numel() - self.extra
+        return received[:cut].view(self.hidden_shape), received[cut:].float()
+
+    def pack(self, hidden: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """What goes to the next stage: `hidden`, and after it `extra` in the same dtype."""
+        if not self.extra:
+            return hidden
+        return torch.cat([hidden.reshape(-1), extra.to(hidden.dtype)])
 
 
 @dataclass(frozen=True)
@@ -64,9 +87,10 @@ class StageMath:
 
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     sync_grads: Callable[[], None] | None = None  # the sp_sum instruction
-    # a mixture of experts' router load-balancing loss of the micro-batch just forwarded
-    # (`dsnd.model.router_aux`), added to its loss
-    aux_loss: Callable[[], torch.Tensor] | None = None
+    # a mixture of experts' router load-balancing loss (`dsnd.model.router_aux.RouterAux`):
+    # each forward's share is added to the sums the activations carry (`StageShape.extra`),
+    # and the last stage adds the loss of the whole forward's sums to the micro-batch's loss
+    aux: RouterAux | None = None
 
 
 @dataclass
@@ -207,34 +231,43 @@ class Executor:
             docs = state.layout.documents if state.layout is not None else None
             self.documents.use(None if docs is None else docs[x.micro])
 
-    def _loss(self, logits: torch.Tensor, x: Instr, state: _Step) -> torch.Tensor:
+    def _loss(self, logits: torch.Tensor, x: Instr, state: _Step,
+              sums: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         """Micro-batch x.micro's loss: its mean, times its weight in the global batch's mean over
-        counted labels (`dsnd.data.layout`; exactly 1 where every label counts)."""
+        counted labels (`dsnd.data.layout`; exactly 1 where every label counts), plus the
+        routers' load-balancing loss of the forward's `sums`, where the model has one."""
         weight = 1.0 if state.layout is None else state.layout.weights[x.micro]
         if weight == 0.0:  # no label counts: no mean (0/0); zero gradients all the same
             loss = logits.sum() * 0.0
         else:
             loss = self.math.loss_fn(logits, state.batches[x.micro][1].to(self.engine.device))
             loss = loss if weight == 1.0 else loss * weight
-        if self.math.aux_loss is None:
+        if sums is None:
             return loss
-        aux = self.math.aux_loss()  # as transformers adds it: to each forward's loss
+        aux = self.math.aux.loss(sums)  # as transformers adds it: to each forward's loss
         state.aux_losses.append(aux.detach())
         return loss + aux.to(loss.dtype)
 
     def _forward(self, x: Instr, state: _Step) -> None:
         key = (x.micro, x.chunk)
         self._documents_of(x, state)
+        carried = None
         if self._virtual(x) == 0:
             inp = state.batches[x.micro][0].to(self.engine.device)
         else:
-            inp = state.inputs[key]
+            inp, carried = self.shape.unpack(state.inputs[key])
         run = self.engine.forward_plain if self.plain else self.engine.forward
         with self.activations.forward(key):
             out = run(inp, x.chunk)
+            sums = None
+            if self.math.aux is not None:  # this chunk's layers' share, added to the earlier
+                sums = self.math.aux.partial(out.device)
+                sums = sums if carried is None else sums + carried
             if self._is_last(x):
-                out = self._loss(out, x, state)
+                out = self._loss(out, x, state, sums)
                 state.losses.append(out.detach())
+            else:
+                out = self.shape.pack(out, sums)
         state.outputs[key] = out
 
     def _backward(self, x: Instr, state: _Step) -> None:

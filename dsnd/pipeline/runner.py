@@ -75,7 +75,10 @@ class StageRunner:
                  else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
         tp, self.cp = tensor_parallel(res, groups), context_parallel(res, groups)
         seq = res.run.model.seq_len // self.cp.size // (tp.size if tp.sequence_parallel else 1)
-        self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype)
+        aux = RouterAux(self.engine.module, res.model.config) \
+            if wants_router_aux(res.model.config) else None  # fmt: skip
+        self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype,
+                                aux.width if aux is not None else 0)  # fmt: skip
         math = StageMath()
         if tp.size > 1:
             loss = partial(vocab_parallel_cross_entropy, group=tp.group,
@@ -84,8 +87,8 @@ class StageRunner:
             math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
         if self.cp.size > 1:
             math = StageMath(context_parallel_loss(math.loss_fn, self.cp.group), math.sync_grads)
-        if wants_router_aux(res.model.config):  # pp=1: every MoE layer on this stage
-            math = replace(math, aux_loss=RouterAux(self.engine.module, res.model.config).pop)
+        if aux is not None:
+            math = replace(math, aux=aux)
         stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
                                    res.run.parallel.reshard_after_forward)  # fmt: skip
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),

@@ -11,8 +11,10 @@ ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its 
 checkpoint continues at pp=1 x dp=4 x ep=4 (ZeRO-1) and at tp=2 x dp=2, ep=1 (ZeRO-2) within
 1e-4 of the straight run; every layout's metrics count the tokens each expert received, and
 with ep > 1 the rows each layer's all-to-all sent to another rank. Mixtral with the routers'
-load-balancing loss (`output_router_logits`) at ZeRO-0/1/3, with ep, tp and activation
-checkpointing: the same losses, of which the load-balancing part is also compared.
+load-balancing loss (`output_router_logits`, which pools every layer's routing: its running sums
+travel with the activations through 2 and 4 pipeline stages, also under ZB-H1 and interleaved
+with activation checkpointing) at ZeRO-0 to 3, with ep and tp: the same losses, of which the
+load-balancing part is also compared.
 """
 
 from __future__ import annotations
@@ -62,7 +64,12 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
                  "parallel.activation_checkpoint_interval=1"),
         moe_case("mixtralaux-dp4-ep2-z3", 3, EP2),
         moe_case("mixtralaux-tp2-dp2-ac-z1", 1, TP2, "parallel.activation_checkpoint_interval=1"),
-        moe_case("mixtralaux-dp4-ep4-z0", 0, "parallel.ep=4"),
+        moe_case("mixtralaux-pp4-z0", 0, "parallel.pp=4"),  # the sums cross three stages
+        moe_case("mixtralaux-pp2-dp2-ep2-zbh1-z2", 2, "parallel.pp=2", EP2,
+                 "parallel.schedule=zb-h1"),
+        moe_case("mixtralaux-pp2-il2-ac-z3", 3, "parallel.pp=2",
+                 "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
+                 "parallel.activation_checkpoint_interval=1"),
         *resume_cases(tmp_path / "w4"),
     ])  # fmt: skip
     check_resume(got)

@@ -56,22 +56,19 @@ AUX = "model.overrides.output_router_logits=true"
 
 
 @pytest.mark.parametrize("sets, world, message", [
-    ([MIXTRAL, AUX, "parallel.pp=2"], 2,
-     "preset mixtral-tiny: output_router_logits=true (the routers' load-balancing loss, "
-     "router_aux_loss_coef=0.02) pools every MoE layer's routing of a forward over all its "
-     "tokens, which dsnd computes with every layer on one stage: needs parallel.pp=1 (got 2), "
-     "or set it to false (--set model.overrides.output_router_logits=false)"),
     ([MIXTRAL, AUX, "parallel.tp=2", "parallel.sequence_parallel=true"], 2,
      "preset mixtral-tiny: output_router_logits=true (the routers' load-balancing loss, "
-     "router_aux_loss_coef=0.02) pools every MoE layer's routing of a forward over all its "
-     "tokens: not with parallel.sequence_parallel=true, which gives each rank a slice"),
+     "router_aux_loss_coef=0.02) pools every MoE layer's routing over all tokens of a forward: "
+     "not with parallel.sequence_parallel=true, which gives each rank a slice of every "
+     "sequence's tokens; or set it to false (--set model.overrides.output_router_logits=false)"),
     ([QWEN3, AUX, "parallel.cp=2"], 2, "preset qwen3-moe-tiny: output_router_logits=true"),
 ])  # fmt: skip
-def test_the_load_balancing_loss_is_refused_where_a_rank_lacks_layers_or_tokens(sets, world,
-                                                                                message):
+def test_the_load_balancing_loss_is_refused_where_a_rank_holds_part_of_the_tokens(sets, world,
+                                                                                   message):
     assert resolve_error(sets, world).startswith(message)
 
 
-def test_the_load_balancing_loss_resolves_with_ep_tp_and_dp():
-    res = resolve(load(None, [MIXTRAL, AUX, "parallel.ep=2", "parallel.tp=2"]), 4)
-    assert res.model.config.output_router_logits is True
+def test_the_load_balancing_loss_resolves_with_pp_ep_tp_and_dp():
+    for sets in (["parallel.ep=2", "parallel.tp=2"], ["parallel.pp=2", "parallel.ep=2"]):
+        res = resolve(load(None, [MIXTRAL, AUX, *sets]), 4)
+        assert res.model.config.output_router_logits is True
