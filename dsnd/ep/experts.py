@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 from dsnd.tp.context import RankGroup
@@ -49,6 +48,28 @@ class ExpertParallel(RankGroup):
                              f"of {self.size}")  # fmt: skip
         per_rank = experts // self.size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows over `group`: rank j gets `sent[j]` of the rows (in order) and this rank `got[i]`
+    from rank i; backward is the reverse exchange of the gradients. Written here because
+    torch 2.13 deprecates its own autograd all-to-all (`torch.distributed.nn.functional.
+    all_to_all_single`), and its functional successor's collectives are not c10d's
+    `alltoall_base_`, which `dsnd bench moe` counts."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, got: list[int], sent: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:  # fmt: skip
+        ctx.got, ctx.sent, ctx.group = got, sent, group
+        out = rows.new_empty(sum(got), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), got, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty(sum(ctx.sent), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.got, group=ctx.group)
+        return back, None, None, None
 
 
 class ParallelExperts(nn.Module):
@@ -85,15 +106,13 @@ class ParallelExperts(nn.Module):
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep.group)  # [source, local expert]
         sent_splits, got_splits = counts.sum(1).tolist(), received.sum(1).tolist()
-        mine = dist_fn.all_to_all_single(rows.new_empty(sum(got_splits), rows.shape[1]), rows,
-                                         got_splits, sent_splits, group=self.ep.group)  # fmt: skip
+        mine = _Exchange.apply(rows, got_splits, sent_splits, self.ep.group)
         local_ids = torch.arange(counts.shape[1], device=hidden.device).repeat(self.ep.size)
         local_ids = local_ids.repeat_interleave(received.reshape(-1))
         ones = torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype, device=hidden.device)
         # the module's forward, not its __call__: the view shares its hooks' dictionaries
         out = self._local().forward(mine, local_ids.unsqueeze(1), ones)
-        back = dist_fn.all_to_all_single(out.new_empty(rows.shape), out, sent_splits, got_splits,
-                                         group=self.ep.group)  # fmt: skip
+        back = _Exchange.apply(out, sent_splits, got_splits, self.ep.group)
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
         unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
         return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
