@@ -257,18 +257,14 @@ def check_ep(model: ModelSpec, par: ParallelConfig, dp: int) -> None:
 
 def check_router_aux(model: ModelSpec, par: ParallelConfig) -> None:
     """`output_router_logits: true` adds the routers' load-balancing loss, which pools every
-    MoE layer's routing of a forward over all its tokens (`dsnd.model.router_aux`): every token
-    of a sequence must be on the rank."""
-    if not model.family.moe or not wants_router_aux(model.config):
-        return
-    if par.cp > 1 or (par.sequence_parallel and par.tp > 1):
-        key = f"parallel.cp={par.cp}" if par.cp > 1 else "parallel.sequence_parallel=true"
+    MoE layer's routing over all tokens of a forward (`dsnd.model.router_aux`); context
+    parallelism would give each rank a slice of every sequence, with its own loss scaling."""
+    if model.family.moe and wants_router_aux(model.config) and par.cp > 1:
         raise UserError(
             f"{model.source}: output_router_logits=true (the routers' load-balancing loss, "
-            f"router_aux_loss_coef={model.config.router_aux_loss_coef}) pools every MoE "
-            f"layer's routing over all tokens of a forward: not with {key}, which gives each "
-            "rank a slice of every sequence's tokens; or set it to false "
-            "(--set model.overrides.output_router_logits=false)"
+            f"router_aux_loss_coef={model.config.router_aux_loss_coef}) is not computed with "
+            f"parallel.cp={par.cp}; use parallel.cp=1 (sequence parallelism works), or set it "
+            "to false (--set model.overrides.output_router_logits=false)"
         )
 
 

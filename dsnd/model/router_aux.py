@@ -16,17 +16,22 @@ pipeline's own messages with the activations' (C counts, no gradient), so every 
 stage and the loss scaling treat it as they treat the activations. The sums travel in the
 activations' dtype: exact in fp32, to bf16's precision in a bf16 run.
 
-Every token of a sequence must be on the rank (no sequence or context parallelism): the run
-config refuses those before start (`dsnd.config.resolve.check_router_aux`).
+Under sequence parallelism each tensor-parallel rank routes a slice of the tokens: the last
+stage sums the ranks' running sums (Megatron's g: all-reduce forward, identity backward, so each
+rank's routers get their own tokens' gradient, which the sequence-parallel gradient sum then adds
+up); per-token shares over a tp-th of the tokens summed tp times give the same loss. Context
+parallelism is refused before start (`dsnd.config.resolve.check_router_aux`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
 from dsnd.model.moe import num_experts
+from dsnd.tp.mappings import reduce_from_tp
 
 
 def wants_router_aux(config: PretrainedConfig) -> bool:
@@ -37,7 +42,9 @@ def wants_router_aux(config: PretrainedConfig) -> bool:
 class RouterAux:
     """The load-balancing loss's share of the MoE layers of `stack` (a `LayerStack`)."""
 
-    def __init__(self, stack: nn.Module, config: PretrainedConfig) -> None:
+    def __init__(self, stack: nn.Module, config: PretrainedConfig,
+                 sequence_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+        self.sequence_group = sequence_group  # the ranks sharing each sequence's tokens (SP)
         self.coef = config.router_aux_loss_coef
         self.experts, self.top_k = num_experts(config), config.num_experts_per_tok
         self.width = 2 * self.experts + 1  # what `partial` gives: S and C per token, layers
@@ -69,6 +76,8 @@ class RouterAux:
     def loss(self, sums: torch.Tensor) -> torch.Tensor:
         """The coefficient times transformers' loss of the whole forward's `sums`."""
         e = self.experts
+        if self.sequence_group is not None:
+            sums = reduce_from_tp(sums, self.sequence_group)
         layers = sums[-1].detach()
         if layers.item() == 0:
             raise RuntimeError("no router logits collected for the load-balancing loss")

@@ -75,7 +75,8 @@ class StageRunner:
                  else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
         tp, self.cp = tensor_parallel(res, groups), context_parallel(res, groups)
         seq = res.run.model.seq_len // self.cp.size // (tp.size if tp.sequence_parallel else 1)
-        aux = RouterAux(self.engine.module, res.model.config) \
+        sequence_group = tp.group if tp.size > 1 and tp.sequence_parallel else None
+        aux = RouterAux(self.engine.module, res.model.config, sequence_group) \
             if wants_router_aux(res.model.config) else None  # fmt: skip
         self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype,
                                 aux.width if aux is not None else 0)  # fmt: skip

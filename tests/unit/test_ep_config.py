@@ -55,20 +55,16 @@ def test_ep_that_resolves_keeps_the_batch_over_dp(sets, world):
 AUX = "model.overrides.output_router_logits=true"
 
 
-@pytest.mark.parametrize("sets, world, message", [
-    ([MIXTRAL, AUX, "parallel.tp=2", "parallel.sequence_parallel=true"], 2,
-     "preset mixtral-tiny: output_router_logits=true (the routers' load-balancing loss, "
-     "router_aux_loss_coef=0.02) pools every MoE layer's routing over all tokens of a forward: "
-     "not with parallel.sequence_parallel=true, which gives each rank a slice of every "
-     "sequence's tokens; or set it to false (--set model.overrides.output_router_logits=false)"),
-    ([QWEN3, AUX, "parallel.cp=2"], 2, "preset qwen3-moe-tiny: output_router_logits=true"),
-])  # fmt: skip
-def test_the_load_balancing_loss_is_refused_where_a_rank_holds_part_of_the_tokens(sets, world,
-                                                                                   message):
-    assert resolve_error(sets, world).startswith(message)
+def test_the_load_balancing_loss_is_refused_with_context_parallelism():
+    assert resolve_error([QWEN3, AUX, "parallel.cp=2"], 2) == (
+        "preset qwen3-moe-tiny: output_router_logits=true (the routers' load-balancing loss, "
+        "router_aux_loss_coef=0.001) is not computed with parallel.cp=2; use parallel.cp=1 "
+        "(sequence parallelism works), or set it to false "
+        "(--set model.overrides.output_router_logits=false)")
 
 
-def test_the_load_balancing_loss_resolves_with_pp_ep_tp_and_dp():
-    for sets in (["parallel.ep=2", "parallel.tp=2"], ["parallel.pp=2", "parallel.ep=2"]):
+def test_the_load_balancing_loss_resolves_with_pp_ep_tp_sp_and_dp():
+    sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    for sets in (["parallel.ep=2", "parallel.tp=2"], ["parallel.pp=2", "parallel.ep=2"], sp):
         res = resolve(load(None, [MIXTRAL, AUX, *sets]), 4)
         assert res.model.config.output_router_logits is True
