@@ -83,7 +83,10 @@ REFUSED = {
     "nebula": "Nebula checkpointing is not supported by dsnd",
     "compile": "torch.compile through DeepSpeed is not supported by dsnd",
     "sparse_gradients": "sparse gradients are not supported by dsnd",
-    "expert_parallel": "mixture-of-experts parallelism is not supported by dsnd",
+    "expert_parallel": (
+        "DeepSpeed AutoEP is not used; dsnd splits a mixture of experts' experts itself: set "
+        "parallel.ep in the run YAML (docs/models.md)"
+    ),
     "zenflow": "ZenFlow is not supported by dsnd",
 }
 

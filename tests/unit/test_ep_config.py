@@ -68,3 +68,11 @@ def test_the_load_balancing_loss_resolves_with_pp_ep_tp_sp_and_dp():
     for sets in (["parallel.ep=2", "parallel.tp=2"], ["parallel.pp=2", "parallel.ep=2"], sp):
         res = resolve(load(None, [MIXTRAL, AUX, *sets]), 4)
         assert res.model.config.output_router_logits is True
+
+
+def test_deepspeeds_autoep_section_points_at_parallel_ep():
+    msg = resolve_error([MIXTRAL, 'ds.expert_parallel={"enabled": true, "autoep_size": 2}'], 2)
+    assert msg.endswith("'expert_parallel' is refused: DeepSpeed AutoEP is not used; dsnd splits "
+                        "a mixture of experts' experts itself: set parallel.ep in the run YAML "
+                        "(docs/models.md)")  # fmt: skip
+    resolve(load(None, [MIXTRAL, 'ds.expert_parallel={"enabled": false}']), 2)  # does nothing
