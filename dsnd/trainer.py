@@ -220,6 +220,12 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
             numbers["moe/aux_loss"] = row["moe_aux_loss"]
         if res.run.parallel.ep > 1:  # (token, choice) rows each layer's all-to-all sent off-rank
             row["moe_rows_sent"] = {b: int(sent[int(b)]) for b in counts}
+        if st.runner.capacity is not None:  # rows over their expert's capacity, all ranks
+            dropped = st.runner.capacity.take().to(engine.device)
+            dist.all_reduce(dropped)
+            row["moe_dropped_tokens"] = {b: int(dropped[int(b)]) for b in counts}
+            for b, n in row["moe_dropped_tokens"].items():
+                numbers[f"moe/layer{b}_dropped_share"] = n / sum(counts[b])
     if st.held_out is not None and (step + 1) % run.eval.every == 0:
         row["eval_loss"] = _evaluate(st.runner, res, groups, st.held_out)
         row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))

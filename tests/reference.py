@@ -19,6 +19,7 @@ from dsnd.data.layout import sample_sets, step_layout
 from dsnd.data.sampler import IGNORE_INDEX
 from dsnd.data.sources import load_data
 from dsnd.model import build_model, param_groups
+from dsnd.model.capacity import Capacity
 from dsnd.model.documents import Documents
 from dsnd.model.router_aux import RouterAux, wants_router_aux
 
@@ -38,6 +39,8 @@ def reference_rows(res: Resolved) -> list[dict]:
     # a mixture of experts' routers' load-balancing loss (output_router_logits), as transformers
     # adds it: per forward of one micro-batch, averaged over the global batch's micro-batches
     aux = RouterAux(model, res.model.config) if wants_router_aux(res.model.config) else None
+    factor = run.model.moe_capacity_factor  # each micro-batch's forward capped, as on a rank
+    capacity = None if factor is None else Capacity(model, factor, res.model.num_layers)
     opt = reference_optimizer(param_groups(model), ds["optimizer"])
     sched = getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
     clip = ds.get("gradient_clipping", 0.0)
@@ -73,6 +76,10 @@ def reference_rows(res: Resolved) -> list[dict]:
         rows.append({"step": step + 1, "loss": total / counted, "lr": lr, "grad_norm": norm})
         if aux is not None:
             rows[-1]["moe_aux_loss"] = aux_total
+        if capacity is not None:
+            dropped = capacity.take()
+            rows[-1]["moe_dropped_tokens"] = {str(b): int(n) for b, n in enumerate(dropped)
+                                              if n > 0}  # fmt: skip
     return rows
 
 

@@ -268,6 +268,24 @@ def check_router_aux(model: ModelSpec, par: ParallelConfig) -> None:
         )
 
 
+def check_capacity(run: RunConfig, model: ModelSpec) -> None:
+    """`model.moe_capacity_factor` caps each expert's rows of a rank's forward
+    (`dsnd.model.capacity`): a mixture of experts with every token of a sequence on the rank."""
+    factor, par = run.model.moe_capacity_factor, run.parallel
+    if factor is None:
+        return
+    if not model.family.moe:
+        raise UserError(f"model.moe_capacity_factor={factor}: {model.source} is a dense model "
+                        f"({model.family.name}), with no experts; set it to null")  # fmt: skip
+    if not factor > 0:
+        raise UserError(f"model.moe_capacity_factor={factor} must be > 0 (null = dropless)")
+    if par.cp > 1 or (par.sequence_parallel and par.tp > 1):
+        key = f"parallel.cp={par.cp}" if par.cp > 1 else "parallel.sequence_parallel=true"
+        raise UserError(f"model.moe_capacity_factor={factor}: not with {key}, which gives each "
+                        "rank a slice of every sequence (the capacity counts a rank's whole "
+                        "micro-batch)")  # fmt: skip
+
+
 def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
     """Hybrid sharding (`parallel.dp_shard`, `dsnd.engine.hsdp`): ZeRO-3 over groups of dp_shard
     data-parallel ranks, replicated across them. null, 0 or dp = plain ZeRO-3."""
@@ -315,6 +333,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     check_cp(model, par, run.model.seq_len)
     check_ep(model, par, topology.dp)
     check_router_aux(model, par)
+    check_capacity(run, model)
     if run.data.packing == "documents" and par.cp > 1:
         # each rank would hold a slice of every document mask, and ring / Ulysses attention
         # take none: refused rather than attending across documents

@@ -51,6 +51,14 @@ class ModelConfig:
         "GPT-2's learned position table has this many rows).",
         None,
     )
+    moe_capacity_factor: float | None = doc(
+        "Mixture-of-experts models: each expert of a layer takes at most ceil(f * T * k / E) "
+        "of the (token, choice) rows of a rank's forward of T tokens, earliest tokens first; "
+        "the rest are dropped (their router weight 0: the residual carries the token) and "
+        "counted in metrics.jsonl (moe_dropped_tokens). null = dropless, as transformers "
+        "routes (and as exports compute).",
+        None,
+    )
     overrides: dict = field(
         default_factory=dict,
         metadata={

@@ -21,6 +21,7 @@ from dsnd.engine.compat import scope_zero3_trace_checks
 from dsnd.engine.hsdp import replicate_gradients
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
+from dsnd.model.capacity import Capacity
 from dsnd.model.documents import Documents
 from dsnd.model.hf_io import load_hf_stage
 from dsnd.model.router_aux import RouterAux, wants_router_aux
@@ -90,6 +91,10 @@ class StageRunner:
             math = StageMath(context_parallel_loss(math.loss_fn, self.cp.group), math.sync_grads)
         if aux is not None:
             math = replace(math, aux=aux)
+        factor = res.run.model.moe_capacity_factor
+        # tensor-parallel ranks without sequence parallelism route the same tokens: one counts
+        self.capacity = None if factor is None else Capacity(
+            self.engine.module, factor, res.model.num_layers, counts=groups.coord.tp == 0)
         stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
                                    res.run.parallel.reshard_after_forward)  # fmt: skip
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),

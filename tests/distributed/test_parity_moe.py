@@ -32,7 +32,8 @@ OFFLOAD = ('ds.zero_optimization.offload_optimizer={"device": "cpu"}',
 AUX = ("model.overrides.output_router_logits=true", "model.overrides.router_aux_loss_coef=0.2")
 FAMILIES = {"mixtral": ("mixtral-tiny", ()), "qwen3moe": ("qwen3-moe-tiny", ()),
             "mixtralaux": ("mixtral-tiny", AUX),
-            "qwen3moeaux": ("qwen3-moe-tiny", AUX)}  # fmt: skip
+            "qwen3moeaux": ("qwen3-moe-tiny", AUX),
+            "mixtralcap": ("mixtral-tiny", ("model.moe_capacity_factor=1.0",))}  # fmt: skip
 """Case name prefixes: the preset and its sets (with the routers' load-balancing loss, its
 coefficient ten times Mixtral's and 200 times Qwen3-MoE's, so that its share shows at
 1e-4)."""
@@ -67,6 +68,9 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
         moe_case("qwen3moeaux-pp2-dp2-ep2-il2-ac-z3", 3, "parallel.pp=2", EP2,
                  "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
                  "parallel.activation_checkpoint_interval=1"),
+        # capacity 1.0: each expert takes at most 1/E of a rank's rows of a forward
+        moe_case("mixtralcap-dp4-ep2-z1", 1, EP2),
+        moe_case("mixtralcap-pp2-dp2-ep2-z3", 3, "parallel.pp=2", EP2),
         *resume_cases(tmp_path / "w4"),
     ])  # fmt: skip
     check_resume(got)
@@ -75,6 +79,11 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     for name, rows in got.items():
         ref = refs[f"{name.split('-')[0]}-ref"]
         assert_same(rows, ref, name)
+        if "moe_dropped_tokens" in ref[0] or "moe_dropped_tokens" in rows[0]:
+            drops = [r["moe_dropped_tokens"] for r in rows]
+            assert drops == [{**dict.fromkeys(MOE_BLOCKS["mixtral"], 0), **r["moe_dropped_tokens"]}
+                             for r in ref], name  # the same rows dropped, layer by layer
+            assert all(sum(d.values()) > 0 for d in drops), drops  # the cap bites at 1.0
         if "moe_aux_loss" in ref[0] or "moe_aux_loss" in rows[0]:  # part of the loss compared
             for got_row, want in zip(rows, ref, strict=True):
                 assert got_row["moe_aux_loss"] == pytest.approx(want["moe_aux_loss"], rel=RTOL)
@@ -97,6 +106,7 @@ def resume_cases(root) -> list[dict]:
 
 
 MOE_BLOCKS = {"mixtral": ["0", "1", "2", "3"], "mixtralaux": ["0", "1", "2", "3"],
+              "mixtralcap": ["0", "1", "2", "3"],
               "qwen3moe": ["1", "2", "3"], "qwen3moeaux": ["1", "2", "3"]}  # qwen3: 0 dense
 
 
