@@ -34,7 +34,8 @@ def keep_mask(top_k_index: torch.Tensor, experts: int, factor: float) -> torch.T
     capacity = math.ceil(factor * tokens * k / experts)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, then by token (row-major order)
-    counts = torch.bincount(flat, minlength=experts)
+    counts = torch.zeros(experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # not bincount: no device-to-host sync on the GPU
     starts = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(flat)
     position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]

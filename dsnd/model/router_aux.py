@@ -68,7 +68,9 @@ class RouterAux:
             probs = torch.softmax(layer.float(), dim=-1)
             chosen = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
             tokens = probs.shape[0]
-            counts = torch.bincount(chosen, minlength=self.experts).float()
+            # a scatter, not bincount: no device-to-host sync on the GPU
+            counts = torch.zeros(self.experts, device=device).scatter_add_(
+                0, chosen, torch.ones(chosen.shape, device=device))
             sums = sums + torch.cat([probs.sum(0) / tokens, counts / tokens,
                                      torch.ones(1, device=device)])  # fmt: skip
         return sums
@@ -78,7 +80,5 @@ class RouterAux:
         e = self.experts
         if self.sequence_group is not None:
             sums = reduce_from_tp(sums, self.sequence_group)
-        layers = sums[-1].detach()
-        if layers.item() == 0:
-            raise RuntimeError("no router logits collected for the load-balancing loss")
+        layers = sums[-1].detach().clamp(min=1)  # (no MoE layer at all: S = C = 0, loss 0)
         return self.coef * e * (sums[:e] * sums[e:2 * e].detach()).sum() / layers**2
