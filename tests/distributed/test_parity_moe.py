@@ -2,20 +2,22 @@
 Mixtral-tiny (4 experts, top-2) and Qwen3-MoE-tiny (8 experts, top-2 renormalised, layer 0
 dense), experts whole on each rank (ep=1) or split over expert-parallel groups of 2 or 4 ranks
 (tokens exchanged by all-to-all), with attention over 2 tensor-parallel ranks (with and without
-sequence parallelism), over pipeline stages (1F1B, zero-bubble H1 whose weight pass
-runs the router's and experts' gradients apart, interleaved with activation checkpointing) and
-data parallelism, ZeRO-0 to ZeRO-3 (the 3-D expert weights sharded like any other; also with
-parameters and optimizer offloaded to the CPU). Losses, gradient norms and learning rates within
-1e-4 relative over five steps. In the same launch, checkpoints: Qwen3-MoE at pp=2 x dp=2 x ep=2
-ZeRO-3 resumes exactly (5 + 5 steps equal 10 straight, float equality), and its step-5
-checkpoint continues at pp=1 x dp=4 x ep=4 (ZeRO-1) and at tp=2 x dp=2, ep=1 (ZeRO-2) within
-1e-4 of the straight run; every layout's metrics count the tokens each expert received, and
-with ep > 1 the rows each layer's all-to-all sent to another rank. Both families with the
-routers' load-balancing loss (`output_router_logits`, which pools every layer's routing: its
-running sums travel with the activations through 2 and 4 pipeline stages, also under ZB-H1 and
-interleaved with activation checkpointing) at ZeRO-0, 2 and 3, with ep and with tp under
-sequence parallelism (the tp ranks' sums added up): the same losses, of which the
-load-balancing part is also compared.
+sequence parallelism) or 2 context-parallel ranks, over pipeline stages (1F1B, zero-bubble H1
+whose weight pass runs the router's and experts' gradients apart, interleaved with activation
+checkpointing) and data parallelism, ZeRO-0 to ZeRO-3 (the 3-D expert weights sharded like any
+other; also with parameters and optimizer offloaded to the CPU). Losses, gradient norms and
+learning rates within 1e-4 relative over five steps.
+
+In the same launch, checkpoints: Qwen3-MoE at pp=2 x dp=2 x ep=2 ZeRO-3 resumes exactly (5 + 5
+steps equal 10 straight, float equality), and its step-5 checkpoint continues at pp=1 x dp=4 x
+ep=4 (ZeRO-1) and at tp=2 x dp=2, ep=1 (ZeRO-2) within 1e-4 of the straight run; every layout's
+metrics count the tokens each expert received, and with ep > 1 the rows each layer's
+all-to-all sent to another rank. Both families with the routers' load-balancing loss
+(`output_router_logits`, which pools every layer's routing: its running sums travel with the
+activations through 2 and 4 pipeline stages, also under ZB-H1 and interleaved with activation
+checkpointing) at ZeRO-0, 2 and 3, with ep and with tp under sequence parallelism (the tp
+ranks' sums added up): the same losses, of which the load-balancing part is also compared.
+Mixtral with a capacity factor of 1.0: the same rows dropped, layer by layer, as one process.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
         moe_case("mixtral-pp2-dp2-ep2-z1", 1, "parallel.pp=2", EP2),
         moe_case("mixtral-dp4-ep4-z0", 0, "parallel.ep=4"),
         moe_case("mixtral-tp2-dp2-ep2-z1", 1, TP2, EP2),  # MoE block whole on both tp ranks
+        moe_case("mixtral-cp2-dp2-ep2-z1", 1, "parallel.cp=2", EP2),  # ring attention
         moe_case("qwen3moe-pp2-dp2-z3", 3, "parallel.pp=2"),
         moe_case("qwen3moe-dp4-ep2-z3", 3, EP2),  # expert-data-parallel groups of 2
         moe_case("qwen3moe-tp2-dp2-ep2-sp-z2", 2, TP2, EP2, "parallel.sequence_parallel=true"),
