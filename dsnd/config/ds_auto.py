@@ -11,7 +11,8 @@ does, so that the JSONs users already have run unchanged.
 - DeepSpeed's legacy forms, as it still reads them: ``"zero_optimization": true`` (stage 1),
   ``cpu_offload`` / ``cpu_offload_param`` (the CPU offload sections).
 - a missing ``optimizer`` or ``scheduler`` section (Megatron's and Hugging Face's JSONs leave
-  them to the calling code): the packaged AdamW and warm-up.
+  them to the calling code): the packaged AdamW and warm-up; a missing ``gradient_clipping``:
+  DeepSpeed's own default (1.0 in 0.19.8: it clips when the JSON says nothing), written out.
 
 Every decision is returned as a note (logged at start, shown by ``dsnd ds-config check``), and
 the filled JSON is what the run saves beside itself, so it stays the one home of these settings.
@@ -52,6 +53,8 @@ def fill_auto(ds: dict[str, Any], hidden: int, steps: int, pp: int = 1,
     if ds.get("gradient_clipping") == AUTO:
         ds["gradient_clipping"] = 1.0
         notes.append("gradient_clipping: 'auto' -> 1.0")
+    elif "gradient_clipping" not in ds:
+        _default_clipping(ds, notes)
     _precision(ds, notes)
     _zero_buckets(ds.get("zero_optimization"), hidden, notes)
     _zero_defaults(ds.get("zero_optimization"), notes)
@@ -116,6 +119,18 @@ def _sections(ds: dict[str, Any], notes: list[str]) -> None:
             ds[name] = copy.deepcopy(packaged()[name])
             notes.append(f"{name}: none in the JSON -> dsnd's default {ds[name]['type']} "
                          f"{json.dumps(ds[name]['params'])}")  # fmt: skip
+
+
+def _default_clipping(ds: dict[str, Any], notes: list[str]) -> None:
+    """No `gradient_clipping`: DeepSpeed clips at its own default (1.0 in 0.19.8, where older
+    versions did not clip), written into the JSON so that the run, its reference and the note
+    say what DeepSpeed does."""
+    from dsnd.engine.deepspeed_api import default_gradient_clipping
+
+    ds["gradient_clipping"] = default_gradient_clipping()
+    notes.append(f"gradient_clipping: none in the JSON -> DeepSpeed's default "
+                 f"{ds['gradient_clipping']:g} (clipping by the global norm; set 0 to turn it "
+                 "off)")  # fmt: skip
 
 
 def _optimizer_and_scheduler(ds: dict[str, Any], steps: int, notes: list[str]) -> None:

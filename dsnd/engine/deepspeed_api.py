@@ -47,6 +47,14 @@ def deepspeed_config(ds: dict[str, Any]) -> Any:
     return DeepSpeedConfig(ds)
 
 
+def default_gradient_clipping() -> float:
+    """The `gradient_clipping` DeepSpeed applies when a JSON has none
+    (`deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT`: 1.0 in 0.19.8, so clipping is on)."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    return float(GRADIENT_CLIPPING_DEFAULT)
+
+
 def pipe_topology(pp: int, tp: int, dp: int) -> Any:
     """DeepSpeed's `PipeModelDataParallelTopology` for the same axes."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology

@@ -84,9 +84,24 @@ def test_fill_auto_leaves_numbers_alone_and_fills_only_what_it_knows():
     assert ds["scheduler"]["params"]["warmup_num_steps"] == "auto"  # the input is not changed
     assert notes == [
         "scheduler.params.warmup_num_steps: 'auto' -> 5 (dsnd's default)",
+        "gradient_clipping: none in the JSON -> DeepSpeed's default 1 (clipping by the global "
+        "norm; set 0 to turn it off)",
         "zero_optimization.allgather_bucket_size: 'auto' -> 500000000 (DeepSpeed's default, "
         "which DeepSpeed itself would use)",
     ]
+    assert filled["gradient_clipping"] == 1.0  # what DeepSpeed 0.19.8 clips at unasked
+
+
+def test_deepspeeds_clipping_default_is_what_its_engine_reads():
+    """The note's number is DeepSpeed's: its config parse of a JSON without the key."""
+    from dsnd.engine.deepspeed_api import deepspeed_config
+
+    bare = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 2}  # fmt: skip
+    filled, _ = fill_auto(bare, hidden=64, steps=1)
+    assert deepspeed_config(bare).gradient_clipping == filled["gradient_clipping"] == 1.0
+    kept, notes = fill_auto({**bare, "gradient_clipping": 0.0}, hidden=64, steps=1)
+    assert kept["gradient_clipping"] == 0.0 and not any("clipping" in n for n in notes)
 
 
 def test_bf16_auto_is_fp32_and_enabled_true_is_bf16():
