@@ -26,6 +26,7 @@ from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.distributed.groups import build_groups
 from dsnd.engine.memory import state_bytes
+from dsnd.ep import moe_experts
 from dsnd.model.moe import num_experts
 from dsnd.pipeline.runner import StageRunner
 
@@ -40,10 +41,11 @@ def run_sets(ep: int) -> list[str]:
             f"parallel.ep={ep}"]  # fmt: skip
 
 
-def layout(res: Resolved) -> dict[str, Any]:
+def layout(res: Resolved, runner: StageRunner) -> dict[str, Any]:
+    """The run's shape for the formula; its MoE layers counted in the built stage (pp=1)."""
     cfg = res.model.config
-    moe_layers = sum(1 for i in range(res.model.num_layers)
-                     if i not in (getattr(cfg, "mlp_only_layers", None) or []))  # fmt: skip
+    moe_layers = sum(moe_experts(layer) is not None
+                     for layer in runner.engine.module.layers.values())  # fmt: skip
     return {"ep": res.run.parallel.ep, "dp": res.topology.dp, "micro": res.batch.micro,
             "micro_batches": res.batch.gas, "seq_len": res.run.model.seq_len,
             "hidden": res.model.hidden_size, "moe_layers": moe_layers,
@@ -85,10 +87,11 @@ def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any
                        **_counted(runner, micro), "state": state_bytes(runner.engine),
                        "losses": losses[name]}
                 for name, runner in runners.items()}  # fmt: skip
+        layouts = {name: layout(res, runners[name]) for name, res in runs.items()}
     finally:
         for runner in runners.values():
             runner.engine.destroy()
-    return {"layouts": {name: layout(res) for name, res in runs.items()},
+    return {"layouts": layouts,
             "ranks": rank.gather(mine)}  # fmt: skip
 
 

@@ -118,13 +118,21 @@ class ParallelExperts(nn.Module):
         return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
 
-def parallelize_experts(block: nn.Module, ep: ExpertParallel) -> bool:
-    """Put `ParallelExperts` in the place of `block`'s MoE experts (`mlp.experts`, as every
-    `transformers` MoE family names them); False where the block has none (a dense layer)."""
-    mlp = getattr(block, "mlp", None)
-    experts = getattr(mlp, "experts", None)
+def moe_experts(layer: nn.Module) -> nn.Module | None:
+    """`layer`'s MoE experts module (`mlp.experts`, as every `transformers` MoE family names
+    it, or the `ParallelExperts` in its place), or None in a dense layer."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
     if experts is None or not all(hasattr(experts, n) for n in EXPERT_TENSORS):
+        return None
+    return experts
+
+
+def parallelize_experts(block: nn.Module, ep: ExpertParallel) -> bool:
+    """Put `ParallelExperts` in the place of `block`'s MoE experts; False where the block has
+    none (a dense layer)."""
+    experts = moe_experts(block)
+    if experts is None:
         return False
     if ep.size > 1:
-        mlp.experts = ParallelExperts(experts, ep)
+        block.mlp.experts = ParallelExperts(experts, ep)
     return True

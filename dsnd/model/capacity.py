@@ -24,7 +24,8 @@ import math
 import torch
 from torch import nn
 
-from dsnd.ep.experts import EXPERT_TENSORS
+from dsnd.ep import moe_experts
+from dsnd.model.checkpointing import in_recompute
 
 
 def keep_mask(top_k_index: torch.Tensor, experts: int, factor: float) -> torch.Tensor:
@@ -53,9 +54,9 @@ class Capacity:
         self.factor, self.counts = factor, counts
         self.dropped = torch.zeros(blocks, dtype=torch.float64)
         self._handles = []
-        for key, layer in getattr(stack, "layers", {}).items():
-            experts = getattr(getattr(layer, "mlp", None), "experts", None)
-            if experts is not None and all(hasattr(experts, n) for n in EXPERT_TENSORS):
+        for key, layer in stack.layers.items():
+            experts = moe_experts(layer)
+            if experts is not None:
                 hook = self._hook(int(key) - 1)
                 self._handles.append(experts.register_forward_pre_hook(hook))
 
@@ -63,7 +64,7 @@ class Capacity:
         def cap(module: nn.Module, args: tuple) -> tuple:
             hidden, index, weights = args
             keep = keep_mask(index, module.num_experts, self.factor)
-            if self.counts and torch._C._current_graph_task_id() == -1:  # not a recompute
+            if self.counts and not in_recompute():
                 if self.dropped.device != keep.device:
                     self.dropped = self.dropped.to(keep.device)
                 self.dropped[block] += (~keep).sum()

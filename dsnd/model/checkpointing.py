@@ -28,6 +28,12 @@ from torch.utils.checkpoint import checkpoint
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
 
+def in_recompute() -> bool:
+    """Whether a forward runs inside backward: a checkpointed chunk's rerun (autograd's graph
+    task is active), which hooks that count a forward's work must not count again."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def chunk_bounds(num_layers: int, interval: int) -> list[tuple[int, int]]:
     """[start, end) of each chunk of `interval` consecutive layers; one chunk when 0 (off)."""
     if interval < 0:

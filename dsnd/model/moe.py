@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import re
 
+from torch import nn
 from transformers import PretrainedConfig
 
 from dsnd.model.checks import rotary_checks
 
 EXPERT_WEIGHTS = re.compile(r"(^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
 """In-memory names of the fused 3-D expert weights (E, ., .) of an MoE block."""
+
+
+def moe_router(layer: nn.Module) -> nn.Module | None:
+    """`layer`'s top-k router (`mlp.gate` of every `transformers` MoE block: it returns
+    (logits, weights, expert ids)), or None in a dense layer."""
+    router = getattr(getattr(layer, "mlp", None), "gate", None)
+    return router if router is not None and hasattr(router, "top_k") else None
 
 
 def num_experts(config: PretrainedConfig) -> int:

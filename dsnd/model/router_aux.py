@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-from dsnd.model.moe import num_experts
+from dsnd.model.checkpointing import in_recompute
+from dsnd.model.moe import moe_router, num_experts
 from dsnd.tp.mappings import reduce_from_tp
 
 
@@ -51,12 +52,12 @@ class RouterAux:
         self._logits: list[torch.Tensor] = []
         self._handles = []
         for layer in stack.modules():
-            router = getattr(getattr(layer, "mlp", None), "gate", None)
-            if router is not None and hasattr(router, "top_k"):
+            router = moe_router(layer)
+            if router is not None:
                 self._handles.append(router.register_forward_hook(self._collect))
 
     def _collect(self, _module: nn.Module, _inputs, output) -> None:
-        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+        if not in_recompute():
             self._logits.append(output[0])
 
     def partial(self, device: torch.device) -> torch.Tensor:

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dsnd.ep import ParallelExperts
-from dsnd.model.moe import num_experts
+from dsnd.model.checkpointing import in_recompute
+from dsnd.model.moe import moe_router, num_experts
 
 
 def _counting(module: nn.Module) -> bool:
     """A training forward, not a checkpoint's recompute inside backward."""
-    return module.training and torch._C._current_graph_task_id() == -1
+    return module.training and not in_recompute()
 
 
 class RouterLoad:
@@ -35,12 +36,12 @@ class RouterLoad:
         self.counts = torch.zeros(blocks, num_experts(config) + 1, dtype=torch.float64)
         self._handles = []
         for index, layer in stack.layers.items() if counts else ():
-            mlp = getattr(layer, "mlp", None)
-            router = getattr(mlp, "gate", None)
-            if router is not None and hasattr(router, "top_k"):
+            router = moe_router(layer)
+            if router is not None:
                 self._handles.append(router.register_forward_hook(self._hook(int(index) - 1)))
-            if isinstance(getattr(mlp, "experts", None), ParallelExperts):
-                self._handles.append(mlp.experts.register_forward_hook(
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if isinstance(experts, ParallelExperts):
+                self._handles.append(experts.register_forward_hook(
                     self._sent_hook(int(index) - 1), with_kwargs=True))  # fmt: skip
 
     def _row(self, block: int, on: torch.Tensor) -> torch.Tensor:
