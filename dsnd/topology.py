@@ -118,10 +118,13 @@ class Topology:
         return [g[i : i + ep] for g in self._data_groups(ep) for i in range(0, len(g), ep)]
 
     def expert_data_groups(self, ep: int) -> list[list[int]]:
-        """Expert-data-parallel groups (dp / ep ranks each): the ranks at the same place of
-        every expert-parallel group of a data-parallel group, which hold the same experts; what
-        the experts' gradients are averaged over and their ZeRO shards split over."""
-        return [g[j::ep] for g in self._data_groups(ep) for j in range(ep)]
+        """Expert-data-parallel groups ((dp / ep) x cp ranks each): the ranks of a stage's ZeRO
+        group (data x context) at the same place of their expert-parallel groups, which hold
+        the same experts; what the experts' gradients are averaged over and their ZeRO shards
+        split over (context-parallel peers computed parts of the same sequences)."""
+        self._data_groups(ep)  # checks ep
+        return [[r for r in ranks if self.coord(r).dp % ep == j]
+                for ranks in self.zero_groups() for j in range(ep)]  # fmt: skip
 
     def _data_groups(self, ep: int) -> list[list[int]]:
         if ep < 1 or self.dp % ep:

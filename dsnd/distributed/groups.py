@@ -68,11 +68,14 @@ def hpz_group(topology: Topology, rank: int, size: int) -> dist.ProcessGroup:
     return _own_group(_consecutive(topology, size), rank)
 
 
-def expert_group(topology: Topology, rank: int, ep: int) -> dist.ProcessGroup:
+def expert_groups(topology: Topology, rank: int, ep: int
+                  ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:  # fmt: skip
     """Expert parallelism (`parallel.ep`): this rank's group of `ep` consecutive data-parallel
-    ranks of its stage (`Topology.expert_groups`), which split the MoE layers' experts. Every
-    rank creates every group."""
-    return _own_group(topology.expert_groups(ep), rank)
+    ranks of its stage (`Topology.expert_groups`), which split the MoE layers' experts, and its
+    expert-data-parallel group (`Topology.expert_data_groups`: the ranks holding the same
+    experts, over which ZeRO shards and averages them). Every rank creates every group."""
+    return (_own_group(topology.expert_groups(ep), rank),
+            _own_group(topology.expert_data_groups(ep), rank))  # fmt: skip
 
 
 def _consecutive(topology: Topology, size: int) -> list[list[int]]:

@@ -55,6 +55,13 @@ Modules and the private (or `deepspeed.runtime`) names each touches, with why:
   pickle, allowed for `torch.load(weights_only=True)`: `deepspeed.runtime.fp16.loss_scaler.
   LossScaler`, `deepspeed.runtime.zero.config.ZeroStageEnum`, `deepspeed.utils.tensor_fragment.
   fragment_address`.
+- `experts`: `deepspeed.utils.groups._EXPERT_PARALLEL_GROUP` / `_EXPERT_DATA_PARALLEL_GROUP` and
+  their `_RANKS` twins (set to the stage's expert groups), `deepspeed.moe.layer.MoE` (an empty
+  subclass marks a stage as having MoE layers, so DeepSpeed's ZeRO 0-2 keep expert parameters in
+  groups of their own), ZeRO-3's `_gradient_averaging_world_size` and `_get_norm_groups` and its
+  `fp16_groups` / `dp_process_group` (experts averaged over the data-parallel size, their norm
+  summed over the expert-parallel group), and the engine's `clip_fp32_gradients` (ZeRO-0's
+  clipping by the replica's true norm).
 - `memory`: `ds_tensor`, `single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`,
   `fp32_groups`, `grad_partitions_flat_buffer`, read (never changed) to count model-state bytes.
 - `deepspeed_api`: `deepspeed.runtime.zero.config.DeepSpeedZeroConfig`,

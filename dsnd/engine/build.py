@@ -39,12 +39,20 @@ def replica_grad_norm(module: nn.Module, group: dist.ProcessGroup, tp_rank: int)
     DeepSpeed's ZeRO-0 fp32 path clips without keeping the norm, so dsnd measures it at the
     accumulation boundary, before the optimizer step, as ZeRO 1-3 report it (pre-clipping).
     As in DeepSpeed, a parameter not split by tensor parallelism (identical on every
-    tensor-parallel rank) is counted on tensor-parallel rank 0 only.
+    tensor-parallel rank) is counted on tensor-parallel rank 0 only. A rank holds only its
+    experts (`dsnd.ep`): theirs are first summed over the expert-parallel group.
     """
     device = next(module.parameters()).device
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)
+    ep_group = None
     for p in module.parameters():
+        ep = getattr(p, "expert_parallel", None)
+        ep_group = ep.group if ep is not None else ep_group  # with or without a gradient
         if p.grad is not None and (tp_rank == 0 or is_model_parallel_parameter(p)):
-            total += p.grad.detach().double().pow(2).sum()
+            (dense if ep is None else experts).add_(p.grad.detach().double().pow(2).sum())
+    if ep_group is not None:
+        dist.all_reduce(experts, group=ep_group)
+    total = dense + experts
     dist.all_reduce(total, group=group)
     return total.sqrt().item()

@@ -105,9 +105,13 @@ def optimizer_step(engine) -> int:
 
 
 def _join_tp(value: torch.Tensor, param: nn.Parameter, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor of `param` from every rank's `value`: joined over the tensor-parallel
+    `group`, or for an expert parameter (this rank's experts) over its expert-parallel group."""
     shard = getattr(param, "tp_shard", None)
     if shard is None:
         return value
+    experts = getattr(param, "expert_parallel", None)
+    group = experts.group if experts is not None else group
     parts = [torch.empty_like(value) for _ in range(shard.size)]
     dist.all_gather(parts, value.contiguous(), group=group)
     return shard.combine(parts)
@@ -218,8 +222,8 @@ def set_full_state(
     states: dict[str, torch.Tensor],
     masters: dict[int, torch.Tensor],
 ) -> None:
-    """Set `param` (this rank's tensor-parallel shard, full over data parallel) everywhere
-    DeepSpeed keeps it: the model's parameter, the fp32 master, the optimizer state.
+    """Set `param` (this rank's tensor- or expert-parallel shard, full over data parallel)
+    everywhere DeepSpeed keeps it: the model's parameter, the fp32 master, the optimizer state.
     `masters` is `unmanaged_masters(engine)`."""
     with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
         param.data.copy_(value.to(device=param.device, dtype=param.dtype))  # ZeRO-3: re-sharded

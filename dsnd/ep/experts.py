@@ -16,11 +16,16 @@ names and shapes); per layer:
 4. the outputs come back by the reverse all-to-all, are weighted by the router's weights and
    summed over each token's k choices in the order `transformers` sums them.
 
-The module keeps the layer's whole (E, ., .) tensors, so to ZeRO, the optimizer and checkpoints
-the model is the model of one process: what changes with `ep` is who computes which expert, not
-what is stored. A rank's gradient of its own experts holds the contributions of every token of
-its expert-parallel group, and of the other experts zero; summed over the data-parallel group
-(ZeRO's average, / dp) each expert's gradient counts each token once, as in one process.
+Each rank keeps only its own experts: the module's `gate_up_proj` / `down_proj` are this rank's
+(E/ep, ., .) slices of the layer's (E, ., .) tensors, under the layer's own names, marked as a
+shard along dim 0 over the expert-parallel group (``tp_shard``, a `dsnd.tp.shard.Shard`, and
+``expert_parallel``, the groups) so that initialisation, `transformers` import and export and
+checkpoints read and write the whole tensors as one process has them. ZeRO keeps them apart from
+the dense parameters (`dsnd.engine.experts`): sharded over, and averaged over, the expert-data-
+parallel group (the dp / ep ranks holding the same experts). A rank's gradient of its experts
+holds the contributions of every token of its expert-parallel group; averaged with the dp / ep
+replicas over all dp ranks' tokens, each expert's gradient counts each token once, as in one
+process.
 """
 
 from __future__ import annotations
@@ -33,13 +38,17 @@ import torch.distributed as dist
 from torch import nn
 
 from dsnd.tp.context import RankGroup
+from dsnd.tp.shard import Shard
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # (E, ., .) weights of transformers' experts
 
 
 @dataclass(frozen=True)
 class ExpertParallel(RankGroup):
-    """This rank's expert-parallel group."""
+    """This rank's expert-parallel group (`group`) and its expert-data-parallel group (`data`:
+    the ranks that hold the same experts)."""
+
+    data: dist.ProcessGroup
 
     def local_range(self, experts: int) -> range:
         """The experts this rank computes, of `experts` per layer."""
@@ -73,8 +82,8 @@ class _Exchange(torch.autograd.Function):
 
 
 class ParallelExperts(nn.Module):
-    """`experts` (a `transformers` experts module) over `ep`: the same (E, ., .) parameters,
-    of which this rank computes its `local_range`."""
+    """`experts` (a `transformers` experts module) over `ep`: this rank's `local_range` of its
+    (E, ., .) parameters, as parameters of their own (see the module docstring)."""
 
     def __init__(self, experts: nn.Module, ep: ExpertParallel) -> None:
         super().__init__()
@@ -82,17 +91,22 @@ class ParallelExperts(nn.Module):
         self.span = ep.local_range(self.num_experts)
         self.ep = ep
         for name in EXPERT_TENSORS:
-            self.register_parameter(name, getattr(experts, name))
-        # `transformers`' module, unregistered (its parameters are this module's): its code,
-        # activation and config compute the local experts (`_local`)
+            whole = experts._parameters.pop(name)
+            local = nn.Parameter(whole.detach()[self.span.start : self.span.stop].clone(),
+                                 requires_grad=whole.requires_grad)  # fmt: skip
+            local.__dict__.update(whole.__dict__)  # dsnd's marks (partial_grad under SP)
+            local.tp_shard = Shard(0, ep.rank, ep.size, self.num_experts)
+            local.expert_parallel = ep  # the shard is over ep.group; ep.data holds copies
+            self.register_parameter(name, local)
+        # `transformers`' module, unregistered and without parameters: its code, activation and
+        # config compute the local experts (`_local`)
         self._code = (experts,)
 
     def _local(self) -> nn.Module:
-        """`transformers`' experts module seeing only this rank's experts: their slices of each
-        (E, ., .) weight (views, so gradients land in the whole tensors)."""
+        """`transformers`' experts module over this rank's experts (the parameters themselves,
+        so gradients land in them)."""
         view = copy.copy(self._code[0])
-        view._parameters = {name: getattr(self, name)[self.span.start : self.span.stop]
-                            for name in EXPERT_TENSORS}  # fmt: skip
+        view._parameters = {name: getattr(self, name) for name in EXPERT_TENSORS}
         view.num_experts = len(self.span)
         return view
 

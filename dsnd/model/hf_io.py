@@ -167,8 +167,16 @@ def _read(file: str, hf_name: str, param: torch.Tensor, path: str) -> torch.Tens
             raise UserError(f"model.init_from={path}: {hf_name} {e}") from e
 
 
+def _replicas(param: nn.Parameter, data_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The ranks of a stage holding the same part of `param`: its data-parallel group, or for
+    an expert parameter (`dsnd.ep`) its expert-data-parallel group."""
+    experts = getattr(param, "expert_parallel", None)
+    return experts.data if experts is not None else data_group
+
+
 def _join(pieces: list[tuple[torch.Tensor, Shard | None]]) -> torch.Tensor:
-    """One full tensor from what the tensor-parallel ranks of one stage sent for it."""
+    """One full tensor from what the tensor- (or expert-) parallel ranks of one stage sent for
+    it."""
     shard = pieces[0][1]
     if shard is None:  # replicated: every tensor-parallel rank holds the same values
         return pieces[0][0]
@@ -221,6 +229,7 @@ def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.Pr
     Collective over the world: every rank must call it.
     """
     mine: dict[str, tuple[torch.Tensor, Shard | None]] = {}
+    named_params: dict[str, nn.Parameter] = {}
     for prefix, module in _modules(stack):
         named = list(module.named_parameters())
         if not named:
@@ -229,8 +238,10 @@ def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.Pr
             for name, param in named:
                 value = param.detach().to("cpu", copy=True).contiguous()
                 mine[prefix + name] = (value, getattr(param, "tp_shard", None))
-    if dist.get_rank(data_group) != 0:  # one replica per stage sends
-        mine = {}
+                named_params[prefix + name] = param
+    # one replica per stage sends; of an expert tensor, one per expert-parallel rank
+    mine = {name: piece for name, piece in mine.items() if dist.get_rank(_replicas(
+        named_params[name], data_group)) == 0}  # fmt: skip
     parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if parts is None:

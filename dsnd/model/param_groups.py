@@ -20,7 +20,9 @@ NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
 
 
 def param_groups(model: nn.Module) -> list[dict]:
-    """`[{"params": decayed}, {"params": not_decayed, "weight_decay": 0.0}]` for trainable params.
+    """`[{"params": decayed}, {"params": not_decayed, "weight_decay": 0.0}]` for trainable params,
+    each group named (`name`: DeepSpeed splits named groups' expert parameters into groups of
+    their own, `dsnd.engine.experts`).
 
     A parameter is not decayed when its owning module is in `NO_DECAY_MODULES` or it has fewer than
     two dimensions (biases, norm gains). A tied parameter appears once (in the group of its first
@@ -39,7 +41,7 @@ def param_groups(model: nn.Module) -> list[dict]:
                 decay.append(param)
     groups: list[dict] = []
     if decay:
-        groups.append({"params": decay})
+        groups.append({"params": decay, "name": "decay"})
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
     return groups

@@ -18,6 +18,8 @@ from dsnd.distributed.groups import ProcessGroups, dp_shard_groups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.engine.compat import scope_zero3_trace_checks
+from dsnd.engine.experts import after_build
+from dsnd.engine.experts import prepare as prepare_experts
 from dsnd.engine.hsdp import replicate_gradients
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
@@ -27,7 +29,7 @@ from dsnd.model.hf_io import load_hf_stage
 from dsnd.model.router_aux import RouterAux, wants_router_aux
 from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, StepResult
 from dsnd.pipeline.p2p import StageLinks
-from dsnd.pipeline.stage import build_stage, context_parallel, tensor_parallel
+from dsnd.pipeline.stage import build_stage, context_parallel, expert_parallel, tensor_parallel
 from dsnd.pipeline.tied import TiedWeights
 from dsnd.plan.plan import Plan
 from dsnd.tp import allreduce_partial_grads, vocab_parallel_cross_entropy
@@ -62,12 +64,16 @@ class StageRunner:
         zero_groups, replicas = dp_shard_groups(groups, res.run.parallel.dp_shard)
         # the document layout every block reads (data.packing: documents), set per micro-batch
         self.documents = Documents() if res.run.data.packing == "documents" else None
-        stack = build_stage(res, zero_groups, self.documents)
+        ep = expert_parallel(res, groups)
+        stack = build_stage(res, zero_groups, self.documents, ep)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
         self.tied = TiedWeights(stack, plan.ties, groups)
         if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
             load_hf_stage(stack, res.run.model.init_from, res.model)
+        ep_groups = (ep.group, ep.data) if ep is not None else (None, None)
+        prepare_experts(stack, plan.zero_stage, *ep_groups)
         self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(zero_groups))
+        after_build(self.engine, ep_groups[0])
         if replicas is not None:
             replicate_gradients(self.engine.optimizer, replicas)
         self.program = list(plan.programs[stage])

@@ -9,11 +9,11 @@ import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
 from dsnd.cp import ContextParallel
-from dsnd.distributed.groups import ProcessGroups, expert_group, hpz_group
+from dsnd.distributed.groups import ProcessGroups, expert_groups, hpz_group
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.compat import nvme_param_swapper, use_hpz_group
 from dsnd.engine.public import zero_init
-from dsnd.ep import ExpertParallel, parallelize_experts
+from dsnd.ep import ExpertParallel, moe_experts, parallelize_experts
 from dsnd.model import LayerStack, layer_specs
 from dsnd.model.documents import Documents
 from dsnd.tp.context import TensorParallel
@@ -35,7 +35,7 @@ def context_parallel(res: Resolved, groups: ProcessGroups) -> ContextParallel:
 def expert_parallel(res: Resolved, groups: ProcessGroups) -> ExpertParallel | None:
     """This rank's expert-parallel group (`parallel.ep` > 1), else None."""
     ep = res.run.parallel.ep
-    return ExpertParallel(expert_group(res.topology, groups.rank, ep)) if ep > 1 else None
+    return ExpertParallel(*expert_groups(res.topology, groups.rank, ep)) if ep > 1 else None
 
 
 def zero3_dtype(ds: dict) -> torch.dtype:
@@ -47,17 +47,18 @@ def zero3_dtype(ds: dict) -> torch.dtype:
     return torch.float32
 
 
-def build_stage(res: Resolved, groups: ProcessGroups,
-                documents: Documents | None = None) -> LayerStack:  # fmt: skip
+def build_stage(res: Resolved, groups: ProcessGroups, documents: Documents | None = None,
+                ep: ExpertParallel | None = None) -> LayerStack:  # fmt: skip
     """This rank's layers, initialised exactly as in the full model (seed, global index, name);
     with tp > 1 this rank's shard of each split tensor (`dsnd.model.parallelize`).
 
     Each layer is built on the meta device and given memory for this rank's shards only. With
     ZeRO-3 it is then handed to `deepspeed.zero.Init(module=...)` over the stage's
     data-parallel group, one layer at a time, so no rank ever holds its whole stage, let alone
-    the model. With `parallel.ep` > 1 each MoE block's experts are computed over the rank's
-    expert-parallel group first (`dsnd.ep`; the parameters stay the same). `documents` is
-    what the layers read the micro-batch's documents from (`data.packing: documents`).
+    the model. With `parallel.ep` > 1 (`ep`, made here when not given) each MoE block keeps
+    only this rank's experts, computed over its expert-parallel group (`dsnd.ep`); ZeRO-3
+    partitions them over the expert-data-parallel group (`dsnd.engine.experts`). `documents`
+    is what the layers read the micro-batch's documents from (`data.packing: documents`).
     """
     plan, stage = res.plan, groups.coord.pp
     zero3 = plan.zero_stage == 3
@@ -69,7 +70,7 @@ def build_stage(res: Resolved, groups: ProcessGroups,
         log.info("ZeRO++ hpZ: parameters' secondary partition over ranks %s",
                  dist.get_process_group_ranks(hpz_ranks))  # fmt: skip
 
-    ep = expert_parallel(res, groups)
+    ep = ep or expert_parallel(res, groups)
 
     def prepare(layer: torch.nn.Module) -> None:
         if ep is not None:
@@ -82,18 +83,24 @@ def build_stage(res: Resolved, groups: ProcessGroups,
         # zero.Init as a context creates parameters in the run's dtype; handed a built module it
         # keeps their dtype, and a bf16 engine would then send fp32 activations between stages
         layer.to(zero3_dtype(res.ds))
-        zero_init(
-            layer,
-            data_parallel_group=groups.data,
-            config_dict_or_path=res.ds,
-            mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
-            param_swapper=swapper,
-            zero_param_parallel_group=hpz_ranks,
-        )
-        # every layer shares the first layer's NVMe swapper: a new one empties the swap folder
-        # (measured: the next read of an earlier layer's parameter failed), and the ZeRO-3
-        # optimizer reaches every parameter's NVMe copy through the first parameter's swapper
-        swapper = swapper or nvme_param_swapper(layer)
+        experts = moe_experts(layer) if ep is not None else None
+        # a rank's experts first, over the ranks holding the same ones; zero.Init of the layer
+        # then skips them
+        for module, group in ([(experts, ep.data)] if experts is not None else []) + \
+                [(layer, groups.data)]:  # fmt: skip
+            zero_init(
+                module,
+                data_parallel_group=group,
+                config_dict_or_path=res.ds,
+                mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
+                param_swapper=swapper,
+                zero_param_parallel_group=hpz_ranks if group is groups.data else None,
+            )
+            # every layer shares the first layer's NVMe swapper: a new one empties the swap
+            # folder (measured: the next read of an earlier layer's parameter failed), and the
+            # ZeRO-3 optimizer reaches every parameter's NVMe copy through the first
+            # parameter's swapper
+            swapper = swapper or nvme_param_swapper(module)
 
     return LayerStack(
         layer_specs(res.model, tensor_parallel(res, groups), context_parallel(res, groups),

@@ -148,5 +148,12 @@ def test_expert_groups_are_carved_out_of_data_parallel():
     assert topo.expert_data_groups(1) == topo.groups("data")
     with_tp = Topology(pp=1, dp=2, tp=2)  # tensor-parallel peers are neighbours: 0,1 | 2,3
     assert with_tp.expert_groups(2) == [[0, 2], [1, 3]]
+    # with context parallelism the experts' ZeRO group takes the context-parallel peers too
+    with_cp = Topology(pp=1, dp=2, tp=1, cp=2)
+    ep_groups, edp = with_cp.expert_groups(2), with_cp.expert_data_groups(2)
+    assert all({with_cp.coord(r).cp for r in g} == {with_cp.coord(g[0]).cp} for g in ep_groups)
+    assert sorted(len(g) for g in edp) == [2, 2]
+    assert all({with_cp.coord(r).dp for r in g} == {with_cp.coord(g[0]).dp} for g in edp)
+    assert sorted(r for g in edp for r in g) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="expert-parallel size 3 does not divide dp=4"):
         topo.expert_groups(3)
