@@ -9,6 +9,7 @@ import pytest
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from tests.config_errors import resolve_error
+from tests.procs import ROOT
 
 MIXTRAL = "model.preset=mixtral-tiny"  # 4 experts per layer
 QWEN3 = "model.preset=qwen3-moe-tiny"  # 8
@@ -31,10 +32,29 @@ QWEN3 = "model.preset=qwen3-moe-tiny"  # 8
         ([QWEN3, "parallel.ep=4"], 2, "parallel.ep=4 must divide the data-parallel size dp=2"),
         ([MIXTRAL, "parallel.ep=0"], 4, "parallel.ep=0 must be >= 1"),
         ([MIXTRAL, "parallel.ep=-2"], 4, "parallel.ep=-2 must be >= 1"),
+        # what DeepSpeed's ZeRO needs to keep the experts apart, and groups that would clash
+        ([MIXTRAL, "parallel.ep=2", "deepspeed=ds_configs/zero2.json",
+          "ds.zero_optimization.contiguous_gradients=false"], 4,
+         "parallel.ep=2 at ZeRO stage 2 ({ROOT}/ds_configs/zero2.json) needs "
+         "zero_optimization.contiguous_gradients=true"),
+        ([MIXTRAL, "parallel.ep=2", "deepspeed=ds_configs/zero1.json",
+          "ds.zero_optimization.reduce_scatter=false"], 4,
+         "parallel.ep=2 at ZeRO stage 1 ({ROOT}/ds_configs/zero1.json) needs "
+         "zero_optimization.reduce_scatter=true"),
+        ([MIXTRAL, "parallel.ep=2", "deepspeed=ds_configs/zero1.json",
+          "ds.zero_optimization.contiguous_gradients=false"], 4,
+         "parallel.ep=2 at ZeRO stage 1 ({ROOT}/ds_configs/zero1.json) needs "
+         "zero_optimization.contiguous_gradients=true"),
+        ([MIXTRAL, "parallel.ep=2", "deepspeed=ds_configs/zero3.json", "parallel.dp_shard=2"], 4,
+         "parallel.ep=2 with parallel.dp_shard=2 is not supported"),
+        ([MIXTRAL, "parallel.ep=2", "deepspeed=ds_configs/zero3.json",
+          "ds.zero_optimization.zero_hpz_partition_size=2"], 4,
+         "parallel.ep=2 at ZeRO stage 3 ({ROOT}/ds_configs/zero3.json) with "
+         "zero_optimization.zero_hpz_partition_size=2 is not supported"),
     ],
 )  # fmt: skip
 def test_bad_ep_is_one_line_naming_the_key_and_numbers(sets, world, message):
-    assert resolve_error(sets, world).startswith(message)
+    assert resolve_error(sets, world).startswith(message.replace("{ROOT}", ROOT))
 
 
 @pytest.mark.parametrize("sets, world", [
