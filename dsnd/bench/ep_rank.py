@@ -3,13 +3,14 @@
     python -m dsnd.bench.ep_rank OUT.json [--steps N] [--warmup W] [--set KEY=VALUE ...]
 
 Mixtral-tiny (4 experts per layer, top-2) on 4 ranks (dp=4, ZeRO-1, fp32, `EP_MICRO_BATCHES`
-micro-batches per step) at ep=1, 2 and 4: three `StageRunner`s (what the trainer runs) built
-side by side on the same ranks, stepped in turns on the same batches (`rank.take_turns`), each
-step timed; then one more step of each inside a `dsnd.bench.comm_count.CommCounter`, which
-sees every collective: the experts' all-to-alls and ZeRO's data-parallel traffic apart. Per
-run each rank records its step times, the counted step's all-to-all calls and payload bytes and
-its other collectives' bytes, its model-state bytes (`dsnd.engine.memory.state_bytes`) and the
-losses; rank 0 writes them all to OUT.json (`dsnd.bench.ep_results` makes the rows).
+micro-batches per step) at ep=1, 2 and 4, and at ep=2 with ZeRO 0, 2 and 3 (for their model-
+state bytes): `StageRunner`s (what the trainer runs) built side by side on the same ranks,
+stepped in turns on the same batches (`rank.take_turns`), each step timed; then one more step of
+each inside a `dsnd.bench.comm_count.CommCounter`, which sees every collective: the experts'
+all-to-alls and ZeRO's data-parallel traffic apart. Per run each rank records its step times,
+the counted step's all-to-all calls and payload bytes and its other collectives' bytes, its peak
+model-state bytes in the step (`dsnd.bench.zero_memory_rank.StateProbe`) and the losses; rank 0
+writes them all to OUT.json (`dsnd.bench.ep_results` makes the rows).
 """
 
 from __future__ import annotations
@@ -22,23 +23,36 @@ import torch.distributed as dist
 
 from dsnd.bench import rank
 from dsnd.bench.comm_count import CommCounter
+from dsnd.bench.memory_results import peak_point
+from dsnd.bench.zero_memory_rank import StateProbe
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.distributed.groups import build_groups
-from dsnd.engine.memory import state_bytes
 from dsnd.ep import moe_experts
 from dsnd.model.moe import num_experts
 from dsnd.pipeline.runner import StageRunner
 
 EP_WORLD = 4
 EP_SIZES = (1, 2, 4)
+STATE_STAGES = (0, 2, 3)
+"""ZeRO stages besides 1 run at ep=2 for their model-state bytes against the formula."""
 EP_MICRO_BATCHES = 2
 
 
-def run_sets(ep: int) -> list[str]:
-    return ["model.preset=mixtral-tiny", f"deepspeed={rank.ds_json(1)}",
+def run_sets(ep: int, stage: int = 1) -> list[str]:
+    sets = ["model.preset=mixtral-tiny", f"deepspeed={rank.ds_json(stage)}",
             "ds.train_batch_size=null", f"ds.gradient_accumulation_steps={EP_MICRO_BATCHES}",
             f"parallel.ep={ep}"]  # fmt: skip
+    if stage == 3:  # else the tiny model's tensors all stay whole (persistent)
+        sets.append("ds.zero_optimization.stage3_param_persistence_threshold=0")
+    return sets
+
+
+def runs(extra: Sequence[str]) -> dict[str, Resolved]:
+    """ep=1, 2, 4 at ZeRO-1 (named ep<n>), and ep=2 at the `STATE_STAGES` (ep2_zero<s>)."""
+    out = {f"ep{ep}": run_sets(ep) for ep in EP_SIZES}
+    out |= {f"ep2_zero{stage}": run_sets(2, stage) for stage in STATE_STAGES}
+    return {name: resolve(load(None, [*sets, *extra]), EP_WORLD) for name, sets in out.items()}
 
 
 def layout(res: Resolved, runner: StageRunner) -> dict[str, Any]:
@@ -47,6 +61,9 @@ def layout(res: Resolved, runner: StageRunner) -> dict[str, Any]:
     moe_layers = sum(moe_experts(layer) is not None
                      for layer in runner.engine.module.layers.values())  # fmt: skip
     return {"ep": res.run.parallel.ep, "dp": res.topology.dp, "micro": res.batch.micro,
+            "params": res.plan.stage_parameters(res.model)[0],
+            "expert_params": res.plan.stage_experts(res.model)[0],
+            "zero_stage": res.plan.zero_stage, "state_per_param": 8,  # AdamW's two fp32 moments
             "micro_batches": res.batch.gas, "seq_len": res.run.model.seq_len,
             "hidden": res.model.hidden_size, "moe_layers": moe_layers,
             "experts": num_experts(cfg), "top_k": cfg.num_experts_per_tok,
@@ -54,12 +71,16 @@ def layout(res: Resolved, runner: StageRunner) -> dict[str, Any]:
 
 
 def _counted(runner: StageRunner, micro) -> dict[str, Any]:
-    counter = CommCounter()
+    """One step counted: its collectives, and its peak of model-state bytes (of the points
+    `StateProbe` reads: after each backward, the reduction and the optimizer step)."""
+    counter, probe = CommCounter(), StateProbe(runner.executor.engine)
+    probe.on = True
     with counter:
         runner.run(micro)
     a2a = [c for c in counter.calls if c.op == "all_to_all"]
     return {"a2a_calls": len(a2a), "a2a_payload": sum(c.payload for c in a2a),
-            "other_sent": sum(c.sent for c in counter.calls if c.op != "all_to_all")}  # fmt: skip
+            "other_sent": sum(c.sent for c in counter.calls if c.op != "all_to_all"),
+            "state": dict(peak_point(probe.points)[1])}  # fmt: skip
 
 
 def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any]:
@@ -84,8 +105,7 @@ def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any
                                lambda r: rank.step_batches(first, samples, groups, r), step)
         micro = rank.step_batches(first, samples, groups, warmup + steps)
         mine = {name: {"times": [r["runs"][name]["seconds"] for r in reps if r["timed"]],
-                       **_counted(runner, micro), "state": state_bytes(runner.engine),
-                       "losses": losses[name]}
+                       **_counted(runner, micro), "losses": losses[name]}
                 for name, runner in runners.items()}  # fmt: skip
         layouts = {name: layout(res, runners[name]) for name, res in runs.items()}
     finally:
@@ -99,8 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = rank.parser("dsnd.bench.ep_rank", steps=5, warmup=1)
     args = parser.parse_args(argv)
     rank.run(args.out, "expert parallelism", EP_WORLD,
-             lambda: {f"ep{ep}": resolve(load(None, [*run_sets(ep), *args.sets]), EP_WORLD)
-                      for ep in EP_SIZES},
+             lambda: runs(args.sets),
              lambda runs: measure(runs, args.steps, args.warmup))  # fmt: skip
 
 

@@ -10,10 +10,14 @@ but over the group the rows received are the rows sent, so summed over all n ran
 
     payload = L · m · n · (8 E + 4 T k H b)        calls per rank = 5 L m
 
-(L MoE layers, m micro-batches, T = micro-batch tokens, b bytes per element); ep=1 has none.
-The other collectives (ZeRO's) do not change with ep, nor do the model-state bytes: expert
-weights stay whole tensors sharded over all of dp. Throughput at ep = n ÷ ep=1 is the median
-step time of ep=1 over that of ep=n, the runs taking turns on the same batches.
+(L MoE layers, m micro-batches, T = micro-batch tokens, b bytes per element); ep=1 has none. The
+other collectives (ZeRO's) do not change with ep. Model-state bytes per rank: a rank holds
+experts / ep of the routed experts' parameters, ZeRO-sharded over the dp / ep ranks holding the
+same experts, the dense rest over dp (`dsnd.plan.memory.model_state_bytes`, with the gradients a
+dsnd step holds until its one reduction, `held_gradient_bytes`): the step's peak measured
+(`dsnd.engine.memory.state_bytes`, summed over the ranks) ÷ that formula. Throughput at ep = n ÷
+ep=1 is the median step time of ep=1 over that of ep=n, the runs taking turns on the same
+batches.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsnd.bench.rows import LOSS_TOLERANCE, Row, Target, median
+from dsnd.plan.memory import held_gradient_bytes, model_state_bytes
 
 BENCH = "moe"
 EXACT = Target(1.0, 1.0, "= 1")
@@ -46,12 +51,31 @@ def _state(rec: Mapping[str, Any]) -> int:
     return sum(rec["state"].values())
 
 
+def state_formula(lay: Mapping[str, Any]) -> float:
+    """Model-state bytes of one rank of `lay` by the formula (fp32, the run's ZeRO stage)."""
+    parts = model_state_bytes(lay["zero_stage"], lay["params"], lay["dp"], False,
+                              state_bytes=lay["state_per_param"],
+                              experts=lay["expert_params"], ep=lay["ep"])  # fmt: skip
+    held = (held_gradient_bytes(lay["zero_stage"], lay["params"] - lay["expert_params"],
+                                lay["dp"], False)
+            + held_gradient_bytes(lay["zero_stage"], lay["expert_params"] // lay["ep"],
+                                  lay["dp"] // lay["ep"], False))  # fmt: skip
+    return sum(parts["device"].values()) + held
+
+
 def ep_rows(raw: Mapping[str, Any]) -> list[Row]:
     ranks, layouts = raw["ranks"], raw["layouts"]
     world = len(ranks)
     base = ranks[0]["ep1"]
     rows: list[Row] = []
     for name, lay in layouts.items():
+        state = sum(_state(r[name]) for r in ranks) / (world * state_formula(lay))
+        rows.append(Row(f"{name}_model_state_bytes_over_formula", state, SAME,
+                        f"{sum(_state(r[name]) for r in ranks) / world:,.0f} B per rank; "
+                        f"experts / {lay['ep']} over {lay['dp'] // lay['ep']} ranks, the rest "
+                        f"over {lay['dp']}", BENCH))  # fmt: skip
+        if not name[2:].isdigit():  # another ZeRO stage at ep=2: its model state only
+            continue
         calls, payload = a2a_theory(lay, world)
         got_calls = {r[name]["a2a_calls"] for r in ranks}
         got = _sum(ranks, name, "a2a_payload")
@@ -67,8 +91,8 @@ def ep_rows(raw: Mapping[str, Any]) -> list[Row]:
         rows.append(Row(f"{name}_other_bytes_over_ep1", other, SAME,
                         "ZeRO's data-parallel traffic: unchanged by ep", BENCH))
         state = sum(_state(r[name]) for r in ranks) / sum(_state(r["ep1"]) for r in ranks)
-        rows.append(Row(f"{name}_model_state_bytes_over_ep1", state, SAME,
-                        "expert states stay sharded over dp, not dp/ep", BENCH))
+        rows.append(Row(f"{name}_model_state_bytes_over_ep1", state, None,
+                        "a rank keeps its experts only", BENCH))
         speed = median(base["times"]) / median(ranks[0][name]["times"])
         rows.append(Row(f"{name}_throughput_over_ep1", speed, None,
                         f"median step {1000 * median(ranks[0][name]['times']):.1f} ms against "

@@ -35,9 +35,10 @@ from dsnd.engine.optimizers import state_bytes as optimizer_state_bytes
 ZERO_WORLD = 4
 ZERO_STAGES = (0, 1, 2, 3)
 LAYOUT = ("parallel.pp=2", "parallel.partition=parameters")
-PROBED = ("backward_loss", "backward_output", "backward_weight", "reduce", "step")
-"""The `StageEngine` calls after which model state is read: every backward, the reduction, the
-optimizer step."""
+PROBED = ("backward_loss", "backward_output", "backward_loss_plain", "backward_plain",
+          "backward_weight", "reduce", "step")  # fmt: skip
+"""The `StageEngine` calls after which model state is read: every backward (through DeepSpeed's
+or, where `StageEngine.plain`, torch's), the reduction, the optimizer step."""
 
 
 def zero_sets(stage: int, extra: Sequence[str] = ()) -> list[str]:

@@ -103,14 +103,23 @@ def explain_lines(res: Resolved) -> list[str]:
         "model-state bytes per rank (formula: parameters, gradients, fp32 master, optimizer "
         "state; activations and buffers not included):",
     ]
+    ep = res.run.parallel.ep
+    if ep > 1:
+        lines.append(f"  (expert parallel over {ep} ranks: a rank holds 1/{ep} of the routed "
+                     f"experts, sharded over the {shards // ep} ranks holding the same ones)")
     counts = res.plan.stage_parameters(res.model)
-    for s, psi in enumerate(counts):
-        where = model_state_bytes(stage, psi // t.tp, shards, bf16,
+    for s, (psi, experts) in enumerate(zip(counts, res.plan.stage_experts(res.model),
+                                           strict=True)):  # fmt: skip
+        # tensor parallelism splits the dense parameters; MoE blocks' experts stay whole
+        local = (psi - experts) // t.tp + experts
+        where = model_state_bytes(stage, local, shards, bf16,
                                   offload["offload_optimizer"] == "cpu",
-                                  offload["offload_param"] == "cpu", per_param)  # fmt: skip
+                                  offload["offload_param"] == "cpu", per_param,
+                                  experts=experts, ep=ep)  # fmt: skip
         device = sum(where["device"].values()) / 2**20
         cpu = sum(where["cpu"].values()) / 2**20
-        lines.append(f"  stage {s}: {psi:,} parameters{f' / tp {t.tp}' * (t.tp > 1)}: "
+        of_which = f" ({experts:,} in routed experts)" if experts else ""
+        lines.append(f"  stage {s}: {psi:,} parameters{of_which}{f' / tp {t.tp}' * (t.tp > 1)}: "
                      f"{device:.1f} MiB on the device, {cpu:.1f} MiB in CPU memory")  # fmt: skip
     return lines
 

@@ -74,18 +74,19 @@ class _Marker(MoE):
 
 def prepare(module: nn.Module, zero_stage: int, ep_group: dist.ProcessGroup | None,
             data_group: dist.ProcessGroup | None) -> None:  # fmt: skip
-    """Before `deepspeed.initialize` of `module` (a stage): DeepSpeed's expert groups set to
-    this stage's (`ep_group`, the expert-data-parallel `data_group`), or emptied where the stage
-    has no split experts; at ZeRO 0-2 its expert parameters marked as DeepSpeed's."""
+    """Before `deepspeed.initialize` of `module` (a stage) with split experts: DeepSpeed's
+    expert groups named for this stage's (`ep_group`, the expert-data-parallel `data_group`);
+    at ZeRO 0-2 its expert parameters marked as DeepSpeed's. Nothing without split experts."""
     params = expert_params(module)
-    name = f"ep_size_{dist.get_world_size(ep_group)}" if params else None
-    ds_groups._EXPERT_PARALLEL_GROUP = {name: ep_group} if params else {}
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP = {name: data_group} if params else {}
-    ds_groups._EXPERT_PARALLEL_GROUP_RANKS = \
-        {name: dist.get_process_group_ranks(ep_group)} if params else {}  # fmt: skip
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS = \
-        {name: dist.get_process_group_ranks(data_group)} if params else {}  # fmt: skip
-    if not params or zero_stage == 3:
+    if not params:
+        return
+    name = f"ep_size_{dist.get_world_size(ep_group)}"
+    # added, not replaced: a ZeRO-0 engine looks its groups up by name at every reduction
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = ep_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = data_group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(ep_group)
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(data_group)
+    if zero_stage == 3:
         return
     for p in params:
         p.allreduce = False

@@ -10,7 +10,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dsnd.model.layer_spec import TiedLayerSpec
-from dsnd.model.moe import active_share
+from dsnd.model.moe import EXPERT_WEIGHTS, active_share
 from dsnd.model.source import ModelSpec
 from dsnd.model.stack import layer_specs
 
@@ -49,6 +49,17 @@ def layer_table(model: ModelSpec) -> list[tuple[int, str, int]]:
         else:
             rows.append((index, type(layer).__name__, sum(p.numel() for p in layer.parameters())))
     return rows
+
+
+def expert_table(model: ModelSpec) -> dict[int, int]:
+    """Global layer index -> the parameters of its routed experts (the fused (E, ., .) weights
+    that expert parallelism splits; `dsnd.model.moe.EXPERT_WEIGHTS`); empty for a dense
+    model."""
+    if not model.family.moe:
+        return {}
+    return {index: sum(p.numel() for name, p in layer.named_parameters()
+                       if EXPERT_WEIGHTS.search(name))
+            for index, _, layer in meta_layers(model) if layer is not None}  # fmt: skip
 
 
 def matmul_params(model: ModelSpec) -> int:

@@ -9,6 +9,13 @@ accounting with what DeepSpeed 0.19.8 keeps (measured by `dsnd bench zero-memory
   4, without: 0; see `dsnd.engine.optimizers.state_bytes`), split at ZeRO 1-3; the part
   "optimizer", as `dsnd.engine.memory` measures it.
 
+With expert parallelism (`experts` of the `psi` parameters are routed experts, split over `ep`
+ranks) a rank holds only its experts, experts / ep parameters, and ZeRO shards them over the
+nd / ep ranks holding the same ones (`dsnd.engine.experts`): those parts are counted for
+experts / ep parameters over nd / ep ranks, the dense rest over nd. At ZeRO-3 that comes to
+the same bytes as without expert parallelism (experts / nd); below it the experts' unsplit
+parts shrink ep times.
+
 CPU offload moves the optimizer's part (master weights and optimizer state) to CPU memory, and at
 ZeRO-3 parameter offload the parameter partition too. Pure arithmetic; activations and
 communication buckets are not model state.
@@ -25,22 +32,31 @@ def model_state_bytes(
     offload_optimizer: bool = False,
     offload_param: bool = False,
     state_bytes: int = 8,
+    experts: int = 0,
+    ep: int = 1,
 ) -> dict[str, dict[str, float]]:
     """{"device": {part: bytes}, "cpu": {part: bytes}} for `psi` parameters on one rank of
-    `nd` data-parallel ranks, with `state_bytes` of optimizer state per parameter."""
+    `nd` data-parallel ranks, with `state_bytes` of optimizer state per parameter; `experts` of
+    them routed experts split over `ep` ranks (see above)."""
     if stage not in (0, 1, 2, 3) or psi < 0 or nd < 1:
         raise ValueError(f"need ZeRO stage 0-3, psi >= 0, nd >= 1; got {stage}, {psi}, {nd}")
+    if not 0 <= experts <= psi or ep < 1 or nd % ep:
+        raise ValueError(f"need 0 <= experts <= psi and ep dividing nd; got {experts}, {ep}")
     low = 2 if bf16 else 4
 
-    def split(at_stage: int) -> int:
-        return nd if stage >= at_stage else 1
+    def per_rank(count: float, ranks: int) -> dict[str, float]:
+        def split(at_stage: int) -> int:
+            return ranks if stage >= at_stage else 1
 
-    parts = {
-        "params": low * psi / split(3),
-        "grads": low * psi / split(2),
-        "master": (0 if stage == 0 and not bf16 else 4) * psi / split(1),
-        "optimizer": state_bytes * psi / split(1),
-    }
+        return {
+            "params": low * count / split(3),
+            "grads": low * count / split(2),
+            "master": (0 if stage == 0 and not bf16 else 4) * count / split(1),
+            "optimizer": state_bytes * count / split(1),
+        }
+
+    dense, mine = per_rank(psi - experts, nd), per_rank(experts / ep, nd // ep)
+    parts = {k: dense[k] + mine[k] for k in dense}
     on_cpu = set()
     if offload_optimizer and stage > 0:
         on_cpu |= {"master", "optimizer"}

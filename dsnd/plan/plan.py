@@ -16,7 +16,7 @@ import torch
 
 from dsnd.errors import UserError
 from dsnd.model import layer_specs, param_groups
-from dsnd.model.count import layer_table
+from dsnd.model.count import expert_table, layer_table
 from dsnd.model.layer_spec import TiedLayerSpec
 from dsnd.model.source import ModelSpec
 from dsnd.plan.partition import PartitionMethod, partition
@@ -84,6 +84,11 @@ class Plan:
         only: `layer_table` counts a tied head 0)."""
         counts = {index: n for index, _, n in layer_table(model)}
         return [sum(counts[i] for i in self.stage_layers(s)) for s in range(self.pp)]
+
+    def stage_experts(self, model: ModelSpec) -> list[int]:
+        """Of `stage_parameters`, those of routed experts (what `parallel.ep` splits)."""
+        counts = expert_table(model)
+        return [sum(counts.get(i, 0) for i in self.stage_layers(s)) for s in range(self.pp)]
 
     def stage_of_layer(self, index: int) -> int:
         vs = next(v for v in range(len(self.parts) - 1) if index < self.parts[v + 1])

@@ -22,17 +22,22 @@ def _ep_raw(payload_scale: float = 1.0) -> dict:
     from dsnd.bench.ep_results import a2a_theory
 
     lay = {"dp": 4, "micro": 2, "micro_batches": 2, "seq_len": 64, "hidden": 64,
-           "moe_layers": 4, "experts": 4, "top_k": 2, "element_bytes": 4}  # fmt: skip
+           "moe_layers": 4, "experts": 4, "top_k": 2, "element_bytes": 4,
+           "params": 1000, "expert_params": 800, "zero_stage": 1, "state_per_param": 8}  # fmt: skip
     layouts = {f"ep{n}": {**lay, "ep": n} for n in (1, 2)}
     calls, payload = a2a_theory(layouts["ep2"], 4)
     # routing sends a rank's rows unevenly: ranks' payloads differ, their sum is the formula's
     shares = [0.1, 0.2, 0.3, 0.4]
     ranks = [{
+        # ZeRO-1 fp32 Adam, dp=4: 4 B params + 4 B grads whole, 4 B master + 8 B moments / 4;
+        # at ep=2 a rank keeps 400 of the 800 expert parameters: 200 dense + 400 its experts
         "ep1": {"times": [0.1, 0.3, 0.2], "a2a_calls": 0, "a2a_payload": 0, "other_sent": 1000.0,
-                "state": {"params": 10, "optimizer": 30}, "losses": [5.0, 4.0]},
+                "state": {"params": 4000, "grads": 4000, "master": 1000, "optimizer": 2000},
+                "losses": [5.0, 4.0]},
         "ep2": {"times": [0.4, 0.4, 0.5], "a2a_calls": calls,
                 "a2a_payload": share * payload * payload_scale, "other_sent": 1000.0,
-                "state": {"params": 10, "optimizer": 30}, "losses": [5.0, 4.0001]},
+                "state": {"params": 2400, "grads": 2400, "master": 1000, "optimizer": 2000},
+                "losses": [5.0, 4.0001]},
     } for share in shares]  # fmt: skip
     return {"layouts": layouts, "ranks": ranks}
 
@@ -48,7 +53,10 @@ def test_ep_rows_compare_all_to_all_bytes_with_the_formula_summed_over_ranks():
     assert a2a_theory({"ep": 1}, 4) == (0, 0)
     rows = {r.metric: r for r in ep_rows(_ep_raw())}
     assert rows["ep2_all_to_all_bytes_over_formula"].value == 1.0
-    assert rows["ep2_other_bytes_over_ep1"].value == rows["ep2_model_state_bytes_over_ep1"].value
+    assert rows["ep2_other_bytes_over_ep1"].value == 1.0
+    assert rows["ep1_model_state_bytes_over_formula"].value == 1.0
+    assert rows["ep2_model_state_bytes_over_formula"].value == 1.0
+    assert rows["ep2_model_state_bytes_over_ep1"].value == 7800 / 11000
     assert rows["ep2_throughput_over_ep1"].value == 0.2 / 0.4  # medians of rank 0's times
     assert abs(rows["ep2_loss_rel_diff"].value - 2.5e-5) < 1e-12
     off = {r.metric: r for r in ep_rows(_ep_raw(payload_scale=1.01))}
