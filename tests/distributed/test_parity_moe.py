@@ -4,8 +4,9 @@ dense), experts whole on each rank (ep=1) or split over expert-parallel groups o
 (tokens exchanged by all-to-all), with attention over 2 tensor-parallel ranks (with and without
 sequence parallelism) or 2 context-parallel ranks, over pipeline stages (1F1B, zero-bubble H1
 whose weight pass runs the router's and experts' gradients apart, interleaved with activation
-checkpointing) and data parallelism, ZeRO-0 to ZeRO-3 (the 3-D expert weights sharded like any
-other; also with parameters and optimizer offloaded to the CPU). Losses, gradient norms and
+checkpointing) and data parallelism, ZeRO-0 to ZeRO-3 (with ep > 1 a rank holds only its
+experts, sharded and averaged over the ranks holding the same ones; also with parameters and
+optimizer offloaded to the CPU). Losses, gradient norms and
 learning rates within 1e-4 relative over five steps.
 
 In the same launch, checkpoints: Qwen3-MoE at pp=2 x dp=2 x ep=2 ZeRO-3 resumes exactly (5 + 5
