@@ -80,6 +80,7 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     check_resume(got)
     check_inspect(tmp_path / "w4")
     check_router_load(got)
+    check_state_bytes(got)
     for name, rows in got.items():
         ref = refs[f"{name.split('-')[0]}-ref"]
         assert_same(rows, ref, name)
@@ -133,6 +134,26 @@ def check_router_load(got: dict) -> None:
             assert sorted(row["moe_rows_sent"]) == sorted(load), name
             for sent in row["moe_rows_sent"].values():
                 assert abs(sent / (16 * 64 * 2) - (1 - 1 / ep)) < 0.2, (name, sent)
+
+
+def check_state_bytes(got: dict) -> None:
+    """With ep=2 a rank keeps half of the experts, sharded over the 2 ranks holding the same
+    ones: its model-state bytes after a step (metrics' `memory_live_bytes`, counted from
+    DeepSpeed's own tensors) are the formula's to the byte (`model_state_bytes` with experts /
+    ep over dp / ep), without the gradients ZeRO-1 frees after its step. Held as ep=1 holds
+    them (whole expert tensors), ZeRO-1's parameters alone would be 4 x 294,912 B more."""
+    from dsnd.config.load import load
+    from dsnd.config.resolve import resolve
+    from dsnd.plan.memory import model_state_bytes
+
+    for name, stage, sets, freed in (("mixtralcap-dp4-ep2-z1", 1, (EP2,), ("grads",)),
+                                     ("qwen3moe-dp4-ep2-z3", 3, (EP2,), ())):  # fmt: skip
+        res = resolve(load(None, moe_case(name, stage, *sets)["sets"]), 4)
+        psi, experts = res.plan.stage_parameters(res.model)[0], res.plan.stage_experts(res.model)[0]
+        assert experts > psi / 2, (name, psi, experts)  # the experts are most of the model
+        parts = model_state_bytes(stage, psi, 4, False, experts=experts, ep=2)["device"]
+        want = sum(v for k, v in parts.items() if k not in freed)
+        assert {r["memory_live_bytes"] for r in got[name]} == {want}, (name, want)
 
 
 def check_inspect(root) -> None:
