@@ -13,7 +13,7 @@ GIB = 1024**3
 DEFAULT_GLOBAL_BATCH = 1024  # sequences
 MAX_DEFAULT_SEQ = 4096
 TOP = 5
-FIXABLE = ("pp", "tp", "dp", "cp", "zero_stage", "micro_batch", "activation_checkpointing",
+FIXABLE = ("pp", "tp", "dp", "cp", "ep", "zero_stage", "micro_batch", "activation_checkpointing",
            "schedule")  # fmt: skip
 
 
@@ -86,11 +86,12 @@ def header(pr, count: int, fitting: int) -> list[str]:
 
 
 def table(layouts) -> list[str]:
-    lines = [f"{'#':>3}  {'layout':<52} {'s/step':>9} {'MFU':>6} {'GiB':>7}  "
+    width = max([52, *(len(lay.key()) for lay in layouts)])
+    lines = [f"{'#':>3}  {'layout':<{width}} {'s/step':>9} {'MFU':>6} {'GiB':>7}  "
              "params+grads+optimizer+activations+buffers  fits"]  # fmt: skip
     for i, lay in enumerate(layouts, 1):
         parts = "+".join(f"{v / GIB:.3g}" for v in lay.memory_bytes.values())
-        lines.append(f"{i:>3}  {lay.key():<52} {lay.step_time_s:>9.4g} {lay.mfu:>6.1%} "
+        lines.append(f"{i:>3}  {lay.key():<{width}} {lay.step_time_s:>9.4g} {lay.mfu:>6.1%} "
                      f"{lay.total_bytes / GIB:>7.3g}  {parts}  "
                      f"{'yes' if lay.fits else 'NO'}")  # fmt: skip
     return lines

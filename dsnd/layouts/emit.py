@@ -33,7 +33,7 @@ def run_yaml(lay: Layout, model: str, preset: bool, seq: int) -> dict[str, Any]:
         "deepspeed": DS_JSON,
         "model": {"preset" if preset else "config": model, "seq_len": seq},
         "parallel": {
-            "pp": lay.pp, "tp": lay.tp, "cp": lay.cp, "partition": PARTITION,
+            "pp": lay.pp, "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "partition": PARTITION,
             "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
             "activation_checkpoint_interval": 1 if lay.activation_checkpointing else 0,
             "sequence_parallel": lay.tp > 1,

@@ -94,9 +94,12 @@ def head_activation_bytes(shape: ModelShape, tokens: float, t: int, dtype_bytes:
     return tokens * (3 * shape.hidden * dtype_bytes + shape.vocab / t * (dtype_bytes + 4))
 
 
-def states(stage: int, psi: float, nd: int, bf16: bool) -> dict[str, float]:
-    """params / grads / optimizer (fp32 master + Adam's moments) bytes per device."""
-    parts = model_state_bytes(stage, int(psi), nd, bf16)["device"]
+def states(stage: int, psi: float, nd: int, bf16: bool, experts: float = 0, ep: int = 1
+           ) -> dict[str, float]:  # fmt: skip
+    """params / grads / optimizer (fp32 master + Adam's moments) bytes per device; `experts`
+    of the `psi` parameters routed experts split over `ep` ranks (a rank holds experts / ep,
+    sharded over nd / ep)."""
+    parts = model_state_bytes(stage, int(psi), nd, bf16, experts=int(experts), ep=ep)["device"]
     return {"params": parts["params"], "grads": parts["grads"],
             "optimizer": parts["master"] + parts["optimizer"]}  # fmt: skip
 

@@ -1,7 +1,8 @@
 """Every layout a world admits, each predicted (memory per device, step time), ranked, and the
 best one explained against its nearest rivals.
 
-A layout is (pp, tp, dp, cp, ZeRO stage, micro-batch, activation checkpointing, schedule). The
+A layout is (pp, tp, dp, cp, ZeRO stage, micro-batch, activation checkpointing, schedule, and
+for a mixture of experts ep: the expert-parallel ranks, a divisor of dp and of the experts). The
 global batch (sequences) is fixed; the micro-batches per step follow: global / (micro x dp).
 Tensor parallelism stays inside a node, splits heads and key/value heads evenly and runs with
 sequence parallelism (less memory, the same bytes); context parallelism is the ring (any heads);
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from dsnd.layouts import memory as mem
 from dsnd.layouts.hardware import Device
 from dsnd.layouts.shape import ModelShape
-from dsnd.layouts.timing import Step, in_flight, step_seconds
+from dsnd.layouts.timing import Step, head_in_flight, in_flight, step_seconds
 from dsnd.plan.memory import held_gradient_bytes
 from dsnd.plan.plan import ZERO_STAGES
 
@@ -40,6 +41,7 @@ class Layout:
     schedule: str
     virtual_stages: int = 1
     micro_batches: int = 0  # per step
+    ep: int = 1
     params_count: int = 0
     memory_bytes: dict[str, float] = field(default_factory=dict)
     deepspeed_estimate_bytes: float | None = None
@@ -55,7 +57,8 @@ class Layout:
     def key(self) -> str:
         ac = " ac" if self.activation_checkpointing else ""
         chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"pp={self.pp} tp={self.tp} dp={self.dp} cp={self.cp} zero={self.zero_stage} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"pp={self.pp} tp={self.tp} dp={self.dp}{ep} cp={self.cp} zero={self.zero_stage} "
                 f"mb={self.micro_batch}{ac} {self.schedule}{chunks}")  # fmt: skip
 
     def as_json(self) -> dict:
@@ -102,7 +105,14 @@ def candidates(pr: Problem) -> Iterator[Layout]:
                     for schedule, v in _schedules(pp, m, sh.num_layers):
                         for zero in ZERO_STAGES[schedule]:
                             for ac in (False, True):
-                                yield Layout(pp, tp, dp, cp, zero, mb, ac, schedule, v, m)
+                                for ep in _expert_parallel(sh, dp):
+                                    yield Layout(pp, tp, dp, cp, zero, mb, ac, schedule, v, m,
+                                                 ep=ep)  # fmt: skip
+
+
+def _expert_parallel(sh: ModelShape, dp: int) -> list[int]:
+    """The ep a layout may take: divisors of dp that divide the experts (1 for a dense model)."""
+    return [ep for ep in _divisors(dp) if sh.experts % ep == 0] if sh.moe else [1]
 
 
 def _schedules(pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
@@ -128,22 +138,29 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
                                        "none", low)  # fmt: skip
     worst: dict[str, float] = {}
     for s, layers in enumerate(stages):
-        psi = sum(sh.layer_params[i] for i in layers) / lay.tp
-        parts = mem.states(lay.zero_stage, psi, nd, pr.bf16)
+        experts = sh.experts_of(layers)  # routed experts: whole on every tensor-parallel rank
+        psi = (sum(sh.layer_params[i] for i in layers) - experts) / lay.tp + experts
+        parts = mem.states(lay.zero_stage, psi, nd, pr.bf16, experts, lay.ep)
         blocks = sum(1 for i in layers if i in sh.blocks)
         held = in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)[s]
         per_chunk = blocks * block / lay.virtual_stages
-        if s == lay.pp - 1:
-            per_chunk += mem.head_activation_bytes(sh, tokens, lay.tp, low)
         parts["activations"] = held * per_chunk + (whole if lay.activation_checkpointing else 0)
-        largest = max(sh.layer_params[i] for i in layers) / lay.tp
-        parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(BUCKET, psi), pr.bf16)
-        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(psi), nd, pr.bf16)
+        if s == lay.pp - 1:  # the head's, for the micro-batches in flight on the last chunk
+            parts["activations"] += mem.head_activation_bytes(sh, tokens, lay.tp, low) * \
+                head_in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
+        # a rank's share of its largest layer (its experts / ep)
+        largest = max((sh.layer_params[i] - sh.experts_of([i])) / lay.tp
+                      + sh.experts_of([i]) / lay.ep for i in layers)  # fmt: skip
+        mine = psi - experts * (1 - 1 / lay.ep)  # what this rank holds of the stage
+        parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(BUCKET, mine), pr.bf16)
+        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(psi - experts), nd, pr.bf16)
+        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(experts / lay.ep),
+                                                nd // lay.ep, pr.bf16)  # fmt: skip
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     lay.memory_bytes = worst
     lay.params_count = sh.params
-    if lay.zero_stage in (2, 3):
+    if lay.zero_stage in (2, 3) and lay.ep == 1:  # DeepSpeed's estimator knows no experts
         from dsnd.engine.deepspeed_api import estimate_model_states
 
         psi = max(sum(sh.layer_params[i] for i in layers) for layers in stages) / lay.tp
@@ -155,7 +172,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
         )
     st = Step(lay.pp, lay.tp, lay.dp, lay.cp, lay.zero_stage, lay.micro_batch, lay.micro_batches,
               pr.seq, lay.schedule, lay.virtual_stages, recompute, sp, pr.bf16,
-              layer_seconds=_measured(pr, lay))  # fmt: skip
+              layer_seconds=_measured(pr, lay), ep=lay.ep)  # fmt: skip
     lay.step_time_s = step_seconds(sh, stages, st, dev)
     tokens_step = pr.global_batch * pr.seq
     lay.tokens_per_s = tokens_step / lay.step_time_s
@@ -185,7 +202,8 @@ def plan(pr: Problem) -> list[Layout]:
     return out
 
 
-KNOBS = ("pp", "tp", "cp", "zero_stage", "micro_batch", "activation_checkpointing", "schedule")
+KNOBS = ("pp", "tp", "cp", "ep", "zero_stage", "micro_batch", "activation_checkpointing",
+         "schedule")  # fmt: skip
 
 
 def explain(layouts: list[Layout], gib: float = 1024**3) -> list[str]:

@@ -37,6 +37,11 @@ class ModelShape:
     megatron_layer: bool = False  # activations as Megatron's GPT layer (dropout, scores saved)
     top_k: int = 0  # mixture-of-experts blocks: experts per token (`ffn` spans all of them)
     experts: int = 0  # ... of this many per layer (0 and 0: a dense model)
+    layer_experts: tuple[int, ...] = ()  # per pipeline layer: its routed experts' parameters
+
+    def experts_of(self, layers: list[int]) -> int:
+        """Routed-expert parameters of `layers` (what expert parallelism splits)."""
+        return sum(self.layer_experts[i] for i in layers) if self.layer_experts else 0
 
     @property
     def moe(self) -> bool:
@@ -67,7 +72,7 @@ class ModelShape:
 
 
 def from_model(model: ModelSpec, name: str) -> ModelShape:
-    from dsnd.model.count import layer_table, matmul_params
+    from dsnd.model.count import expert_table, layer_table, matmul_params
     from dsnd.model.moe import num_experts, token_ffn
 
     table = layer_table(model)
@@ -81,11 +86,13 @@ def from_model(model: ModelSpec, name: str) -> ModelShape:
     moe = model.family.moe
     ffn = token_ffn(model.config) if moe else model.ffn_size
     routing = (model.config.num_experts_per_tok, num_experts(model.config)) if moe else (0, 0)
+    experts = expert_table(model)
     return ModelShape(name, tuple(n for _, _, n in table), blocks, model.hidden_size,
                       model.num_heads, model.num_kv_heads, model.head_dim, ffn,
                       model.vocab_size, model.max_seq_len, per_block, MLP_SAVED[act],
                       rms_norm=hasattr(model.config, "rms_norm_eps"), top_k=routing[0],
-                      experts=routing[1])  # fmt: skip
+                      experts=routing[1],
+                      layer_experts=tuple(experts.get(i, 0) for i, _, _ in table))  # fmt: skip
 
 
 def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048

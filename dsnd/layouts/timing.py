@@ -10,13 +10,17 @@ Per micro-batch and pipeline layer, serially (the 2022 Megatron and dsnd overlap
   ring volumes, on the node's links when the group fits in a node;
 - context-parallel ring: each rank's K and V go around the ring forward, K, V and their
   gradients backward;
-- pipeline messages: a micro-batch's activation forward and its gradient backward per stage.
+- pipeline messages: a micro-batch's activation forward and its gradient backward per stage;
+- expert parallelism (ep > 1), per MoE block: the dispatch and combine all-to-alls, each a
+  rank's T·k (token, choice) rows of the hidden width, of which (ep - 1)/ep leave the rank,
+  forward, again backward (their gradients) and in a recomputation.
 
 The pipeline then runs the busiest stage's micro-batches on the schedule's own timeline
 (`dsnd.plan.schedule`, the bubble of that exact schedule); once per step the data-parallel
 gradient reduction (ZeRO-3: plus a parameter all-gather in every micro-batch's forward and
-backward) and the optimizer's pass over its states follow. Every rate runs at the device's
-`efficiency` of its peak.
+backward) and the optimizer's pass over its states follow; a stage's routed experts are
+reduced, gathered and stepped as a rank holds them: experts / ep over dp / ep ranks. Every rate
+runs at the device's `efficiency` of its peak.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Step:
     bf16: bool = True
     scores_in_memory: bool = False  # attention writes its scores (no fused kernel)
     scatter_gather: bool = False  # pipeline messages split over the tensor ranks (Megatron's)
+    ep: int = 1  # expert-parallel ranks (consecutive data-parallel ranks)
     layer_seconds: tuple[float, ...] | None = None
     """Measured forward + backward seconds of one micro-batch through each pipeline layer on this
     device (`dsnd.plan.profile.measure_layers`): they replace the FLOP and memory-traffic terms
@@ -86,6 +91,13 @@ def in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     """Per stage, the most micro-batch chunks it holds activations for at once."""
     short = _short(p, m)
     return tuple(max_in_flight(compute_order(schedule, p, s, short, v)) for s in range(p))
+
+
+@functools.lru_cache(maxsize=1024)
+def head_in_flight(schedule: str, p: int, m: int, v: int) -> int:
+    """The most micro-batches the last stage holds the head's activations for at once: those
+    in flight on its last model chunk (the one that ends in the head)."""
+    return max_in_flight(compute_order(schedule, p, p - 1, _short(p, m), v), chunk=v - 1)
 
 
 def _link(dev: Device, span: int) -> float:
@@ -119,6 +131,7 @@ def stage_seconds(shape: ModelShape, layers: list[int], st: Step, dev: Device) -
     tokens = st.micro_batch * st.seq / st.cp
     tp_link = _link(dev, st.tp) * e
     cp_link = _link(dev, st.tp * st.cp) * e
+    ep_link = _link(dev, st.tp * st.cp * st.ep) * e
     passes = 3 if st.recompute == "full" else 2  # forward, backward, [recomputed forward]
     total = 0.0
     for layer in layers:
@@ -139,7 +152,12 @@ def stage_seconds(shape: ModelShape, layers: list[int], st: Step, dev: Device) -
         tp_bytes = 4 * (st.tp - 1) / st.tp * tokens * shape.hidden * low * passes
         kv = 2 * shape.kv_heads * shape.head_dim / st.tp * tokens * low
         cp_bytes = (st.cp - 1) * kv * 3  # K, V forward; K, V and dK, dV backward
-        total += flops / peak + memory / hbm + tp_bytes / tp_link + cp_bytes / cp_link
+        ep_bytes = 0.0
+        if st.ep > 1 and shape.layer_experts and shape.layer_experts[layer]:
+            rows = tokens / st.tp * shape.top_k * shape.hidden * low  # SP: a tp rank's tokens
+            ep_bytes = 2 * rows * (st.ep - 1) / st.ep * passes  # dispatch + combine
+        total += (flops / peak + memory / hbm + tp_bytes / tp_link + cp_bytes / cp_link
+                  + ep_bytes / ep_link)  # fmt: skip
     return total
 
 
@@ -156,14 +174,20 @@ def step_seconds(shape: ModelShape, stages: list[list[int]], st: Step, dev: Devi
         p2p = 2 * st.virtual * message / (_link(dev, st.tp * st.cp * st.dp * 2) * e)
     busy = st.micro_batches * (max(per_stage) + p2p)
     pipelined = busy * (1 + schedule_bubble(st.schedule, st.pp, st.micro_batches, st.virtual))
-    psi = max(sum(shape.layer_params[i] for i in layers) for layers in stages) / st.tp
+    # the busiest stage's dense parameters (split over tp) and routed experts (over ep)
+    psi, experts = max(((sum(shape.layer_params[i] for i in layers) - shape.experts_of(layers))
+                        / st.tp, shape.experts_of(layers) / st.ep)
+                       for layers in stages)  # fmt: skip
     nd = st.dp * st.cp
     dp_link = _link(dev, st.tp * st.cp * st.dp) * e
     grad_bytes = 4 if not st.bf16 or st.zero == 0 else low
-    reduce = 2 * (nd - 1) / nd * psi * grad_bytes if nd > 1 else 0.0
-    if st.zero == 3 and nd > 1:  # reduce-scatter once; gather for each forward and backward
-        reduce = (nd - 1) / nd * psi * (grad_bytes + 2 * st.micro_batches * low)
-    states = psi / (nd if st.zero >= 1 else 1)
+    reduce = 0.0
+    for count, ranks in ((psi, nd), (experts, nd // st.ep)):
+        if ranks > 1 and st.zero == 3:  # reduce-scatter once; gather each forward and backward
+            reduce += (ranks - 1) / ranks * count * (grad_bytes + 2 * st.micro_batches * low)
+        elif ranks > 1:
+            reduce += 2 * (ranks - 1) / ranks * count * grad_bytes
+    states = (psi / nd + experts / (nd // st.ep)) if st.zero >= 1 else psi + experts
     optimizer = states * OPTIMIZER_BYTES / (dev.hbm_bytes_per_s * e)
     return pipelined + reduce / dp_link + optimizer
 

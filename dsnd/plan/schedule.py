@@ -217,13 +217,16 @@ def program(compute: list[Instr], role: StageRole) -> list[Instr]:
     return out + ([Instr(SP_SUM)] if role.sp_sum else []) + [Instr(REDUCE), Instr(STEP)]
 
 
-def max_in_flight(compute: list[Instr]) -> int:
+def max_in_flight(compute: list[Instr], chunk: int | None = None) -> int:
     """The most micro-batch chunks forwarded but not yet finished (B, or W when split) at any
-    point: the activation stashes a stage needs (DeepSpeed's ``num_pipe_buffers``)."""
+    point: the activation stashes a stage needs (DeepSpeed's ``num_pipe_buffers``); of model
+    chunk `chunk` only, when given."""
     split = any(x.op == BACKWARD_WEIGHT for x in compute)
     done = BACKWARD_WEIGHT if split else BACKWARD
     in_flight = peak = 0
     for x in compute:
+        if chunk is not None and x.chunk != chunk:
+            continue
         in_flight += (x.op == FORWARD) - (x.op == done)
         peak = max(peak, in_flight)
     return peak
