@@ -142,8 +142,8 @@ def load_hf_stage(stack: LayerStack, path: str, model: ModelSpec) -> None:
 def _read_param(files: dict[str, str], hf_name: str, param: torch.Tensor, path: str,
                 model: ModelSpec) -> torch.Tensor:  # fmt: skip
     """`param` (HF name `hf_name` in memory) from the file tensors that hold it (`hf_files`:
-    a fused expert weight from one tensor per expert, read whole: MoE blocks are not split
-    over tensor-parallel ranks)."""
+    a fused expert weight from one tensor per expert; MoE blocks are not split over
+    tensor-parallel ranks, and with expert parallelism only this rank's experts are read)."""
     experts = model.family.names.experts
     names = file_names(hf_name, experts, num_experts(model.config) if experts else 0)
     for name in names:
@@ -151,6 +151,11 @@ def _read_param(files: dict[str, str], hf_name: str, param: torch.Tensor, path: 
             raise UserError(f"model.init_from={path}: the checkpoint has no {name}")
     if names == [hf_name]:
         return _read(files[hf_name], hf_name, param, path)
+    shard = getattr(param, "tp_shard", None)
+    if shard is not None:  # this expert-parallel rank's experts (`dsnd.ep`: dim 0)
+        ((start, end),) = shard.ranges()
+        per_expert = len(names) // shard.full_len
+        names = names[start * per_expert : end * per_expert]
     with contextlib.ExitStack() as opened:  # each file opened once for all of its experts
         handles = {file: opened.enter_context(safe_open(file, framework="pt"))
                    for file in dict.fromkeys(files[name] for name in names)}  # fmt: skip
