@@ -35,7 +35,8 @@ from dsnd.pipeline.runner import StageRunner
 EP_WORLD = 4
 EP_SIZES = (1, 2, 4)
 STATE_STAGES = (0, 2, 3)
-"""ZeRO stages besides 1 run at ep=2 for their model-state bytes against the formula."""
+"""ZeRO stages besides 1 run at ep=2 for their model-state bytes against the formula (fp32;
+ZeRO 1 and 3 also in bf16: `_bf16` runs)."""
 EP_MICRO_BATCHES = 2
 
 
@@ -49,9 +50,12 @@ def run_sets(ep: int, stage: int = 1) -> list[str]:
 
 
 def runs(extra: Sequence[str]) -> dict[str, Resolved]:
-    """ep=1, 2, 4 at ZeRO-1 (named ep<n>), and ep=2 at the `STATE_STAGES` (ep2_zero<s>)."""
+    """ep=1, 2, 4 at ZeRO-1 (named ep<n>), and ep=2 at the `STATE_STAGES` (ep2_zero<s>) and
+    in bf16 (ep2_zero<s>_bf16)."""
     out = {f"ep{ep}": run_sets(ep) for ep in EP_SIZES}
     out |= {f"ep2_zero{stage}": run_sets(2, stage) for stage in STATE_STAGES}
+    out |= {f"ep2_zero{stage}_bf16": [*run_sets(2, stage), "ds.bf16.enabled=true"]
+            for stage in (1, 3)}  # fmt: skip
     return {name: resolve(load(None, [*sets, *extra]), EP_WORLD) for name, sets in out.items()}
 
 
@@ -64,6 +68,7 @@ def layout(res: Resolved, runner: StageRunner) -> dict[str, Any]:
             "params": res.plan.stage_parameters(res.model)[0],
             "expert_params": res.plan.stage_experts(res.model)[0],
             "zero_stage": res.plan.zero_stage, "state_per_param": 8,  # AdamW's two fp32 moments
+            "bf16": bool((res.ds.get("bf16") or {}).get("enabled")),
             "micro_batches": res.batch.gas, "seq_len": res.run.model.seq_len,
             "hidden": res.model.hidden_size, "moe_layers": moe_layers,
             "experts": num_experts(cfg), "top_k": cfg.num_experts_per_tok,

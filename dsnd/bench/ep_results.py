@@ -11,7 +11,9 @@ but over the group the rows received are the rows sent, so summed over all n ran
     payload = L · m · n · (8 E + 4 T k H b)        calls per rank = 5 L m
 
 (L MoE layers, m micro-batches, T = micro-batch tokens, b bytes per element); ep=1 has none. The
-other collectives (ZeRO's) do not change with ep. Model-state bytes per rank: a rank holds
+other collectives are ZeRO's: its ring reduce-scatter and all-gather move (n - 1)/n of what they
+cover per rank of n, so with the experts apart they scale as Ψd (dp - 1)/dp + (Ψe/ep) (dp/ep -
+1)/(dp/ep) (`zero_share`), ep=n's bytes ÷ ep=1's against that ratio. Model-state bytes per rank: a rank holds
 experts / ep of the routed experts' parameters, ZeRO-sharded over the dp / ep ranks holding the
 same experts, the dense rest over dp (`dsnd.plan.memory.model_state_bytes`, with the gradients a
 dsnd step holds until its one reduction, `held_gradient_bytes`): the step's peak measured
@@ -43,6 +45,14 @@ def a2a_theory(lay: Mapping[str, Any], world: int) -> tuple[int, int]:
     return 5 * per, per * world * (8 * lay["experts"] + 4 * tokens * lay["top_k"] * row)
 
 
+def zero_share(lay: Mapping[str, Any]) -> float:
+    """ZeRO's ring traffic per rank, in parameters: the dense ones over dp ranks, a rank's
+    experts over the dp / ep holding the same ones."""
+    dense, experts, dp = lay["params"] - lay["expert_params"], lay["expert_params"], lay["dp"]
+    held = dp // lay["ep"]
+    return dense * (dp - 1) / dp + experts / lay["ep"] * (held - 1) / held
+
+
 def _sum(ranks: list[Mapping[str, Any]], name: str, key: str) -> float:
     return sum(r[name][key] for r in ranks)
 
@@ -52,14 +62,16 @@ def _state(rec: Mapping[str, Any]) -> int:
 
 
 def state_formula(lay: Mapping[str, Any]) -> float:
-    """Model-state bytes of one rank of `lay` by the formula (fp32, the run's ZeRO stage)."""
-    parts = model_state_bytes(lay["zero_stage"], lay["params"], lay["dp"], False,
+    """Model-state bytes of one rank of `lay` by the formula (the run's precision and ZeRO
+    stage)."""
+    bf16 = lay.get("bf16", False)
+    parts = model_state_bytes(lay["zero_stage"], lay["params"], lay["dp"], bf16,
                               state_bytes=lay["state_per_param"],
                               experts=lay["expert_params"], ep=lay["ep"])  # fmt: skip
     held = (held_gradient_bytes(lay["zero_stage"], lay["params"] - lay["expert_params"],
-                                lay["dp"], False)
+                                lay["dp"], bf16)
             + held_gradient_bytes(lay["zero_stage"], lay["expert_params"] // lay["ep"],
-                                  lay["dp"] // lay["ep"], False))  # fmt: skip
+                                  lay["dp"] // lay["ep"], bf16))  # fmt: skip
     return sum(parts["device"].values()) + held
 
 
@@ -74,7 +86,7 @@ def ep_rows(raw: Mapping[str, Any]) -> list[Row]:
                         f"{sum(_state(r[name]) for r in ranks) / world:,.0f} B per rank; "
                         f"experts / {lay['ep']} over {lay['dp'] // lay['ep']} ranks, the rest "
                         f"over {lay['dp']}", BENCH))  # fmt: skip
-        if not name[2:].isdigit():  # another ZeRO stage at ep=2: its model state only
+        if not name[2:].isdigit():  # another ZeRO stage or bf16 at ep=2: its model state only
             continue
         calls, payload = a2a_theory(lay, world)
         got_calls = {r[name]["a2a_calls"] for r in ranks}
@@ -88,8 +100,10 @@ def ep_rows(raw: Mapping[str, Any]) -> list[Row]:
         if name == "ep1":
             continue
         other = _sum(ranks, name, "other_sent") / _sum(ranks, "ep1", "other_sent")
-        rows.append(Row(f"{name}_other_bytes_over_ep1", other, SAME,
-                        "ZeRO's data-parallel traffic: unchanged by ep", BENCH))
+        want = zero_share(lay) / zero_share(layouts["ep1"])
+        rows.append(Row(f"{name}_other_bytes_over_formula", other / want, SAME,
+                        f"ZeRO's traffic {other:.4f} of ep=1's, the experts' over dp / ep ranks: "
+                        f"{want:.4f} by the formula", BENCH))  # fmt: skip
         state = sum(_state(r[name]) for r in ranks) / sum(_state(r["ep1"]) for r in ranks)
         rows.append(Row(f"{name}_model_state_bytes_over_ep1", state, None,
                         "a rank keeps its experts only", BENCH))
