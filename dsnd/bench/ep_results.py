@@ -13,13 +13,13 @@ but over the group the rows received are the rows sent, so summed over all n ran
 (L MoE layers, m micro-batches, T = micro-batch tokens, b bytes per element); ep=1 has none. The
 other collectives are ZeRO's: its ring reduce-scatter and all-gather move (n - 1)/n of what they
 cover per rank of n, so with the experts apart they scale as Ψd (dp - 1)/dp + (Ψe/ep) (dp/ep -
-1)/(dp/ep) (`zero_share`), ep=n's bytes ÷ ep=1's against that ratio. Model-state bytes per rank: a rank holds
-experts / ep of the routed experts' parameters, ZeRO-sharded over the dp / ep ranks holding the
-same experts, the dense rest over dp (`dsnd.plan.memory.model_state_bytes`, with the gradients a
-dsnd step holds until its one reduction, `held_gradient_bytes`): the step's peak measured
-(`dsnd.engine.memory.state_bytes`, summed over the ranks) ÷ that formula. Throughput at ep = n ÷
-ep=1 is the median step time of ep=1 over that of ep=n, the runs taking turns on the same
-batches.
+1)/(dp/ep) (`zero_share`), ep=n's bytes ÷ ep=1's against that ratio. Model-state bytes per rank:
+a rank holds experts / ep of the routed experts' parameters, ZeRO-sharded over the dp / ep ranks
+holding the same experts, the dense rest over dp (`dsnd.plan.memory.model_state_bytes`, with the
+gradients a dsnd step holds until its one reduction, `held_gradient_bytes`): the step's peak
+measured (`dsnd.engine.memory.state_bytes`, summed over the ranks) ÷ that formula. Throughput at
+ep = n ÷ ep=1 is the median step time of ep=1 over that of ep=n, the runs taking turns on the
+same batches.
 """
 
 from __future__ import annotations
