@@ -232,6 +232,7 @@ def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str,
         sequence_parallel=par.sequence_parallel,
         balance_profile=balance_profile,
         sub_group_size=(ds.get("zero_optimization") or {}).get("sub_group_size"),
+        expert_parallel=par.ep,
     )
 
 

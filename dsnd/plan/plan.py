@@ -18,6 +18,7 @@ from dsnd.errors import UserError
 from dsnd.model import layer_specs, param_groups
 from dsnd.model.count import expert_table, layer_table
 from dsnd.model.layer_spec import TiedLayerSpec
+from dsnd.model.moe import EXPERT_WEIGHTS
 from dsnd.model.source import ModelSpec
 from dsnd.plan.partition import PartitionMethod, partition
 from dsnd.plan.schedule import (
@@ -152,11 +153,13 @@ def make_plan(
     sequence_parallel: bool,
     balance_profile: Callable[[int], list[int]] | None = None,
     sub_group_size: int | None = None,
+    expert_parallel: int = 1,
 ) -> Plan:
     """Resolve and check the plan; every refusal is a UserError naming the key and numbers.
 
     ``partition: profile`` calls `balance_profile(stages)` (measured costs, `dsnd.plan.profile`).
-    `sub_group_size` is the JSON's ZeRO-3 `sub_group_size` (None: DeepSpeed's default).
+    `sub_group_size` is the JSON's ZeRO-3 `sub_group_size` (None: DeepSpeed's default);
+    `expert_parallel` is `parallel.ep` (the experts then get a parameter group of their own).
     """
     p, v = topology.pp, virtual_stages
     _check_schedule(schedule, p, v, micro_batches, zero_stage)
@@ -171,7 +174,7 @@ def make_plan(
         tuple(program(compute_order(schedule, p, s, micro_batches, v), roles[s])) for s in range(p)
     )
     plan = Plan(**{**plan.__dict__, "programs": programs})
-    _check_param_groups(plan, specs, partition_method)
+    _check_param_groups(plan, specs, partition_method, expert_parallel)
     _check_zero3_sub_groups(plan, model, ZERO3_SUB_GROUP if sub_group_size is None
                             else sub_group_size)  # fmt: skip
     return plan
@@ -237,10 +240,11 @@ def _ties(specs: list, parts: tuple[int, ...], p: int) -> tuple[Tie, ...]:
     return tuple(ties)
 
 
-def _check_param_groups(plan: Plan, specs: list, method: PartitionMethod) -> None:
+def _check_param_groups(plan: Plan, specs: list, method: PartitionMethod, ep: int) -> None:
     """Under ZeRO 1-3 DeepSpeed all-reduces the gradient norm once per parameter group over the
     model-parallel group, so every stage needs the same number of groups (decayed and undecayed
-    parameters), or the stages would wait on each other for ever."""
+    parameters; with `ep` > 1 also the routed experts, which ZeRO keeps in a group of their own:
+    `dsnd.engine.experts`), or the stages would wait on each other for ever."""
     if plan.pp == 1 or plan.zero_stage == 0:
         return
     counts, owned = [], set()
@@ -252,13 +256,16 @@ def _check_param_groups(plan: Plan, specs: list, method: PartitionMethod) -> Non
                 if key is None or key not in owned:
                     modules.append(specs[i].build())
                     owned.add(key)
-        counts.append(len(param_groups(modules)))
+        experts = ep > 1 and any(EXPERT_WEIGHTS.search(n) for n, _ in modules.named_parameters())
+        counts.append(len(param_groups(modules)) + experts)
     if len(set(counts)) > 1:
         raise UserError(
             f"parallel.partition={method!r} gives stages {list(plan.parts)} whose "
             f"optimizer parameter groups differ ({counts} per stage: decayed matrices and/or "
-            f"undecayed norms, biases, embeddings); with ZeRO-{plan.zero_stage} DeepSpeed reduces "
-            "the gradient norm per group across stages, which would hang: choose a partition "
-            "where every stage holds a transformer block"
+            f"undecayed norms, biases, embeddings"
+            + (f"; with parallel.ep={ep} the routed experts, which some stages lack" * (ep > 1))
+            + f"); with ZeRO-{plan.zero_stage} DeepSpeed reduces the gradient norm per group "
+            "across stages, which would hang: choose a partition where every stage holds a "
+            + ("MoE block" if ep > 1 else "transformer block")
             + (" (e.g. 'parameters')" if method != "parameters" else " (explicit boundaries)")
         )
