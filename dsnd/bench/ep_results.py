@@ -68,10 +68,8 @@ def state_formula(lay: Mapping[str, Any]) -> float:
     parts = model_state_bytes(lay["zero_stage"], lay["params"], lay["dp"], bf16,
                               state_bytes=lay["state_per_param"],
                               experts=lay["expert_params"], ep=lay["ep"])  # fmt: skip
-    held = (held_gradient_bytes(lay["zero_stage"], lay["params"] - lay["expert_params"],
-                                lay["dp"], bf16)
-            + held_gradient_bytes(lay["zero_stage"], lay["expert_params"] // lay["ep"],
-                                  lay["dp"] // lay["ep"], bf16))  # fmt: skip
+    held = held_gradient_bytes(lay["zero_stage"], lay["params"], lay["dp"], bf16,
+                               experts=lay["expert_params"], ep=lay["ep"])  # fmt: skip
     return sum(parts["device"].values()) + held
 
 

@@ -153,9 +153,8 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
                       + sh.experts_of([i]) / lay.ep for i in layers)  # fmt: skip
         mine = psi - experts * (1 - 1 / lay.ep)  # what this rank holds of the stage
         parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(BUCKET, mine), pr.bf16)
-        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(psi - experts), nd, pr.bf16)
-        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(experts / lay.ep),
-                                                nd // lay.ep, pr.bf16)  # fmt: skip
+        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(psi), nd, pr.bf16,
+                                                int(experts), lay.ep)  # fmt: skip
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     lay.memory_bytes = worst

@@ -83,11 +83,11 @@ def build_stage(res: Resolved, groups: ProcessGroups, documents: Documents | Non
         # zero.Init as a context creates parameters in the run's dtype; handed a built module it
         # keeps their dtype, and a bf16 engine would then send fp32 activations between stages
         layer.to(zero3_dtype(res.ds))
+        parts = [(layer, groups.data)]
         experts = moe_experts(layer) if ep is not None else None
-        # a rank's experts first, over the ranks holding the same ones; zero.Init of the layer
-        # then skips them
-        for module, group in ([(experts, ep.data)] if experts is not None else []) + \
-                [(layer, groups.data)]:  # fmt: skip
+        if experts is not None:  # a rank's experts first, over the ranks holding the same ones
+            parts.insert(0, (experts, ep.data))  # (zero.Init of the layer then skips them)
+        for module, group in parts:
             zero_init(
                 module,
                 data_parallel_group=group,

@@ -68,8 +68,10 @@ def model_state_bytes(
     }
 
 
-def held_gradient_bytes(stage: int, psi: int, nd: int, bf16: bool) -> float:
-    """Gradient bytes a rank holds at the peak of a dsnd step beyond `model_state_bytes`' grads.
+def held_gradient_bytes(stage: int, psi: int, nd: int, bf16: bool, experts: int = 0,
+                        ep: int = 1) -> float:  # fmt: skip
+    """Gradient bytes a rank holds at the peak of a dsnd step beyond `model_state_bytes`' grads
+    (`experts` of the `psi` parameters routed experts split over `ep` ranks, as there).
 
     dsnd reduces a step's gradients once, at its end (`dsnd.engine.stage_engine` coalesces
     DeepSpeed's reductions), so until then every rank accumulates its stage's whole gradients:
@@ -78,8 +80,12 @@ def held_gradient_bytes(stage: int, psi: int, nd: int, bf16: bool) -> float:
     where the formula has 12 Psi, ZeRO-3 at 14 Psi where it has 10 Psi. ZeRO 0-1 hold whole
     gradients in the formula already."""
     low = 2 if bf16 else 4
-    if stage == 2:
-        return low * psi * (1 - 1 / nd)
-    if stage == 3:
-        return float(low * psi)
-    return 0.0
+
+    def held(count: float, ranks: int) -> float:
+        if stage == 2:
+            return low * count * (1 - 1 / ranks)
+        if stage == 3:
+            return float(low * count)
+        return 0.0
+
+    return held(psi - experts, nd) + held(experts / ep, nd // ep)

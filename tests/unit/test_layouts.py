@@ -177,11 +177,11 @@ def test_published_moe_runs():
     pr, lay = moe_runs.layout(mixtral)
     (published,) = moe_runs.published_step_s(mixtral)
     assert published / lay.step_time_s == pytest.approx(1.121, abs=0.005)
-    assert moe_runs.fits(lay, pr)
+    assert lay.fits
     whole = Layout(lay.pp, 1, lay.dp, 1, 1, lay.micro_batch, False, lay.schedule,
                    lay.virtual_stages, lay.micro_batches, ep=1)  # fmt: skip
     whole = evaluate(pr, whole, uniform_stages(pr.shape, lay.pp, lay.virtual_stages))
-    assert not moe_runs.fits(whole, pr)
+    assert not whole.fits
     extra = (whole.memory_bytes["params"] + whole.memory_bytes["grads"]
              - lay.memory_bytes["params"] - lay.memory_bytes["grads"])  # fmt: skip
     # a stage's 8 experts of 8 layers: 8 x 8 x 3 x 4096 x 14336 parameters, 7/8 of them gone,
