@@ -11,9 +11,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from dsnd.launcher.local_ranks import base_env, free_port
 from dsnd.launcher.local_ranks import run_ranks as _run_ranks
+from tests.nccl_rules import record, replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 __all__ = ["ROOT", "free_port", "rank_env", "run_cli", "run_ranks"]
@@ -25,8 +27,33 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_ranks(world: int, argv: list[str], timeout: float = 300) -> list[str]:
-    """Run `python <argv>` from the checkout as `world` ranks; each rank's output."""
-    return _run_ranks(world, argv, timeout, cwd=ROOT)
+    """Run `python <argv>` from the checkout as `world` ranks; each rank's output. Every
+    communication call the ranks make is recorded and replayed under NCCL's rules, in both of
+    torch's modes (`tests.nccl_rules`): a run that would hang or mismatch on NCCL fails here,
+    though gloo ran it."""
+    with tempfile.TemporaryDirectory(prefix="nccl-trace-") as folder:
+        previous = os.environ.get(record.ENV)
+        os.environ[record.ENV] = folder  # the ranks inherit this environment
+        try:
+            outputs = _run_ranks(world, argv, timeout, cwd=ROOT)
+        finally:
+            if previous is None:
+                del os.environ[record.ENV]
+            else:
+                os.environ[record.ENV] = previous
+        assert_nccl_rules(replay.load(folder), " ".join(argv))
+    return outputs
+
+
+def assert_nccl_rules(records: list[dict], what: str) -> None:
+    """Fail with the first problems of replaying `records` under NCCL's rules, in either mode."""
+    for mode in replay.MODES:
+        problems = replay.replay(records, mode)
+        if problems:
+            shown = "\n  ".join(problems[:12])
+            more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+            raise AssertionError(f"{what}: would not run on NCCL ({mode} mode), "
+                                 f"{len(problems)} problems:\n  {shown}{more}")  # fmt: skip
 
 
 def run_cli(

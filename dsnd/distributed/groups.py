@@ -99,3 +99,47 @@ def dp_shard_groups(groups: ProcessGroups, size: int | None
     replicas = [ranks[i::size] for ranks in data for i in range(size)]
     shard = _own_group(_consecutive(groups.topology, size), groups.rank)
     return replace(groups, data=shard), _own_group(replicas, groups.rank)
+
+
+def pipe_channels(stages: int, ring: bool) -> list[tuple[int, int, str]]:
+    """Every one-way message channel of a pipeline of `stages` stages, as (from stage, to stage,
+    kind): activations forward and gradients back between neighbours, and with `ring`
+    (interleaved schedules: the last stage's chunk c feeds the first stage's chunk c + 1) the
+    same between the last stage and the first."""
+    pairs = [(s, s + 1) for s in range(stages - 1)]
+    if ring and stages > 1:
+        pairs.append((stages - 1, 0))
+    return [ch for a, b in pairs for ch in ((a, b, "act"), (b, a, "grad"))]
+
+
+def channel_groups(topology: Topology, rank: int, ring: bool
+                   ) -> dict[tuple[int, int, str], dist.ProcessGroup]:  # fmt: skip
+    """This rank's two-rank process group for each pipeline channel it sends or receives on
+    (`pipe_channels`), one group per channel and direction.
+
+    Why a group each: on NCCL the messages between two ranks of one group run in issue order on
+    one stream, tags ignored, so a receive posted on the pipe group ahead of a send to the same
+    peer holds that send back, and 1F1B's steady state (an activation going forward while a
+    gradient comes back) deadlocks. With one group per channel a stream carries one direction
+    of one kind of message, whose sends and receives `dsnd.plan.schedule.simulate` checks come
+    in the same order. Every rank creates every pipeline's groups, in the same order."""
+    channels = pipe_channels(topology.pp, ring)
+    mine: dict[tuple[int, int, str], dist.ProcessGroup] = {}
+    for ranks in topology.groups("pipe"):
+        for src, dst, kind in channels:
+            group = dist.new_group([ranks[src], ranks[dst]])
+            if rank in (ranks[src], ranks[dst]):
+                mine[src, dst, kind] = group
+    return mine
+
+
+def pair_group(topology: Topology, rank: int, a: int, b: int) -> dist.ProcessGroup | None:
+    """This rank's two-rank group of stages `a` and `b` of its pipeline (the tied-weight
+    exchange, `dsnd.pipeline.tied`), or None where this rank is neither. Every rank creates
+    every pipeline's group."""
+    mine = None
+    for ranks in topology.groups("pipe"):
+        group = dist.new_group(sorted({ranks[a], ranks[b]}))
+        if rank in (ranks[a], ranks[b]):
+            mine = group
+    return mine

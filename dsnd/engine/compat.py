@@ -73,17 +73,19 @@ ZERO3_MODULES = (
 )
 
 
-def scope_zero3_trace_checks(group: dist.ProcessGroup) -> None:
-    """Make ZeRO-3's trace check compare only within `group` (the stage's data-parallel group)."""
+def scope_zero3_trace_checks(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Make ZeRO-3's trace check compare only within `group` (the stage's data-parallel group),
+    with its tensors on `device` (the accelerator's: an NCCL group takes device tensors only).
+    The check runs when ZeRO-3 completes a parameter trace, not per layer: its host syncs stay."""
     src = dist.get_process_group_ranks(group)[0]
 
     def assert_ints_same_in_group(ints: list[int]) -> None:
         # max and -min in one collective, so every rank sees the same verdict (no half-hang)
-        bounds = torch.tensor([len(ints), -len(ints)], dtype=torch.long)
+        bounds = torch.tensor([len(ints), -len(ints)], dtype=torch.long, device=device)
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
         if bounds[0].item() != -bounds[1].item():
             raise RuntimeError(f"ZeRO-3 trace lengths differ in the data-parallel group: {bounds}")
-        first = torch.tensor(list(ints), dtype=torch.long)
+        first = torch.tensor(list(ints), dtype=torch.long, device=device)
         dist.broadcast(first, src=src, group=group)
         if first.tolist() != list(ints):
             raise RuntimeError(

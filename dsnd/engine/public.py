@@ -8,7 +8,8 @@ topology never does).
 - `distributed_attention`: DeepSpeed's Ulysses `DistributedAttention` (all-to-all over heads).
 - `init_distributed`: `deepspeed.init_distributed` on a process group that is already up.
 - `comms_log_summary`: `deepspeed.comm.log_summary`, the comms_logger's table.
-- `accelerator`, `version`: `deepspeed.accelerator.get_accelerator()`, `deepspeed.__version__`.
+- `accelerator`, `version`: `deepspeed.accelerator.get_accelerator()`, `deepspeed.__version__`;
+  `accelerator_device`: its current device, as a `torch.device`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def accelerator() -> Any:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator()
+
+
+def accelerator_device() -> Any:
+    """This rank's accelerator device (`torch.device`), where DeepSpeed puts the engine and
+    where every tensor that meets a collective must live (NCCL takes device tensors only)."""
+    import torch
+
+    return torch.device(accelerator().current_device_name())
 
 
 def version() -> str:

@@ -104,17 +104,21 @@ def optimizer_step(engine) -> int:
     return int(opt.param_groups[0].get("step", 0))
 
 
-def _join_tp(value: torch.Tensor, param: nn.Parameter, group: dist.ProcessGroup) -> torch.Tensor:
-    """The full tensor of `param` from every rank's `value`: joined over the tensor-parallel
-    `group`, or for an expert parameter (this rank's experts) over its expert-parallel group."""
+def _join_tp(value: torch.Tensor, param: nn.Parameter, group: dist.ProcessGroup,
+             device: torch.device) -> torch.Tensor:  # fmt: skip
+    """The full tensor of `param` from every rank's `value`, on the CPU: joined over the
+    tensor-parallel `group`, or for an expert parameter (this rank's experts) over its
+    expert-parallel group. The gather runs on `device`, the engine's: an NCCL group takes device
+    tensors only, and an offloaded master or optimizer state lives on the CPU."""
     shard = getattr(param, "tp_shard", None)
     if shard is None:
-        return value
+        return value.cpu()
     experts = getattr(param, "expert_parallel", None)
     group = experts.group if experts is not None else group
+    value = value.to(device).contiguous()
     parts = [torch.empty_like(value) for _ in range(shard.size)]
-    dist.all_gather(parts, value.contiguous(), group=group)
-    return shard.combine(parts)
+    dist.all_gather(parts, value, group=group)
+    return shard.combine([part.cpu() for part in parts])
 
 
 def full_state(
@@ -136,8 +140,9 @@ def full_state(
             master = masters.get(id(param), param)
             value = master.detach()
             states = {k: opt.state[master][_own(opt, k)] for k in keys}
-        value = _join_tp(value.float().cpu(), param, tp_group)
-        states = {k: _join_tp(v.float().cpu(), param, tp_group) for k, v in states.items()}
+        value = _join_tp(value.float(), param, tp_group, engine.device)
+        states = {k: _join_tp(v.float(), param, tp_group, engine.device)
+                  for k, v in states.items()}  # fmt: skip
         yield name, value, states
 
 

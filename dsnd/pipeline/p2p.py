@@ -1,12 +1,22 @@
 """Point-to-point links between pipeline stages, driven by the stage's program.
 
+Every one-way channel (activations from stage s to s + 1, gradients back, and with interleaved
+schedules the ring's wrap from the last stage to the first) has its own two-rank process group
+(`dsnd.distributed.groups.channel_groups`). On NCCL all sends and receives between two ranks of
+one group run in issue order on one stream and tags are ignored: on one shared pipe group a
+receive posted ahead holds back the send behind it, and 1F1B's steady state (stage s sending an
+activation while stage s + 1 sends a gradient back, each then receiving) deadlocks. A group per
+channel leaves each stream one direction of one kind of message, received in the order it was
+sent (`dsnd.plan.schedule.simulate` checks that on every schedule; the suite replays every
+multi-rank test's calls under NCCL's rules, `tests/nccl_rules`). Megatron pairs each step's
+exchanges in one `batch_isend_irecv` instead; with a group per channel the schedule needs no
+pairing, and a receive can be posted ahead without blocking anything but its own channel.
+
 Sends are asynchronous (`isend`): a stage hands its activation or gradient off and computes on,
 so communication overlaps compute; the handles are waited on at the end of the step. Receives
 are posted ahead (`irecv`): at the start of a step the links read the program's receives, and
-keep up to `POST_AHEAD` posted per channel — (kind, receiving chunk), each under its own tag —
-so a message can land while the stage computes; the stage blocks only when it needs the tensor.
-Messages on one channel arrive in send order, which `dsnd.plan.schedule.simulate` checks matches
-the receiver's order for every schedule. Where each message goes (channel, peer, tag) is worked
+keep up to `POST_AHEAD` posted per channel, so a message can land while the stage computes; the
+stage blocks only when it needs the tensor. Where each message goes (channel, peer) is worked
 out once per program.
 
 When to post matters as much as how far ahead. gloo matches a send with a receive the receiver
@@ -15,11 +25,6 @@ has announced to the sender, and a receive posted right after another one comple
 llama-tiny at pp=2, m=8: posts took 3.6 ms of a 70 ms step). So after a receive the links post
 another only when none is left on that channel, and top every channel up to `POST_AHEAD` after
 each send instead; a receive is then announced a whole hand-off before its message comes.
-Measured the same way: 70.0 -> 66.2 ms per step, against 65.4 ms with every receive of the step
-posted at its start (m buffers per channel at once).
-
-With several chunks per stage (interleaved schedules) the stages form a ring: the last stage's
-chunk c feeds the first stage's chunk c + 1.
 
 Time blocked in receives is summed in `recv_wait_s`: on a stage, that is the pipeline bubble
 (plus transfer time) the schedule leaves it, which `dsnd bench pipeline` measures.
@@ -33,25 +38,19 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from dsnd.distributed.groups import ProcessGroups
-from dsnd.plan.schedule import RECVS, SENDS, Instr, StageRole, channel
+from dsnd.plan.schedule import RECVS, SENDS, Instr, StageRole, stream
 
-TIED_TAG = 0  # pipeline/tied.py's blocking exchange; activations and gradients use 1, 2, ...
 POST_AHEAD = 2  # receives kept posted per channel, at most (see the module docstring)
+Channels = dict[tuple[int, int, str], dist.ProcessGroup]  # (from, to, kind) -> its group
 
 
-def _tag(kind: str, chunk: int) -> int:
-    return 1 + 2 * chunk + (kind == "grad")
-
-
-def routes(role: StageRole, program: list[Instr]) -> dict[Instr, tuple[tuple, int, int]]:
-    """Each send and receive of `program`: (its channel, the peer stage, its tag)."""
+def routes(role: StageRole, program: list[Instr]) -> dict[Instr, tuple[tuple, int]]:
+    """Each send and receive of `program`: (its channel, the peer stage)."""
     out = {}
     for x in program:
         if x.op in SENDS or x.op in RECVS:
-            key = channel(role, x)
-            src, dst, kind, chunk = key
-            out[x] = (key, dst if x.op in SENDS else src, _tag(kind, chunk))
+            key = stream(role, x)
+            out[x] = (key, key[1] if x.op in SENDS else key[0])
     return out
 
 
@@ -59,19 +58,25 @@ class StageLinks:
     """This rank's links to the other stages of its pipeline."""
 
     def __init__(
-        self, groups: ProcessGroups, device: torch.device, ahead: int = POST_AHEAD
-    ) -> None:
+        self, channels: Channels, pipe_ranks: list[int], device: torch.device,
+        ahead: int = POST_AHEAD,
+    ) -> None:  # fmt: skip
         if ahead < 1:
             raise ValueError(f"need at least one receive posted ahead, got {ahead}")
         self.device, self.ahead = device, ahead
-        self.group = groups.pipe  # a stage's rank in this group is its stage index
+        self.channels = channels
+        me = pipe_ranks.index(dist.get_rank())  # this rank's stage
+        self._peer: dict[tuple[int, int, str], int] = {}  # the peer's rank in a channel's group
+        for (src, dst, kind), group in channels.items():
+            other = pipe_ranks[dst if src == me else src]
+            self._peer[src, dst, kind] = dist.get_group_rank(group, other)
         self._pending: list[dist.Work] = []
         self._posted: dict[tuple, deque] = {}  # channel -> posted (work, buffer), in order
         self._left: dict[tuple, int] = {}  # channel -> receives still to post this step
         self._shape: tuple[tuple[int, ...], torch.dtype] | None = None
         self._program: list[Instr] | None = None  # the program `_routes` was worked out for
         self._role: StageRole | None = None
-        self._routes: dict[Instr, tuple[tuple, int, int]] = {}
+        self._routes: dict[Instr, tuple[tuple, int]] = {}
         self._counts: dict[tuple, int] = {}  # channel -> receives per step
         self.recv_wait_s = 0.0  # seconds blocked in receives since construction or the last reset
 
@@ -86,7 +91,7 @@ class StageLinks:
         if program is not self._program or role != self._role:
             self._routes = routes(role, program)
             self._counts = {}
-            for x, (key, _, _) in self._routes.items():
+            for x, (key, _) in self._routes.items():
                 if x.op in RECVS:
                     self._counts[key] = self._counts.get(key, 0) + 1
             self._program, self._role = program, role
@@ -103,12 +108,11 @@ class StageLinks:
         upto = self.ahead if upto is None else upto
         while left > 0 and len(queue) < upto:
             left -= 1
-            _, _, kind, chunk = key
             shape, dtype = self._shape
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             # the process group's own receive: torch.distributed's irecv would translate the
             # peer's global rank back to this group rank on every message
-            queue.append((self.group.recv([buf], key[0], _tag(kind, chunk)), buf))
+            queue.append((self.channels[key].recv([buf], self._peer[key], 0), buf))
         self._left[key] = left
 
     def recv(self, x: Instr) -> torch.Tensor:
@@ -125,8 +129,9 @@ class StageLinks:
     def send(self, x: Instr, tensor: torch.Tensor) -> None:
         """Send `tensor` as send instruction `x` says (asynchronously); then top every channel up
         to `ahead` posted receives (see the module docstring)."""
-        _, peer, tag = self._routes[x]
-        self._pending.append(self.group.send([tensor.detach().contiguous()], peer, tag))
+        key, _ = self._routes[x]
+        group = self.channels[key]
+        self._pending.append(group.send([tensor.detach().contiguous()], self._peer[key], 0))
         for key in self._left:
             self._post(key)
 

@@ -14,13 +14,14 @@ import torch.distributed as dist
 from dsnd.config.resolve import Resolved
 from dsnd.cp.loss import context_parallel_loss
 from dsnd.data.layout import StepLayout
-from dsnd.distributed.groups import ProcessGroups, dp_shard_groups
+from dsnd.distributed.groups import ProcessGroups, channel_groups, dp_shard_groups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.engine.compat import scope_zero3_trace_checks
 from dsnd.engine.experts import after_build
 from dsnd.engine.experts import prepare as prepare_experts
 from dsnd.engine.hsdp import replicate_gradients
+from dsnd.engine.public import accelerator_device
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
 from dsnd.model.capacity import Capacity
@@ -59,7 +60,7 @@ class StageRunner:
         plan, stage = res.plan, groups.coord.pp
         _check_same_plan(plan)
         if plan.pp > 1:
-            scope_zero3_trace_checks(groups.data)
+            scope_zero3_trace_checks(groups.data, accelerator_device())
         # ZeRO's groups: the data group, or with parallel.dp_shard its shard (dsnd.engine.hsdp)
         zero_groups, replicas = dp_shard_groups(groups, res.run.parallel.dp_shard)
         # the document layout every block reads (data.packing: documents), set per micro-batch
@@ -77,7 +78,9 @@ class StageRunner:
         if replicas is not None:
             replicate_gradients(self.engine.optimizer, replicas)
         self.program = list(plan.programs[stage])
-        self.links = StageLinks(groups, self.engine.device)
+        channels = channel_groups(groups.topology, groups.rank, ring=plan.chunks > 1)
+        self.links = StageLinks(channels, dist.get_process_group_ranks(groups.pipe),
+                                self.engine.device)  # fmt: skip
         dtype = (torch.bfloat16 if self.engine.bfloat16_enabled()
                  else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
         tp, self.cp = tensor_parallel(res, groups), context_parallel(res, groups)

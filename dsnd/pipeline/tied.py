@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsnd.distributed.groups import ProcessGroups
+from dsnd.distributed.groups import ProcessGroups, pair_group
 from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.engine.public import gathered_parameters
 from dsnd.model import LayerStack
@@ -56,6 +56,7 @@ def _strip_parameters(module: nn.Module) -> None:
 class _Tie:
     owner: bool
     peer: int  # global rank of the other stage's rank with the same (dp, tp)
+    group: dist.ProcessGroup  # the two ranks' own group (`pair_group`)
     holder: nn.Module  # the submodule whose attribute is the tied weight
     name: str
     shape: torch.Size
@@ -67,11 +68,14 @@ class TiedWeights:
     """This rank's side of every weight tied across stages (empty when none is)."""
 
     def __init__(self, stack: LayerStack, ties: tuple[Tie, ...], groups: ProcessGroups) -> None:
-        self.group = groups.pipe
         pipe_ranks = dist.get_process_group_ranks(groups.pipe)
         me = groups.coord.pp
         self.ties: list[_Tie] = []
         for tie in ties:
+            # the owner and the borrower exchange on a group of their own: on NCCL the pipe
+            # group's messages between two ranks share one in-order stream with its loss
+            # broadcast (eager mode), which the exchange then depends on. Every rank creates it.
+            group = pair_group(groups.topology, groups.rank, tie.owner, tie.borrower)
             if me not in (tie.owner, tie.borrower):
                 continue
             module = stack.tied_modules[tie.key]
@@ -80,8 +84,9 @@ class TiedWeights:
                 weight = getattr(holder, name)
                 peer = pipe_ranks[tie.borrower if me == tie.owner else tie.owner]
                 shape = unpartitioned_shape(weight)
-                self.ties.append(_Tie(owner=me == tie.owner, peer=peer, holder=holder, name=name,
-                                      dtype=weight.dtype, shape=shape))  # fmt: skip
+                self.ties.append(_Tie(owner=me == tie.owner, peer=peer, group=group,
+                                      holder=holder, name=name, dtype=weight.dtype,
+                                      shape=shape))  # fmt: skip
             if me == tie.borrower:
                 _strip_parameters(module)
 
@@ -94,14 +99,14 @@ class TiedWeights:
             if tie.owner:
                 param = getattr(tie.holder, tie.name)
                 with gathered_parameters([param]):  # no-op below ZeRO-3
-                    dist.send(param.detach().clone(), tie.peer, group=self.group)
+                    dist.send(param.detach().clone(), tie.peer, group=tie.group)
 
     def borrow(self, device: torch.device) -> None:
         """Borrower: receive the weight as this step's leaf tensor."""
         for tie in self.ties:
             if not tie.owner:
                 buf = torch.empty(tie.shape, dtype=tie.dtype, device=device)
-                dist.recv(buf, tie.peer, group=self.group)
+                dist.recv(buf, tie.peer, group=tie.group)
                 tie.borrowed = buf.requires_grad_()
                 setattr(tie.holder, tie.name, tie.borrowed)
 
@@ -116,7 +121,7 @@ class TiedWeights:
                 grad = tie.borrowed.grad
                 if grad is None:
                     grad = torch.zeros_like(tie.borrowed)
-                dist.send(grad.contiguous(), tie.peer, group=self.group)
+                dist.send(grad.contiguous(), tie.peer, group=tie.group)
                 tie.borrowed = None
 
     def add_returned(self) -> None:
@@ -126,7 +131,7 @@ class TiedWeights:
             if tie.owner:
                 param = getattr(tie.holder, tie.name)
                 grad = torch.empty(tie.shape, dtype=tie.dtype, device=param.device)
-                dist.recv(grad, tie.peer, group=self.group)
+                dist.recv(grad, tie.peer, group=tie.group)
                 if param.grad is None:
                     param.grad = grad
                 else:

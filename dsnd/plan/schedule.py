@@ -248,6 +248,14 @@ def channel(role: StageRole, x: Instr) -> tuple[int, int, str, int]:
     return (vs + 1) % p, s, "grad", x.chunk  # RECV_GRAD, from vs + 1
 
 
+def stream(role: StageRole, x: Instr) -> tuple[int, int, str]:
+    """(from rank, to rank, kind): the one-way channel whose process group carries the message
+    `x` sends or receives, every chunk's (`dsnd.distributed.groups.channel_groups`). On NCCL a
+    group's messages between two ranks run in issue order and tags are ignored, so on each
+    stream the receiver must take the messages in the order they were sent."""
+    return channel(role, x)[:3]
+
+
 RENDEZVOUS = {TIED_LEND: TIED_BORROW, TIED_RETURN: TIED_ADD}  # blocking send -> its receive
 
 
@@ -257,7 +265,8 @@ class _Run:
     def __init__(self, programs: list[list[Instr]], roles: list[StageRole]) -> None:
         self.programs, self.roles = programs, roles
         self.pos = [0] * len(programs)
-        self.queues: dict[tuple, list[Instr]] = {}  # channel -> messages sent, not yet received
+        # stream -> (message, receiving chunk) sent, not yet received
+        self.queues: dict[tuple, list[tuple[Instr, int]]] = {}
         self.done: list[set[Instr]] = [set() for _ in programs]
 
     def next(self, s: int) -> Instr | None:
@@ -267,12 +276,15 @@ class _Run:
         """What stage `s`'s next instruction waits for, or None when it can run now."""
         x = self.next(s)
         if x.op in RECVS:
-            queue = self.queues.get(channel(self.roles[s], x), [])
+            queue = self.queues.get(stream(self.roles[s], x), [])
             if not queue:
                 return f"a message for {x}"
-            if queue[0].micro != x.micro:  # the channel names the receiving chunk
-                raise RuntimeError(f"stage {s} receives {x} but the next message on its channel "
-                                   f"is {queue[0]}: sends and receives out of order")  # fmt: skip
+            sent, to_chunk = queue[0]
+            if (sent.micro, to_chunk) != (x.micro, x.chunk):
+                raise RuntimeError(
+                    f"stage {s} receives {x} but the next message on its stream is {sent} "
+                    f"(for chunk {to_chunk}): sends and receives out of order, which NCCL "
+                    "(tags ignored) would hand to the wrong receive")  # fmt: skip
         role = self.roles[s]
         vs, last_vs = x.chunk * role.stages + s, role.stages * role.chunks - 1
         needs = []  # what this instruction's inputs come from, on this stage
@@ -299,9 +311,10 @@ class _Run:
     def run(self, s: int) -> None:
         x = self.next(s)
         if x.op in SENDS:
-            self.queues.setdefault(channel(self.roles[s], x), []).append(x)
+            key = channel(self.roles[s], x)
+            self.queues.setdefault(key[:3], []).append((x, key[3]))
         elif x.op in RECVS:
-            self.queues[channel(self.roles[s], x)].pop(0)
+            self.queues[stream(self.roles[s], x)].pop(0)
         self.done[s].add(x)
         self.pos[s] += 1
 
@@ -314,7 +327,7 @@ def simulate(programs: list[list[Instr]], roles: list[StageRole]) -> list[tuple[
     """Run every stage's program in lock-step ticks; return the global order of execution.
 
     Each tick every stage whose next instruction can run does so: a receive needs its message
-    (sent in an earlier tick, first in its channel: a message out of order raises), a compute
+    (sent in an earlier tick, first on its `stream`: a message out of order raises), a compute
     instruction its inputs, a tied exchange (a blocking send) its partner at the matching
     instruction, the step every stage at its step (ZeRO's gradient norm is a collective over
     the replica). Raises RuntimeError("deadlock: ...") naming what each stage waits for, and

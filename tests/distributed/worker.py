@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dsnd.distributed.init import WorldInfo, init_world, shutdown, world_info
+from tests.nccl_rules import record
 
 
 def this_rank() -> WorldInfo:
@@ -33,7 +34,9 @@ def this_rank() -> WorldInfo:
 def world(info: WorldInfo, timeout_s: int, plain: bool = False) -> Iterator[None]:
     """The process group for the block, destroyed after it whatever happened: dsnd's own
     (`init_world`), or with `plain` only torch's gloo group (no DeepSpeed, whose import costs
-    seconds, for checks that do not need it)."""
+    seconds, for checks that do not need it). With ``DSND_NCCL_TRACE`` set, every
+    communication call of the block is recorded there (`tests.nccl_rules.record`)."""
+    recorder = record.start(info.rank)
     if plain:
         dist.init_process_group(
             "gloo",
@@ -48,6 +51,7 @@ def world(info: WorldInfo, timeout_s: int, plain: bool = False) -> Iterator[None
         yield
     finally:
         shutdown()
+        record.finish(recorder)
 
 
 def everyone(mine: Any) -> list[Any]:

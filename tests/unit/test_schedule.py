@@ -586,9 +586,23 @@ def test_receives_out_of_order_are_caught():
     assert show(programs[1][:4]) == "recv_act0 F0 recv_act1 F1"
     programs[1][0], programs[1][2] = programs[1][2], programs[1][0]
     assert deadlock(programs, roles) == (
-        "stage 1 receives recv_act1 but the next message on its channel is send_act0: "
-        "sends and receives out of order"
+        "stage 1 receives recv_act1 but the next message on its stream is send_act0 (for chunk "
+        "0): sends and receives out of order, which NCCL (tags ignored) would hand to the wrong "
+        "receive"
     )
+
+
+def test_chunks_sharing_a_stream_must_be_received_in_the_order_sent():
+    """Interleaved 1F1B sends both chunks' activations from stage 0 to stage 1 on one channel
+    group (one NCCL stream, tags ignored). Stage 0 sending micro 1's chunk-0 activation after
+    micro 0's chunk-1 one keeps each chunk in order, which gloo's tags would sort out; NCCL hands
+    the chunk-1 message to the chunk-0 receive, so simulate refuses it."""
+    programs, roles = programs_for("interleaved-1f1b", 2, 2, 2)
+    send = parse("send_act1")[0]
+    programs[0].remove(send)
+    programs[0].insert(programs[0].index(parse("send_act0.1")[0]) + 1, send)
+    assert "receives recv_act1 but the next message on its stream is send_act0.1 (for chunk " \
+        "1): sends and receives out of order" in deadlock(programs, roles)
 
 
 def test_a_message_never_received_is_caught():
@@ -597,7 +611,7 @@ def test_a_message_never_received_is_caught():
     programs[0] = [x for x in programs[0] if x not in parse("recv_grad1 B1")]
     assert deadlock(programs, roles) == (
         "messages sent but never received: "
-        "{(1, 0, 'grad', 0): [Instr(op='send_grad', micro=1, chunk=0)]}"
+        "{(1, 0, 'grad'): [(Instr(op='send_grad', micro=1, chunk=0), 0)]}"
     )
     # an extra send nobody receives
     programs, roles = programs_for("1f1b", 2, 2)
