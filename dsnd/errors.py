@@ -12,6 +12,12 @@ the rank that failed first, and a restart is not wasted on a run that would fail
     2  bad input, found before any process group started
     3  training diverged (a non-finite loss or gradient norm): restarting would diverge again
     4  a peer failed first (a collective lost its connection or timed out)
+
+A rank the NCCL watchdog aborts (a collective timed out, or its communicator failed) ends by
+SIGABRT (-6; 134 through a shell) without running any Python: the launcher names it as an NCCL
+watchdog abort (`dsnd.launcher.protocol.describe_exit`), behind a rank that failed by itself.
+Whatever its ranks' codes, a failed job's launcher exits 1 (restartable with --max-restarts),
+a bad input 2 before any rank starts.
 """
 
 import difflib

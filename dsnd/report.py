@@ -47,8 +47,9 @@ def step_row(step: int, loss: float, lr: float, norm: float | None, elapsed: flo
         "pipeline_bubble": numbers["pipeline/bubble_fraction"],
         # the largest rank's model-state bytes (CPU) or allocated bytes (CUDA)
         "memory_live_bytes": max(v for k, v in numbers.items() if k.endswith("_live_bytes")),
-        # per stage, its largest rank: memory_stage<s>_live_bytes / _peak_bytes /
-        # _activation_peak_bytes (activations saved for backward, the most at once in a step)
+        # per stage, its largest rank: memory_stage<s>_live_bytes / _peak_bytes (CUDA: this
+        # step's) / _activation_peak_bytes (activations saved for backward, the most at once in
+        # a step) and, on CUDA only, _reserved_bytes (the caching allocator's hold)
         **{k.replace("/", "_"): v for k, v in numbers.items() if k.startswith("memory/")},
     }
 

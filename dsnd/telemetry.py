@@ -2,17 +2,25 @@
 memory per stage. Every rank measures itself; one all-gather brings the numbers to every rank
 and `step_numbers` (pure) turns them into TensorBoard tags.
 
-Memory per rank: on CUDA, allocated and peak-allocated bytes; on CPU, the bytes of the model
-states the rank holds (parameters, gradients, fp32 masters, optimizer state;
-`dsnd.engine.memory`) as "live", and the process's peak resident set as "peak" (all of Python
-and torch, an upper bound). On every device, "activation_peak": the most bytes of activations the
-rank held for backward at once in a step (`dsnd.pipeline.activations`, measured on sampled
-steps), which the micro-batches in flight, the sequence length and context parallelism set.
+Memory per rank: on CUDA, allocated bytes as "live", the step's peak allocated bytes as "peak"
+(the allocator's peak statistics are reset as each step starts, `start_step_memory`: otherwise
+`max_memory_allocated` is the peak since the process started, and every step would report the
+worst one so far) and the bytes the caching allocator holds from the driver as "reserved"
+(allocated + cached free blocks: what another process on the GPU cannot have, and what an
+out-of-memory error is measured against); on CPU, the bytes of the model states the rank holds
+(parameters, gradients, fp32 masters, optimizer state; `dsnd.engine.memory`) as "live", the
+process's peak resident set as "peak" (all of Python and torch since the start, an upper
+bound) and no "reserved" (NaN in the gathered stats, no tag). On every device,
+"activation_peak": the most bytes of activations the rank held for backward at once in a step
+(`dsnd.pipeline.activations`, measured on sampled steps), which the micro-batches in flight, the
+sequence length and context parallelism set.
 """
 
 from __future__ import annotations
 
+import math
 import resource
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,17 +29,29 @@ from dsnd.engine.memory import state_bytes
 from dsnd.phases import PHASES
 from dsnd.topology import Topology
 
-STATS = (*PHASES, "live_bytes", "peak_bytes", "activation_peak_bytes", "stop_requested",
-         "step_skipped")  # fmt: skip
-MEMORY = ("live_bytes", "peak_bytes", "activation_peak_bytes")
+STATS = (*PHASES, "live_bytes", "peak_bytes", "reserved_bytes", "activation_peak_bytes",
+         "stop_requested", "step_skipped")  # fmt: skip
+MEMORY = ("live_bytes", "peak_bytes", "activation_peak_bytes")  # tagged on every device
+CUDA_MEMORY = ("reserved_bytes",)  # tagged where measured (CUDA), absent on CPU
 
 
-def rank_memory(engine) -> tuple[float, float]:
+def start_step_memory(device: torch.device, cuda: Any = torch.cuda) -> None:
+    """Called as a step starts: on CUDA, reset the allocator's peak statistics so that the peak
+    `rank_memory` reads at the step's end is this step's own. Nothing on CPU (a process's peak
+    RSS cannot be reset). `cuda` is the torch.cuda module, passed in so tests can watch it."""
+    if device.type == "cuda":
+        cuda.reset_peak_memory_stats(device)
+
+
+def rank_memory(engine, cuda: Any = torch.cuda) -> tuple[float, float, float]:
+    """(live, peak, reserved) bytes of this rank (see the module docstring); reserved is NaN
+    on CPU, where no caching allocator holds memory."""
     if engine.device.type == "cuda":
-        return (float(torch.cuda.memory_allocated(engine.device)),
-                float(torch.cuda.max_memory_allocated(engine.device)))  # fmt: skip
+        return (float(cuda.memory_allocated(engine.device)),
+                float(cuda.max_memory_allocated(engine.device)),
+                float(cuda.memory_reserved(engine.device)))  # fmt: skip
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
-    return float(sum(state_bytes(engine).values())), float(peak_kib * 1024)
+    return float(sum(state_bytes(engine).values())), float(peak_kib * 1024), math.nan
 
 
 def gather_stats(times: dict[str, float], engine, stop_requested: bool = False,
@@ -72,7 +92,8 @@ def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens
                  peak_flops: float | None) -> dict[str, float | None]:  # fmt: skip
     """TensorBoard tags for one step. Times are means over ranks; the bubble is the mean share of
     the step a rank spends blocked in pipeline receives; MFU = achieved model FLOP/s over the
-    peak of all ranks; memory is the largest rank of each pipeline stage."""
+    peak of all ranks; memory is the largest rank of each pipeline stage (reserved bytes only
+    where measured: CUDA)."""
     col = {name: i for i, name in enumerate(STATS)}
     # plain floats from here: indexing the tensor per tag cost more than the numbers (every
     # step, on every rank)
@@ -94,6 +115,10 @@ def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens
         ranks = [row for row, s in zip(rows, stage_of, strict=True) if s == stage]
         for kind in MEMORY:
             out[f"memory/stage{stage}_{kind}"] = max(row[col[kind]] for row in ranks)
+        for kind in CUDA_MEMORY:
+            measured = [row[col[kind]] for row in ranks if not math.isnan(row[col[kind]])]
+            if measured:
+                out[f"memory/stage{stage}_{kind}"] = max(measured)
     return out
 
 

@@ -30,7 +30,7 @@ from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.save import save_checkpoint
 from dsnd.config.ds_effect import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
-from dsnd.config.summary import batch_line, precision_line
+from dsnd.config.summary import batch_line, precision, precision_line
 from dsnd.data import SampleSet, batch_for_step
 from dsnd.data.corpus import Corpus
 from dsnd.data.layout import sample_sets, step_layout
@@ -40,10 +40,10 @@ from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.loss_scale import current_scale, scale_numbers
 from dsnd.engine.public import comms_log_summary
 from dsnd.errors import Diverged
-from dsnd.flops import flops_per_token, peak_flops
+from dsnd.flops import flops_per_token, mfu_peak
 from dsnd.model.count import layer_table
 from dsnd.model.export_dir import ExportOrigin
-from dsnd.model.hf_io import export_hf
+from dsnd.model.hf_export import export_hf
 from dsnd.model.router_aux import wants_router_aux
 from dsnd.model.router_load import RouterLoad
 from dsnd.pipeline.runner import StageRunner
@@ -54,6 +54,7 @@ from dsnd.telemetry import (
     check_skips_agree,
     expert_load,
     gather_stats,
+    start_step_memory,
     step_numbers,
     stop_agreed,
 )
@@ -73,12 +74,15 @@ def _evaluate(runner: StageRunner, res: Resolved, groups: ProcessGroups, held_ou
 
 
 def _peak(res: Resolved, engine) -> float | None:
+    """This rank's peak FLOP/s for MFU in the run's precision (once per run, so the warning
+    that MFU goes unreported for an unknown GPU is logged once)."""
     name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
-    try:
-        return peak_flops(res.run.log.peak_flops, name, engine.bfloat16_enabled())
-    except ValueError as e:
-        log.warning("MFU not reported: %s", e)
-        return None
+    dtype = precision(res.ds)
+    peak = mfu_peak(res.run.log.peak_flops, name, dtype)
+    if peak is None:
+        log.warning("MFU not reported: no %s peak FLOP/s known for %r (set log.peak_flops)",
+                    dtype, name)  # fmt: skip
+    return peak
 
 
 def _should_save(run, done: int) -> bool:
@@ -194,6 +198,7 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     run, engine = res.run, st.runner.engine
     lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
     scale = current_scale(engine)  # fp16: the loss scale this step's gradients carry
+    start_step_memory(engine.device)  # CUDA: the peak reported below is this step's
     t0 = time.perf_counter()
     where = (run.train.seed, step, res.batch.train, groups.coord.dp, res.topology.dp,
              res.batch.micro)  # fmt: skip
@@ -263,7 +268,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
             _comms_summary(run.log.dir)
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             said = export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data,
-                             ExportOrigin(st.root, run.train.steps))  # fmt: skip
+                             ExportOrigin(st.root, run.train.steps), engine.device)  # fmt: skip
             if said:  # rank 0: says where the model went
                 log.info("%s", said)
         if reporter:  # the closing line: where everything the run wrote is

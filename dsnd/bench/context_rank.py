@@ -63,9 +63,10 @@ def _timed_step(runner: StageRunner, res: Resolved, samples, groups, step: int) 
     dist.barrier()
     start = time.perf_counter()
     result = runner.run(micro)
-    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    device = runner.engine.device  # an NCCL group reduces device tensors only
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    peak = torch.tensor([result.activation_peak_bytes], dtype=torch.float64)
+    peak = torch.tensor([result.activation_peak_bytes], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     loss, _ = runner.report(result)
     return seconds.item(), int(peak.item()), loss

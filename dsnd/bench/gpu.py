@@ -3,10 +3,12 @@ without activation checkpointing: tokens/s, MFU against the device's peak and th
 the allocator saw ÷ `dsnd plan`'s prediction for the same layout. Skipped (one line, exit 0)
 where torch sees no CUDA device: this is the check to run whenever a GPU is lent.
 
-Each configuration is a real ``dsnd train`` of one rank (nccl, DeepSpeed's engine), written by
+Each configuration is a real ``dsnd train`` of one rank (DeepSpeed's CUDA accelerator and
+engine, nccl; not the CPU accelerator dsnd's other benches pin), written by
 the planner's `emit` as ``dsnd plan --out`` would, for a few steps; medians after two warm-up
 steps. MFU counts model FLOPs (6N + 12Lhs per token, `dsnd.flops`) against the device's dense
-bf16 peak.
+bf16 peak, the product matched exactly (`dsnd.flops.DEVICE_NAMES`); peak memory is each step's
+own (the allocator's peak statistics are reset as a step starts).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ MEMORY_TARGET = Target.between(0.85, 1.15)  # measured peak within 15% of the pr
 def _device():
     import torch
 
-    from dsnd.layouts.hardware import DEVICES
+    from dsnd.layouts.hardware import DEVICES, named_device
 
     name = torch.cuda.get_device_name(0)
-    for key in ("h200", "h100", "a100"):
-        if key.upper() in name.upper():
-            return DEVICES[key], name
-    raise ValueError(f"no datasheet for {name!r} (known: {', '.join(DEVICES)})")
+    found = named_device(name)
+    if found is None:
+        known = ", ".join(str(d.product) for d in DEVICES.values())
+        raise ValueError(f"no planner datasheet for {name!r} (known: {known})")
+    return found, name
 
 
 def gpu(args: argparse.Namespace, tmp: str) -> list[Row]:
@@ -54,7 +57,7 @@ def gpu(args: argparse.Namespace, tmp: str) -> list[Row]:
     for zero, ac in CONFIGS:
         lay = layouts[(zero, ac)]
         with tempfile.TemporaryDirectory(dir=tmp) as where:
-            got = run_layout(MODEL, pr, lay, steps, where, sets=("dist.backend=nccl",))
+            got = run_layout(MODEL, pr, lay, steps, where, accelerator="cuda")  # nccl
         tag = f"zero{zero}{'_ac' if ac else ''}"
         peak = max(v for k, v in got[-1].items() if k.endswith("_peak_bytes")
                    and "activation" not in k)  # fmt: skip

@@ -148,15 +148,16 @@ def deepspeed_step(engine, micro: Batches) -> dict[str, float]:
 LATENCY_ROUNDS = 64  # round trips of the message-latency probe
 
 
-def message_latency(groups: ProcessGroups, shape: Any, rounds: int = LATENCY_ROUNDS) -> float:
+def message_latency(groups: ProcessGroups, shape: Any, device: torch.device,
+                    rounds: int = LATENCY_ROUNDS) -> float:  # fmt: skip
     """Seconds from a send to its arrival between stages 0 and 1 of this rank's pipeline, with
     both blocked waiting for it (the cheapest a message gets here): the median round trip of one
     activation-sized tensor / 2. The other stages wait; every stage returns the same number."""
     stage, pipe = groups.coord.pp, groups.pipe
-    out = torch.zeros((), dtype=torch.float64)
+    out = torch.zeros((), dtype=torch.float64, device=device)
     if stage < 2:
         peer = dist.get_process_group_ranks(pipe)[1 - stage]
-        x = torch.zeros(shape.activation, dtype=shape.dtype)
+        x = torch.zeros(shape.activation, dtype=shape.dtype, device=device)
         trips = []
         for _ in range(rounds):
             start = time.perf_counter()
@@ -192,7 +193,7 @@ def bench_pipeline(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
             records.append(
                 {"rep": rep, "timed": rep >= warmup, "order": order, "dsnd": mine, "deepspeed": ds}
             )
-        latency = message_latency(groups, ours.runner.shape)
+        latency = message_latency(groups, ours.runner.shape, ours.runner.engine.device)
     finally:
         theirs.destroy()
         ours.engine.destroy()

@@ -82,7 +82,7 @@ def run(out: str, what: str, world: int, resolve_runs: Callable[[], Runs],
     rank 0's raw JSON written to `out`."""
     info = start(what, world)
     runs = resolve_runs()
-    init_world(info, timeout_s=timeout_s)
+    init_world(info, timeout_s=timeout_s, backend="gloo")  # CPU ranks: never NCCL
     try:
         raw = measure(runs)
     finally:

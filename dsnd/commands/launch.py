@@ -36,6 +36,7 @@ from dsnd.config.schema import RunConfig
 from dsnd.distributed.slurm import derived_port
 from dsnd.errors import EXIT_DIVERGED, UserError
 from dsnd.launcher import command_lines, preflight
+from dsnd.launcher.devices import ignored_note
 from dsnd.launcher.environment import describe, passed_env
 from dsnd.launcher.hostfile import (
     allocation_hosts,
@@ -45,7 +46,7 @@ from dsnd.launcher.hostfile import (
     select_slots,
 )
 from dsnd.launcher.local_ranks import free_port
-from dsnd.launcher.protocol import AgentSpec
+from dsnd.launcher.protocol import AgentSpec, aborted, describe_exit
 from dsnd.launcher.rank_table import format_rank_table, rank_rows
 from dsnd.launcher.supervisor import AgentLaunch, supervise
 from dsnd.plan.plan import Plan, plan_json
@@ -183,7 +184,7 @@ def agent_launches(
         ranks = list(range(first, first + len(host_slots)))
         first += len(host_slots)
         spec = AgentSpec(host, ranks, world, _master_addr(args, slots), args.master_port, program,
-                         args.cwd, env, res.run.dist.timeout_s)  # fmt: skip
+                         args.cwd, env, res.run.dist.timeout_s, devices=host_slots)  # fmt: skip
         argv = _module_argv(args, slots, host, "dsnd.launcher.agent")
         launches.append(AgentLaunch(host, argv, spec))
     return launches
@@ -337,6 +338,9 @@ def run_launch(args: argparse.Namespace) -> int:
     res = resolve(load(args.config, args.sets), world)
     args.path_sets = absolute_path_sets(res.run, args.sets, args.cwd)
     rows = rank_rows(res.topology, command_lines.placement(slots))
+    ignored = ignored_note(dict(os.environ), slots)
+    if ignored and args.launcher in ("dsnd", "openmpi", "mpich"):  # DeepSpeed says it; Slurm binds
+        print(f"dsnd: note: {ignored}", file=sys.stderr, flush=True)
     if args.launcher != "dsnd":
         return _launch_external(args, slots, env_file, rows, res)
     env = passed_env(dict(os.environ), res.run.launch.env, env_file)
@@ -376,7 +380,8 @@ def _launch_external(args, slots, env_file, rows, res) -> int:
         argv = external_argv(args, slots, env_file, sets)
         slurm_step = step_name(args.job_id) if args.launcher == "slurm" else None
         rc = _run(argv, {**os.environ, **env_file}, forwarded, slurm_step)
-        return (None if rc == 0 else f"{os.path.basename(argv[0])} exited with code {rc}",
+        said = describe_exit(rc) if aborted(rc) else f"exited with code {rc}"
+        return (None if rc == 0 else f"{os.path.basename(argv[0])} {said}",
                 bool(forwarded) or rc == EXIT_DIVERGED)  # fmt: skip
 
     return with_restarts(attempt, args.sets, args.max_restarts)

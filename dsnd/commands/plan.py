@@ -100,6 +100,7 @@ def table(layouts) -> list[str]:
 def run_plan(args: argparse.Namespace) -> int:
     from dsnd.layouts import emit
     from dsnd.layouts.search import explain, plan
+    from dsnd.layouts.zero_sizes import sized_hidden
 
     model, pr = problem(args)
     if args.validate is not None and pr.device.name != "cpu":
@@ -119,7 +120,8 @@ def run_plan(args: argparse.Namespace) -> int:
         validation = validate(args.model, pr, fitting[: args.validate], args.steps)
     if args.out and fitting:
         preset = args.model in _presets()
-        emit.write(args.out, fitting[0], args.model, preset, pr.seq, pr.global_batch, pr.bf16)
+        emit.write(args.out, fitting[0], args.model, preset, pr.seq, pr.global_batch, pr.bf16,
+                   sized_hidden(pr.device.name, pr.shape.hidden))  # fmt: skip
     if args.json:
         print(json.dumps({"layouts": [x.as_json() for x in shown], "validation": validation}))
         return 0

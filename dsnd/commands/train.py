@@ -97,7 +97,7 @@ def _train_in_world(res, info, resume, stop, job_id) -> int:
     from dsnd.trainer import train
 
     try:
-        init_world(info, res.run.dist.timeout_s, res.run.dist.backend)
+        init_world(info, res.run.dist.timeout_s, res.run.dist.backend, res.run.log.dir)
         if job_id is None:  # no launcher named the job: rank 0 does, for the manifests
             ids = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
             dist.broadcast_object_list(ids, src=0)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from dsnd.config import json_lines
+from dsnd.config import ds_quantized, json_lines
 from dsnd.config.ds_auto import remaining_autos
 from dsnd.config.ds_checks import check_section_keys
 from dsnd.config.ds_monitors import MONITORS, check_monitor
@@ -120,15 +120,10 @@ def inactive(key: str, value: Any) -> bool:
     return value.get("enabled") is False
 
 
-# zero_optimization keys DeepSpeed knows and dsnd refuses.
+# zero_optimization keys DeepSpeed knows and dsnd refuses (and ZeRO++'s quantized switches
+# where the accelerator cannot build their op: `ds_quantized`).
 ZERO_REFUSED = {
     "zenflow": "ZenFlow is not supported by dsnd",
-    "zero_quantized_weights": "ZeRO++ quantized weights (qwZ) need DeepSpeed's quantizer op "
-    "(QuantizerBuilder), which its CPU accelerator does not implement (DeepSpeed: 'This op had "
-    "not been implemented on CPU backend.'); not supported by dsnd",
-    "zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ) need DeepSpeed's quantizer op "
-    "(QuantizerBuilder), which its CPU accelerator does not implement (DeepSpeed: 'This op had "
-    "not been implemented on CPU backend.'); not supported by dsnd",
     "mics_shard_size": "DeepSpeed 0.19.8 removed MiCS ('MiCS ZeRO-3 sharding has been "
     "removed'); set parallel.dp_shard in the run config instead: ZeRO-3 shards within groups "
     "of that many data-parallel ranks and replicates across them, as MiCS did",
@@ -353,9 +348,10 @@ def _check_types(ds: dict[str, Any], path: str) -> None:
 def _check_sections(ds: dict[str, Any], path: str) -> None:
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict):
-        known = _pydantic_keys(deepspeed_api.zero_config_model()) - set(ZERO_REFUSED)
         active = {k: v for k, v in zero.items() if k not in ZERO_OFF or v != ZERO_OFF[k]}
-        check_section_keys(active, known, ZERO_REFUSED, f"{path}: zero_optimization")
+        refused = {**ZERO_REFUSED, **ds_quantized.refusals(active)}
+        known = _pydantic_keys(deepspeed_api.zero_config_model()) - set(refused)
+        check_section_keys(active, known, refused, f"{path}: zero_optimization")
     for name in ("bf16", "bfloat16", "fp16"):
         if isinstance(ds.get(name), dict):
             model = deepspeed_api.fp16_config_model() if name == "fp16" else \

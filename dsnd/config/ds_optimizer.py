@@ -8,7 +8,7 @@ import inspect
 from typing import Any
 
 from dsnd.config.ds_checks import check_param_type, check_section_keys, is_number, type_and_params
-from dsnd.engine import deepspeed_api, optimizers
+from dsnd.engine import deepspeed_api, optimizers, public
 from dsnd.errors import UserError, did_you_mean
 
 OPTIMIZERS = {"adam", "adamw"}
@@ -43,6 +43,22 @@ REFUSED_OPTIMIZERS = {
 """Optimizers DeepSpeed builds that cannot train in dsnd, by the name DeepSpeed reads
 (`optimizers.type_name`), with the reason (measured on this CPU, DeepSpeed 0.19.8, torch 2.13)."""
 
+DEVICE_FLAGS = ("capturable", "fused")
+"""torch.optim parameters whose validity depends on the device the optimizer steps on
+(capturable: CUDA and a few others, not the CPU; fused Adagrad: the CPU only)."""
+
+
+def trial_params(params: dict[str, Any], step_device: str) -> dict[str, Any]:
+    """The parameters a config check's trial step takes: the trial runs on CPU tensors whatever
+    the device the engine will step on (`step_device`), so that checking a config on a GPU
+    machine opens no CUDA context — every rank checks its config before it binds its GPU, and
+    a trial there would put a context on GPU 0 from every rank. For another device the flags
+    whose answer depends on the device (DEVICE_FLAGS) are left to torch at the engine's build."""
+    if step_device == "cpu":
+        return dict(params)
+    return {k: v for k, v in params.items() if k not in DEVICE_FLAGS}
+
+
 REFUSED_OPTIMIZER_PARAMS = {
     "max_grad_norm": "DeepSpeed refuses it as an optimizer parameter; use the top-level "
     "gradient_clipping",
@@ -72,7 +88,9 @@ def check_optimizer(opt: Any, path: str, ds: dict[str, Any] | None = None) -> No
     for key, value in params.items():
         _check_optimizer_param(where, key, value, signature[key])
     if cls.__module__.startswith("torch.optim"):  # torch checks its own ranges: let it
-        problem = optimizers.trial_problem(cls, params, offload)
+        step_device = "cpu" if offload else public.accelerator().device_name()
+        # offload=True: the trial steps on the CPU (see `trial_params`)
+        problem = optimizers.trial_problem(cls, trial_params(params, step_device), offload=True)
         if problem:
             raise UserError(f"{where}: {_class_name(cls)} refuses them: {problem}")
     else:

@@ -255,8 +255,10 @@ class LogConfig:
         True,
     )
     peak_flops: float | None = doc(
-        "Peak FLOP/s of one device, for MFU; null = the table for known GPUs (bf16 or fp32 "
-        "dense), or a measured fp32 matmul rate on CPU.",
+        "Peak FLOP/s of one device, for MFU; null = the vendor's dense (no sparsity) peak of "
+        "the exact GPU product in the run's precision (fp16 or bf16 if the DeepSpeed JSON "
+        "enables it, else fp32; MFU not reported for a GPU not in the table), or a measured "
+        "fp32 matmul rate on CPU.",
         None,
     )
 

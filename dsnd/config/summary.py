@@ -16,13 +16,22 @@ def batch_line(batch: Batch, t: Topology) -> str:
             f"{context})")  # fmt: skip
 
 
+def precision(ds: dict[str, Any]) -> str:
+    """The dtype the (filled) JSON's matmuls run in: "bf16" ("bf16" or its alias "bfloat16"
+    enabled), "fp16" or "fp32" (DeepSpeed refuses both half precisions at once). MFU is taken
+    against the device's peak in this dtype."""
+    if any((ds.get(k) or {}).get("enabled") is True for k in ("bf16", "bfloat16")):
+        return "bf16"
+    return "fp16" if (ds.get("fp16") or {}).get("enabled") is True else "fp32"
+
+
 def precision_line(ds: dict[str, Any]) -> str:
     """What the (filled) JSON trains in: bf16 or fp16 (with its loss scaling) or fp32."""
-    bf16 = any((ds.get(k) or {}).get("enabled") is True for k in ("bf16", "bfloat16"))
-    fp16 = ds.get("fp16") or {}
-    if bf16:
+    kind = precision(ds)
+    if kind == "bf16":
         return "precision: bf16 parameters and gradients, fp32 master weights"
-    if fp16.get("enabled") is True:
+    if kind == "fp16":
+        fp16 = ds["fp16"]
         scale = fp16.get("loss_scale", 0)
         scaling = f"static loss scale {scale:g}" if scale else "dynamic loss scaling"
         return f"precision: fp16 parameters and gradients ({scaling}), fp32 master weights"

@@ -5,7 +5,8 @@ token losses of rank r's slice, N the label count over the group. Gradients are 
 the data x context group (`dsnd.distributed.mpu`), i.e. divided by cp as well as dp, so each
 rank's loss is its slice's share of L times cp: l_r = cp · S_r / N = cp · mean_r · n_r / N. The
 mean of the l_r over the group is L itself, which is also what is reported. N costs one
-all-reduce of one number per micro-batch.
+all-reduce of one number per micro-batch, and nothing is read back to the host: a slice without
+labels (n_r = 0) is handled on the device (`_never_empty`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,20 @@ def context_parallel_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.
         count = (labels != ignore_index).sum().to(torch.float32)
         total = count.clone()
         dist.all_reduce(total, group=group)
-        if count.item() == 0:  # nothing to learn on this slice (the mean would be NaN)
-            return logits.sum() * 0.0
-        return loss_fn(logits, labels) * (count * size / total)
+        scale = count * size / total.clamp(min=1)
+        return loss_fn(logits, _never_empty(labels, count)) * scale
 
     return loss
+
+
+def _never_empty(labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`labels`, or where none of them counts (`count` 0) the same with the first one set to
+    token 0, chosen on the device: no host sync per micro-batch.
+
+    A slice without labels would make `loss_fn`'s mean 0/0 = NaN, and NaN x 0 is NaN in the
+    value and in every gradient. With one stand-in label the mean is finite, and the slice's
+    `scale` = cp · n_r / N = 0 makes its loss 0 and its gradients exactly 0, as a constant
+    0 would; a slice with labels is passed on untouched."""
+    first = labels.reshape(-1)[:1]
+    stand_in = torch.cat([torch.zeros_like(first), labels.reshape(-1)[1:]]).view_as(labels)
+    return torch.where(count > 0, labels, stand_in)

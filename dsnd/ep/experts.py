@@ -5,9 +5,10 @@ runs on rank e // (E/ep)). `ParallelExperts` takes the place of `transformers`' 
 of an MoE block (same call: hidden (T, H), top-k expert ids and weights (T, k); same parameter
 names and shapes); per layer:
 
-1. every (token, choice) row is sorted by its expert and the per-expert counts are exchanged
-   first (all-to-all of E integers), so each rank knows how many rows it receives from whom:
-   dropless, uneven splits;
+1. every (token, choice) row is sorted by its expert and the per-expert counts (`expert_counts`,
+   on the device) are exchanged first (all-to-all of E integers), so each rank knows how many
+   rows it receives from whom: dropless, uneven splits. Reading those split sizes back is the
+   layer's one device-to-host sync;
 2. the rows go to their experts' ranks (all-to-all, differentiable: its backward is the
    reverse exchange of the gradients);
 3. the rank runs its experts on what it received with `transformers`' own experts code on
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dsnd.ep.counts import expert_counts
 from dsnd.tp.context import RankGroup
 from dsnd.tp.shard import Shard
 
@@ -81,6 +83,15 @@ class _Exchange(torch.autograd.Function):
         return back, None, None, None
 
 
+def _splits(counts: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Rows this rank sends to and gets from each rank of the group ((ep, E/ep) counts each):
+    the all-to-all needs them on the host, so they are read back once, together, the one
+    device-to-host sync of the layer. Everything else that depends on them is given them
+    (`repeat_interleave`'s output_size) rather than reading the device again."""
+    sent, got = torch.stack([counts.sum(1), received.sum(1)]).tolist()
+    return sent, got
+
+
 class ParallelExperts(nn.Module):
     """`experts` (a `transformers` experts module) over `ep`: this rank's `local_range` of its
     (E, ., .) parameters, as parameters of their own (see the module docstring)."""
@@ -116,13 +127,13 @@ class ParallelExperts(nn.Module):
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # rows grouped by expert, then by token
         rows = hidden[order // k]
-        counts = torch.bincount(experts, minlength=self.num_experts).view(self.ep.size, -1)
+        counts = expert_counts(experts, self.num_experts).view(self.ep.size, -1)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep.group)  # [source, local expert]
-        sent_splits, got_splits = counts.sum(1).tolist(), received.sum(1).tolist()
+        sent_splits, got_splits = _splits(counts, received)
         mine = _Exchange.apply(rows, got_splits, sent_splits, self.ep.group)
         local_ids = torch.arange(counts.shape[1], device=hidden.device).repeat(self.ep.size)
-        local_ids = local_ids.repeat_interleave(received.reshape(-1))
+        local_ids = local_ids.repeat_interleave(received.reshape(-1), output_size=sum(got_splits))
         ones = torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype, device=hidden.device)
         # the module's forward, not its __call__: the view shares its hooks' dictionaries
         out = self._local().forward(mine, local_ids.unsqueeze(1), ones)

@@ -5,7 +5,9 @@
   children too) and set to die with the agent (PR_SET_PDEATHSIG), so no rank outlives it;
 - passes each rank's stdout and stderr through, line by line;
 - a rank that exits non-zero, or stays stopped (process state T: SIGSTOP, a debugger) longer
-  than `hang_timeout_s`, ends every rank on this host at once and is reported as an event;
+  than `hang_timeout_s`, ends every rank on this host at once and is reported as an event; one
+  that exits saying a peer failed first, or that the NCCL watchdog aborted (SIGABRT, most often
+  because a peer died), is reported PEER_GRACE_S later unless the cause is found first;
 - `term` from the launcher sends SIGTERM to every rank (they save at the next step and exit 0);
   `kill`, or the launcher going away (end of stdin: its ssh connection closed), SIGKILLs them;
 - when every rank has ended, a last `exit` event lists how each one ended.
@@ -28,7 +30,7 @@ import time
 from typing import BinaryIO
 
 from dsnd.errors import EXIT_PEER_FAILED
-from dsnd.launcher.protocol import AgentSpec, RankOutcome, describe_exit, event_line
+from dsnd.launcher.protocol import AgentSpec, RankOutcome, aborted, describe_exit, event_line
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.2
@@ -168,7 +170,7 @@ class Agent:
         self.inbox: queue.Queue = queue.Queue()
         self.ranks = [Rank(spec, i, self.inbox) for i in range(len(spec.ranks))]
         self.ending: str | None = None  # None, "term" or "kill"
-        self.peer_failed: tuple[Rank, float] | None = None  # the first "a peer failed" exit
+        self.peer_failed: tuple[Rank, float] | None = None  # first "a peer failed" / SIGABRT
         self.pumps = [threading.Thread(target=_pump, args=(pipe, sink), daemon=True)
                       for r in self.ranks
                       for pipe, sink in ((r.proc.stdout, out), (r.proc.stderr, err))]  # fmt: skip
@@ -213,21 +215,24 @@ class Agent:
         code = rank.proc.returncode
         if code == 0 or rank.ended_by_agent:
             return
-        if code == EXIT_PEER_FAILED:  # a consequence: wait a little for the cause to report
+        if code == EXIT_PEER_FAILED or aborted(code):  # likely a consequence: wait a little
             self.peer_failed = self.peer_failed or (rank, time.monotonic())
             return
         self._fail(rank, describe_exit(code))
 
     def _check_peer_failed(self) -> None:
-        """A rank said a peer failed first, and no rank of this host failed since: after
-        PEER_GRACE_S it is the failure to report (the cause is elsewhere, or stuck)."""
+        """A rank said a peer failed first (or the NCCL watchdog aborted it), and no rank of this
+        host failed since: after PEER_GRACE_S it is the failure to report (the cause is
+        elsewhere, or stuck)."""
         if self.peer_failed and time.monotonic() - self.peer_failed[1] > PEER_GRACE_S:
             rank = self.peer_failed[0]
             self._fail(rank, describe_exit(rank.proc.returncode))
 
     def run(self) -> int:
         ended: set[int] = set()
-        while len(ended) < len(self.ranks):
+        # a waiting "peer failed" / SIGABRT exit is reported after its grace even when no rank of
+        # this host is left: without that event the launcher would not end the other hosts
+        while len(ended) < len(self.ranks) or (self.peer_failed and self.ending != "kill"):
             kind, item = self.inbox.get()  # a "tick" arrives every POLL_S
             if kind == "command":
                 self._on_command(item)

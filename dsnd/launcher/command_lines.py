@@ -11,10 +11,12 @@ from __future__ import annotations
 import shlex
 
 from dsnd.errors import UserError
+from dsnd.launcher.devices import VISIBLE_DEVICES, mpirun_devices_env
 
-# Set from the explicit arguments; an env file cannot override them (as in DeepSpeed, whose
-# launch.py sets them from --master_addr/--master_port after the exports are applied).
-_MASTER_KEYS = ("MASTER_ADDR", "MASTER_PORT")
+# Set from the explicit arguments and the slots; an env file cannot override them (as in
+# DeepSpeed, whose launch.py sets them from --master_addr/--master_port and the selected slots
+# after the exports are applied).
+_MASTER_KEYS = ("MASTER_ADDR", "MASTER_PORT", VISIBLE_DEVICES)
 
 
 def deepspeed_local_argv(
@@ -94,11 +96,13 @@ def mpirun_argv(
 
     Ranks are mapped slot by slot in host order (`h1:2,h2:2` -> ranks 0,1 on h1 and 2,3 on h2), so
     rank r lands where `placement(slots)[r]` says. `as_root` adds Open MPI's
-    `--allow-run-as-root` (containers); MPICH needs no such flag.
+    `--allow-run-as-root` (containers); MPICH needs no such flag. CUDA_VISIBLE_DEVICES is the
+    hosts' leading slots (`devices.mpirun_devices_env`), over any value in `env`.
     """
     hosts = ",".join(_host_counts(slots))
     nprocs = str(sum(len(s) for s in slots.values()))
-    exports = [("MASTER_ADDR", master_addr), ("MASTER_PORT", str(master_port))]
+    exports = [("MASTER_ADDR", master_addr), ("MASTER_PORT", str(master_port)),
+               *mpirun_devices_env(slots).items()]  # fmt: skip
     exports += [(k, v) for k, v in env.items() if k not in _MASTER_KEYS]
     program = [python, "-m", "dsnd", "train", *train_args]
     if flavor == "openmpi":
@@ -130,6 +134,7 @@ def srun_argv(
     srun starts the same number of tasks on every node, rank r on the node `placement(slots)`
     gives it (`--distribution=block`); a rank that fails ends the step (`--kill-on-bad-exit`).
     The step is named `step_name` so that a stop request can signal exactly it (`scancel_argv`).
+    CUDA_VISIBLE_DEVICES is Slurm's to set (its GPU binding of each task), not dsnd's.
     """
     if slots is not None:
         counts = {int(item.rpartition(":")[2]) for item in _host_counts(slots)}

@@ -3,6 +3,13 @@
 Each rank is its own Python process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT set, as DeepSpeed's launcher or torchrun would set them. The first rank to fail, or
 the deadline, ends the others; their output is kept for the error message.
+
+The ranks run on DeepSpeed's CPU accelerator unless told otherwise, even on a GPU machine: the
+CPU benches, the tests and `dsnd plan --validate` start 2-4 ranks here, which NCCL would refuse
+on one GPU. They see no GPU either (CUDA_VISIBLE_DEVICES empty), so nothing in them opens a CUDA
+context, and `dist.backend: auto` is gloo for them (`dsnd.distributed.init.backend_for`).
+`dsnd bench gpu` asks for the CUDA accelerator for its one rank, which then sees the GPUs this
+process sees (its device 0 is the one the bench named).
 """
 
 from __future__ import annotations
@@ -31,32 +38,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment with one thread per process, DeepSpeed's CPU accelerator, unbuffered
-    output, and this process's own dsnd first on the path (installed or not)."""
+def accelerator_env(accelerator: str) -> dict[str, str]:
+    """DeepSpeed's accelerator for the ranks (`cpu` or `cuda`), and for `cpu` no visible GPU."""
+    if accelerator not in ("cpu", "cuda"):
+        raise ValueError(f"accelerator must be 'cpu' or 'cuda', got {accelerator!r}")
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if accelerator == "cpu" else {}
+    return {"DS_ACCELERATOR": accelerator, **hidden}
+
+
+def base_env(extra: dict[str, str] | None = None, accelerator: str = "cpu") -> dict[str, str]:
+    """This environment with one thread per process, DeepSpeed's `accelerator` (`cpu`: no GPU
+    visible), unbuffered output, and this process's own dsnd first on the path (installed or
+    not)."""
     env = dict(os.environ)
     use_environment_dir(env)  # the same DeepSpeed op builds as `dsnd` itself uses
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(accelerator_env(accelerator))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+def rank_env(rank: int, world: int, port: int, accelerator: str = "cpu") -> dict[str, str]:
     return base_env(dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port)))  # fmt: skip
+                         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port)), accelerator)  # fmt: skip
 
 
 def run_ranks(
-    world: int, argv: Sequence[str], timeout_s: float, cwd: str | None = None
+    world: int,
+    argv: Sequence[str],
+    timeout_s: float,
+    cwd: str | None = None,
+    accelerator: str = "cpu",
 ) -> list[str]:
-    """Run ``python <argv>`` as `world` ranks, wait for all of them, return their outputs."""
+    """Run ``python <argv>`` as `world` ranks on DeepSpeed's `accelerator`, wait for all of
+    them, return their outputs."""
     port = free_port()
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
     procs = [
         subprocess.Popen(
             [sys.executable, *argv],
-            env=rank_env(rank, world, port),
+            env=rank_env(rank, world, port, accelerator),
             cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,

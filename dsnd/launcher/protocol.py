@@ -15,6 +15,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 
 from dsnd.errors import EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_USAGE
+from dsnd.launcher.devices import visible_devices_env
 
 EVENT_PREFIX = b"@@dsnd-agent "
 STOPPED_AFTER_S = 5.0
@@ -34,6 +35,7 @@ class AgentSpec:
     cwd: str
     env: dict[str, str] = field(default_factory=dict)  # added to the agent's own environment
     hang_timeout_s: float = 300.0  # a rank stopped for longer ends the job
+    devices: list[int] = field(default_factory=list)  # the host's selected slots (GPU ids)
 
     def to_line(self) -> bytes:
         return json.dumps(asdict(self)).encode() + b"\n"
@@ -43,9 +45,11 @@ class AgentSpec:
         return cls(**json.loads(line))
 
     def rank_env(self, local_rank: int) -> dict[str, str]:
-        """The variables torchrun / DeepSpeed's launch.py set for a rank, plus the spec's."""
+        """The variables torchrun / DeepSpeed's launch.py set for a rank, plus the spec's; the
+        host's selected slots as CUDA_VISIBLE_DEVICES over any other value (`devices`)."""
         return {
             **self.env,
+            **(visible_devices_env(self.devices) if self.devices else {}),
             "RANK": str(self.ranks[local_rank]),
             "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(self.world_size),
@@ -83,9 +87,25 @@ _MEANING = {EXIT_USAGE: "bad input", EXIT_DIVERGED: "training diverged",
             EXIT_PEER_FAILED: "a peer failed first"}  # fmt: skip
 
 
+ABORT_CODES = (-signal.SIGABRT, 128 + signal.SIGABRT)
+"""How a rank killed by SIGABRT ends: -6 as its parent sees it, 134 through a shell."""
+WATCHDOG = ("NCCL watchdog abort (collective timeout?): a collective outlived dist.timeout_s or "
+            "its communicator failed; torch's flight recorder dump, if any, is <log.dir>/logs/"
+            "nccl_trace_rank_<rank>")  # fmt: skip
+
+
+def aborted(code: int | None) -> bool:
+    """Whether exit code `code` is a SIGABRT's (on NCCL, most often the watchdog's)."""
+    return code in ABORT_CODES
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "did not start"
+    if code == -signal.SIGABRT:
+        return f"was killed by SIGABRT: {WATCHDOG}"
+    if code == 128 + signal.SIGABRT:
+        return f"exited with code {code} (128 + SIGABRT): {WATCHDOG}"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -105,10 +125,12 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
 
     A frozen (stopped) rank is the cause even when a peer's collective timed out first.
     Otherwise a rank killed by a signal it did not get from its agent (SIGKILL, SIGSEGV, the OOM
-    killer) comes before ranks that exited with an error, and those before ranks that exited
-    saying a peer failed first (EXIT_PEER_FAILED), since one rank's death makes the others'
-    collectives fail a few milliseconds later — sometimes before the failing rank has finished
-    exiting, so the time of exit alone names the wrong rank; among equals, the earliest.
+    killer) comes before ranks that exited with an error, those before ranks the NCCL watchdog
+    aborted (SIGABRT: a collective timed out or its communicator failed, often because a peer
+    died), and those before ranks that exited saying a peer failed first (EXIT_PEER_FAILED),
+    since one rank's death makes the others' collectives fail a few milliseconds later —
+    sometimes before the failing rank has finished exiting, so the time of exit alone names the
+    wrong rank; among equals, the earliest.
     """
     if all(o.code == 0 for o in outcomes):
         return None
@@ -121,9 +143,19 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
         what = o.reason or f"was stopped (frozen for {o.stopped_s:.0f} s)"
         return f"rank {o.rank} on host {o.host} {what}"
     failed = [o for o in outcomes if o.code != 0 and not o.ended_by_agent]
-    failed.sort(key=lambda o: ((o.code or 0) >= 0, o.code == EXIT_PEER_FAILED, o.ended_at, o.rank))
+    failed.sort(key=lambda o: (_consequence_rank(o.code), o.ended_at, o.rank))
     if failed:
         o = failed[0]
         return f"rank {o.rank} on host {o.host} {describe_exit(o.code)}"
     o = next(o for o in outcomes if o.code != 0)
     return f"rank {o.rank} on host {o.host} {describe_exit(o.code)}"
+
+
+def _consequence_rank(code: int | None) -> int:
+    """0 a signal from outside, 1 an error exit, 2 a SIGABRT (the NCCL watchdog), 3 "a peer
+    failed first": the lower, the likelier the cause (see `diagnose`)."""
+    if aborted(code):
+        return 2
+    if code == EXIT_PEER_FAILED:
+        return 3
+    return 0 if (code or 0) < 0 else 1

@@ -1,5 +1,6 @@
 """A chosen layout as the two files a run reads: a run YAML and its DeepSpeed JSON (dsnd's
-packaged ZeRO JSON of the layout's stage, with the layout's batch sizes and precision)."""
+packaged ZeRO JSON of the layout's stage, with the layout's batch sizes and precision; for a
+GPU its ZeRO buffers sized to the model and DeepSpeed's own Adam, `dsnd.layouts.zero_sizes`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ import yaml
 from dsnd.config.packaged import packaged_json
 from dsnd.layouts.search import Layout
 from dsnd.layouts.source import PARTITION
+from dsnd.layouts.zero_sizes import (
+    drop_torch_adam_beside_offload,
+    gpu_sized,
+    one_sub_group_per_stage,
+)
 
 RUN_YAML, DS_JSON = "run.yaml", "ds_config.json"
 
 
-def ds_json(lay: Layout, global_batch: int, bf16: bool) -> dict[str, Any]:
+def ds_json(lay: Layout, global_batch: int, bf16: bool,
+            hidden: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The packaged JSON of the layout's ZeRO stage with its batch and precision; sized for a
+    GPU running a model of hidden size `hidden` (`zero_sizes.gpu_sized`), or, None, left at
+    the packaged sizes for this CPU's test-sized runs."""
     path = packaged_json(lay.zero_stage)
     with open(path, encoding="utf-8") as f:
         ds = json.load(f)
@@ -25,6 +35,10 @@ def ds_json(lay: Layout, global_batch: int, bf16: bool) -> dict[str, Any]:
     ds["gradient_accumulation_steps"] = lay.micro_batches
     if bf16:
         ds["bf16"] = {"enabled": True}
+    if hidden is not None:
+        gpu_sized(ds, hidden)
+    drop_torch_adam_beside_offload(ds)
+    one_sub_group_per_stage(ds, lay.pp, lay.params_count)
     return ds
 
 
@@ -42,14 +56,14 @@ def run_yaml(lay: Layout, model: str, preset: bool, seq: int) -> dict[str, Any]:
 
 
 def write(out: str, lay: Layout, model: str, preset: bool, seq: int, global_batch: int,
-          bf16: bool) -> list[str]:  # fmt: skip
-    """Write both files into `out` (created); their paths."""
+          bf16: bool, hidden: int | None = None) -> list[str]:  # fmt: skip
+    """Write both files into `out` (created); their paths. `hidden`: as `ds_json`'s."""
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, RUN_YAML), os.path.join(out, DS_JSON)]
     with open(paths[0], "w", encoding="utf-8") as f:
         f.write(f"# dsnd plan: {lay.key()}, predicted {lay.step_time_s:.3g} s/step\n")
         yaml.safe_dump(run_yaml(lay, model, preset, seq), f, sort_keys=False)
     with open(paths[1], "w", encoding="utf-8") as f:
-        json.dump(ds_json(lay, global_batch, bf16), f, indent=2)
+        json.dump(ds_json(lay, global_batch, bf16, hidden), f, indent=2)
         f.write("\n")
     return paths

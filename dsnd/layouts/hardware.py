@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dsnd.errors import UserError
-from dsnd.flops import GPU_PEAKS
+from dsnd.flops import DEVICE_NAMES, PEAKS
 
 GiB = 1024**3
 
@@ -36,25 +36,35 @@ class Device:
     inter_bytes_per_s: float  # per direction, to another node
     per_node: int = 8
     efficiency: float = SELENE_EFFICIENCY
+    product: str | None = None  # the `dsnd.flops.PEAKS` product, for a datasheet device
 
     def flops(self, bf16: bool) -> float:
         return self.bf16_flops if bf16 else self.fp32_flops
 
 
-def _gpu(name: str, peak: str, mem_gib: float, hbm_tb: float, intra_gb: float, inter_gb: float
-         ) -> Device:  # fmt: skip
-    return Device(name, mem_gib * GiB, GPU_PEAKS[peak]["bf16"], GPU_PEAKS[peak]["fp32"],
-                  hbm_tb * 1e12, intra_gb * 1e9, inter_gb * 1e9)  # fmt: skip
+def _gpu(name: str, product: str, mem_gib: float, hbm_tb: float, intra_gb: float,
+         inter_gb: float) -> Device:  # fmt: skip
+    peaks = PEAKS[product]  # the same figures MFU is measured against
+    return Device(name, mem_gib * GiB, peaks["bf16"], peaks["fp32"], hbm_tb * 1e12,
+                  intra_gb * 1e9, inter_gb * 1e9, product=product)  # fmt: skip
 
 
 DEVICES: dict[str, Device] = {
     # A100 SXM: 12 NVLink 3 links x 25 GB/s per direction; one 200 Gb/s HDR adapter per GPU.
-    "a100": _gpu("a100", "A100", 80, 2.039, 300, 25),
-    "a100-40g": _gpu("a100-40g", "A100", 40, 1.555, 300, 25),
+    "a100": _gpu("a100", "A100 SXM4 80GB", 80, 2.039, 300, 25),
+    "a100-40g": _gpu("a100-40g", "A100 SXM4 40GB", 40, 1.555, 300, 25),
     # H100/H200 SXM: 18 NVLink 4 links x 25 GB/s per direction; one 400 Gb/s NDR adapter per GPU.
-    "h100": _gpu("h100", "H100", 80, 3.35, 450, 50),
+    "h100": _gpu("h100", "H100 SXM", 80, 3.35, 450, 50),
     "h200": _gpu("h200", "H200", 141, 4.8, 450, 50),
 }
+
+
+def named_device(device_name: str) -> Device | None:
+    """The planner's device for a GPU as torch.cuda.get_device_name() names it, matched by exact
+    product (an H100 PCIe is not the planner's SXM h100); None for a product it has no entry
+    for."""
+    product = DEVICE_NAMES.get(device_name.strip())
+    return next((d for d in DEVICES.values() if product and d.product == product), None)
 
 
 def device(name: str | None, *, memory_gib: float | None = None, tflops: float | None = None,

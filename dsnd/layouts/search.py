@@ -19,12 +19,12 @@ from dsnd.layouts import memory as mem
 from dsnd.layouts.hardware import Device
 from dsnd.layouts.shape import ModelShape
 from dsnd.layouts.timing import Step, head_in_flight, in_flight, step_seconds
+from dsnd.layouts.zero_sizes import reduce_bucket, sized_hidden
 from dsnd.plan.memory import held_gradient_bytes
 from dsnd.plan.plan import ZERO_STAGES
 
 HEADROOM = 0.9  # a layout fits when it needs at most this share of the device's memory
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-BUCKET = 5e6  # reduce_bucket_size (elements) of dsnd's packaged ZeRO JSONs
 
 Split = Callable[[int, int], list[list[int]]]  # (pp, chunks) -> each stage's layers
 
@@ -136,6 +136,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
                                        recompute, low)  # fmt: skip
     whole = mem.block_activation_bytes(sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp,
                                        "none", low)  # fmt: skip
+    bucket = reduce_bucket(sized_hidden(dev.name, sh.hidden))  # as `dsnd plan --out` writes
     worst: dict[str, float] = {}
     for s, layers in enumerate(stages):
         experts = sh.experts_of(layers)  # routed experts: whole on every tensor-parallel rank
@@ -152,7 +153,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
         largest = max((sh.layer_params[i] - sh.experts_of([i])) / lay.tp
                       + sh.experts_of([i]) / lay.ep for i in layers)  # fmt: skip
         mine = psi - experts * (1 - 1 / lay.ep)  # what this rank holds of the stage
-        parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(BUCKET, mine), pr.bf16)
+        parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(bucket, mine), pr.bf16)
         parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(psi), nd, pr.bf16,
                                                 int(experts), lay.ep)  # fmt: skip
         if sum(parts.values()) > sum(worst.values()):

@@ -34,10 +34,16 @@ TIMEOUT_S = 600
 WARM_STEPS = 2  # steps left out of the time median (start-up, first allocations)
 
 
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+"""The process-group backend of each accelerator a layout runs on, named explicitly."""
+
+
 def run_layout(model: str, pr: Problem, lay: Layout, steps: int, tmp: str,
-               sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
+               sets: tuple[str, ...] = (),
+               accelerator: str = "cpu") -> list[dict[str, Any]]:  # fmt: skip
     """Run the layout for `steps` steps (as ``--out`` writes it, plus run keys `sets`) on this
-    machine's ranks; its metrics rows."""
+    machine's ranks, on DeepSpeed's `accelerator` with its backend (`cpu`: gloo, even on a GPU
+    machine; `cuda`: nccl); its metrics rows."""
     from dsnd.launcher.local_ranks import run_ranks
     from dsnd.model.source import presets
 
@@ -47,8 +53,9 @@ def run_layout(model: str, pr: Problem, lay: Layout, steps: int, tmp: str,
     argv = ["-m", "dsnd", "train", "--config", os.path.join(out, emit.RUN_YAML),
             "--set", f"log.dir={log}", "--set", f"train.steps={steps}",
             "--set", "log.tensorboard=false", "--set", "checkpoint.resume=never",
+            "--set", f"dist.backend={BACKENDS[accelerator]}",
             *(f"--set={item}" for item in sets)]  # fmt: skip
-    run_ranks(pr.world, argv, TIMEOUT_S)
+    run_ranks(pr.world, argv, TIMEOUT_S, accelerator=accelerator)
     with open(os.path.join(log, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from dsnd.ep import moe_experts
+from dsnd.ep import expert_counts, moe_experts
 from dsnd.model.checkpointing import in_recompute
 
 
@@ -35,8 +35,7 @@ def keep_mask(top_k_index: torch.Tensor, experts: int, factor: float) -> torch.T
     capacity = math.ceil(factor * tokens * k / experts)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, then by token (row-major order)
-    counts = torch.zeros(experts, dtype=flat.dtype, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # not bincount: no device-to-host sync on the GPU
+    counts = expert_counts(flat, experts).to(flat.dtype)  # not bincount: no host sync
     starts = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(flat)
     position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]

@@ -6,9 +6,9 @@
   copies them into its `LayerStack` (under ZeRO-3 one layer gathered at a time, every rank of
   the data-parallel group copying the same values). A borrowing stage of a tied weight holds no
   parameter for it, so reads nothing for it.
-- `export_hf`: at the end of a run every stage gathers its parameters (ZeRO-3: one layer at a
-  time), one data-parallel replica sends them to global rank 0, which joins the tensor-parallel
-  shards (`Shard.combine`, vocabulary padding dropped) and writes them with `write_hf_dir`.
+- `export_hf` (`dsnd.model.hf_export`): at the end of a run the stages stream their parameters
+  one tensor at a time to global rank 0, which joins the shards and writes the same files as
+  `write_hf_dir` (sharing `write_config` and `copy_tokenizer`).
 - Mixture-of-experts weights are stored in files one tensor per expert, as `save_pretrained`
   writes them, and fused in memory (`dsnd.model.hf_files`); both directions convert.
 - `write_hf_dir`: full tensors by dsnd name -> HF names, `config.json` and `model.safetensors`,
@@ -29,7 +29,6 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -37,16 +36,16 @@ from torch import nn
 from dsnd.engine.public import gathered_parameters
 from dsnd.errors import UserError
 from dsnd.model.count import full_shapes
-from dsnd.model.export_dir import ExportOrigin, replacing, umask, write_whole
+from dsnd.model.export_dir import ExportOrigin, umask, write_whole
 from dsnd.model.hf_files import file_names, file_shapes, join, split
 from dsnd.model.hf_weights import from_hf_name, to_hf_names
 from dsnd.model.moe import num_experts
 from dsnd.model.source import TOKENIZER_FILES, ModelSpec, load_model
 from dsnd.model.stack import LayerStack
-from dsnd.tp import Shard
 from dsnd.tp.shard import read_part
 
-_WEIGHTS = "model.safetensors"
+WEIGHTS = "model.safetensors"
+WEIGHTS_METADATA = {"format": "pt"}
 _INDEX = "model.safetensors.index.json"
 
 
@@ -109,9 +108,9 @@ def _weight_files(path: str) -> dict[str, str]:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
         return {name: os.path.join(path, file) for name, file in weight_map.items()}
-    single = os.path.join(path, _WEIGHTS)
+    single = os.path.join(path, WEIGHTS)
     if not os.path.exists(single):
-        raise UserError(f"model.init_from={path}: no {_WEIGHTS} or {_INDEX} in the directory")
+        raise UserError(f"model.init_from={path}: no {WEIGHTS} or {_INDEX} in the directory")
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
 
@@ -172,23 +171,6 @@ def _read(file: str, hf_name: str, param: torch.Tensor, path: str) -> torch.Tens
             raise UserError(f"model.init_from={path}: {hf_name} {e}") from e
 
 
-def _replicas(param: nn.Parameter, data_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The ranks of a stage holding the same part of `param`: its data-parallel group, or for
-    an expert parameter (`dsnd.ep`) its expert-data-parallel group."""
-    experts = getattr(param, "expert_parallel", None)
-    return experts.data if experts is not None else data_group
-
-
-def _join(pieces: list[tuple[torch.Tensor, Shard | None]]) -> torch.Tensor:
-    """One full tensor from what the tensor- (or expert-) parallel ranks of one stage sent for
-    it."""
-    shard = pieces[0][1]
-    if shard is None:  # replicated: every tensor-parallel rank holds the same values
-        return pieces[0][0]
-    by_rank = {s.rank: value for value, s in pieces}
-    return shard.combine([by_rank[r] for r in range(shard.size)]).contiguous()
-
-
 def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
                  tokenizer_from: str | None = None, origin: ExportOrigin | None = None,
                  where: str | None = None) -> dict | None:  # fmt: skip
@@ -212,50 +194,25 @@ def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
 
 def _write_files(path: str, model: ModelSpec, named: dict[str, torch.Tensor],
                  tokenizer_from: str | None) -> None:  # fmt: skip
-    config = copy.deepcopy(model.config)
-    config.architectures = [model.family.architectures[0]]
     # the dtype the tensors are written in (a bf16 model directory trained in fp32 exports fp32:
     # its config must not tell from_pretrained to cast them back down)
-    config.dtype = next(iter(named.values())).dtype
-    config.save_pretrained(path)
-    weights = os.path.join(path, _WEIGHTS)
-    save_file(named, weights, metadata={"format": "pt"})
+    write_config(path, model, next(iter(named.values())).dtype)
+    weights = os.path.join(path, WEIGHTS)
+    save_file(named, weights, metadata=WEIGHTS_METADATA)
     os.chmod(weights, 0o666 & ~umask())
+    copy_tokenizer(path, tokenizer_from)
+
+
+def write_config(path: str, model: ModelSpec, dtype: torch.dtype) -> None:
+    """`config.json` of an export whose tensors are `dtype`, naming the family's class."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [model.family.architectures[0]]
+    config.dtype = dtype
+    config.save_pretrained(path)
+
+
+def copy_tokenizer(path: str, tokenizer_from: str | None) -> None:
+    """The tokenizer files `tokenizer_from` holds (none: nothing) into the export `path`."""
     for name in TOKENIZER_FILES if tokenizer_from else ():
         if os.path.isfile(os.path.join(tokenizer_from, name)):
             shutil.copyfile(os.path.join(tokenizer_from, name), os.path.join(path, name))
-
-
-def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.ProcessGroup,
-              origin: ExportOrigin) -> str | None:  # fmt: skip
-    """Write the full model (every stage's parameters) as an HF directory at `path` (rank 0,
-    `write_hf_dir`); on rank 0 returns the line saying where it went, None elsewhere.
-
-    Collective over the world: every rank must call it.
-    """
-    mine: dict[str, tuple[torch.Tensor, Shard | None]] = {}
-    named_params: dict[str, nn.Parameter] = {}
-    for prefix, module in _modules(stack):
-        named = list(module.named_parameters())
-        if not named:
-            continue
-        with gathered_parameters([p for _, p in named]):  # no-op below ZeRO-3
-            for name, param in named:
-                value = param.detach().to("cpu", copy=True).contiguous()
-                mine[prefix + name] = (value, getattr(param, "tp_shard", None))
-                named_params[prefix + name] = param
-    # one replica per stage sends; of an expert tensor, one per expert-parallel rank
-    mine = {name: piece for name, piece in mine.items() if dist.get_rank(_replicas(
-        named_params[name], data_group)) == 0}  # fmt: skip
-    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    if parts is None:
-        return None
-    pieces: dict[str, list[tuple[torch.Tensor, Shard | None]]] = {}
-    for part in parts:
-        for name, piece in part.items():
-            pieces.setdefault(name, []).append(piece)
-    earlier = write_hf_dir(path, model, {name: _join(found) for name, found in pieces.items()},
-                           model.directory, origin, f"checkpoint.export_hf={path}")  # fmt: skip
-    return (f"exported step {origin.step} as a transformers directory ({len(pieces)} tensors) "
-            f"to {path}{replacing(earlier)}")  # fmt: skip

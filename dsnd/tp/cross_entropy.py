@@ -31,8 +31,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         start = rank * local_vocab
         z = logits.float()
-        padding = torch.arange(start, start + local_vocab, device=z.device) >= vocab_size
-        if padding.any():
+        if start + local_vocab > vocab_size:  # this slice holds padding columns: known on
+            # the host from the shapes, so no `.any()` on a device tensor (a host sync)
+            padding = torch.arange(start, start + local_vocab, device=z.device) >= vocab_size
             z = z.masked_fill(padding, float("-inf"))
 
         m = z.max(dim=-1).values

@@ -81,7 +81,7 @@ class Shard:
                                          else full.shape))  # fmt: skip
             shape[self.dim] = self.local_len - have
             dtype = out.dtype if out is not None else torch.float32
-            pad = torch.zeros(shape, dtype=dtype)
+            pad = torch.zeros(shape, dtype=dtype, device=out.device if out is not None else "cpu")
             out = pad if out is None else torch.cat([out, pad], dim=self.dim)
         return out
 

@@ -4,8 +4,9 @@
 
 Every rank writes OUT_DIR/rank_N.json (its pid and the variables named in DUMP_ENV, comma
 separated) and then, by its action: `sleep` (default: until SIGTERM, which writes
-OUT_DIR/rank_N.term and exits 0), `exit5` (exit code 5 after 1 s), `child` (start a grandchild
-`sleep 600`, record its pid, then sleep), `stubborn` (SIGTERM only writes rank_N.term).
+OUT_DIR/rank_N.term and exits 0), `exit5` (exit code 5 after 1 s), `abort` (os.abort() after
+1 s, as the NCCL watchdog ends a rank: SIGABRT past every Python handler), `child` (start a
+grandchild `sleep 600`, record its pid, then sleep), `stubborn` (SIGTERM only writes rank_N.term).
 """
 
 import json
@@ -36,4 +37,10 @@ with open(os.path.join(out, f"rank_{rank}.json"), "w") as f:
 if action == "exit5":
     time.sleep(1)
     sys.exit(5)
+if action == "abort":
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+    time.sleep(1)
+    os.abort()
 time.sleep(600)

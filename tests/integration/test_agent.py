@@ -33,12 +33,13 @@ def importable(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)  # the agents import this checkout
 
 
-def launches(out_dir, hosts, actions=(), hang_s=60.0, env=None):
+def launches(out_dir, hosts, actions=(), hang_s=60.0, env=None, devices=None):
     world = sum(len(r) for r in hosts)
     program = [sys.executable, RANK_PROGRAM, str(out_dir), *actions]
     env = {"PYTHONPATH": ROOT, **(env or {})}
     return [AgentLaunch(f"host{i}", AGENT, AgentSpec(f"host{i}", ranks, world, "127.0.0.1", 1,
-                                                     program, ROOT, env, hang_s))
+                                                     program, ROOT, env, hang_s,
+                                                     (devices or {}).get(i, [])))
             for i, ranks in enumerate(hosts)]  # fmt: skip
 
 
@@ -95,6 +96,20 @@ def test_sigkill_of_a_rank_is_named_and_grandchildren_go_too(tmp_path):
     assert result.failure == "rank 2 on host host1 was killed by SIGKILL"
     assert not alive(seen[0]["child"])  # the rank's own child: no orphan
     assert not any(alive(seen[r]["pid"]) for r in ranks)
+
+
+def test_a_sigabrt_is_named_an_nccl_watchdog_abort_and_ranks_see_their_hosts_slots(tmp_path):
+    """A rank the NCCL watchdog would end (os.abort(): SIGABRT, no Python handler runs) fails
+    the job under that name; every rank saw its own host's selected slots as its GPUs, over the
+    value the spec's variables carry."""
+    env = {"DUMP_ENV": "CUDA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES": "7"}
+    result = supervise(launches(tmp_path, [[0, 1], [2]], ["2=abort"], env=env,
+                                devices={0: [1, 3], 1: [2]}), out=io.BytesIO())  # fmt: skip
+    assert result.failure.startswith("rank 2 on host host1 was killed by SIGABRT: NCCL watchdog "
+                                     "abort (collective timeout?)")  # fmt: skip
+    assert [record(tmp_path, r)["env"]["CUDA_VISIBLE_DEVICES"] for r in range(3)] == [
+        "1,3", "1,3", "2"
+    ]  # fmt: skip
 
 
 def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path):

@@ -62,7 +62,7 @@ def test_mpirun_openmpi():
     argv = mpirun_argv("openmpi", SLOTS, "h1", 29500, env, "/venv/bin/python", TRAIN, False)
     assert argv == [
         "mpirun", "-np", "4", "--host", "h1:2,h2:2", "--map-by", "slot", "--oversubscribe",
-        "-x", "MASTER_ADDR=h1", "-x", "MASTER_PORT=29500",
+        "-x", "MASTER_ADDR=h1", "-x", "MASTER_PORT=29500", "-x", "CUDA_VISIBLE_DEVICES=0,1",
         "-x", "NCCL_DEBUG=INFO", "-x", "OPTS=a=b c",
         "/venv/bin/python", "-m", "dsnd", "train", *TRAIN,
     ]  # fmt: skip
@@ -70,7 +70,7 @@ def test_mpirun_openmpi():
     assert root == [
         "mpirun", "-np", "1", "--host", "h:1", "--map-by", "slot", "--oversubscribe",
         "--allow-run-as-root", "-x", "MASTER_ADDR=h", "-x", "MASTER_PORT=1",
-        "py", "-m", "dsnd", "train",
+        "-x", "CUDA_VISIBLE_DEVICES=0", "py", "-m", "dsnd", "train",
     ]  # fmt: skip
 
 
@@ -79,15 +79,17 @@ def test_mpirun_mpich():
     argv = mpirun_argv("mpich", slots, "h1", 29500, {"K": "v w"}, "python", ["--x"], True)
     assert argv == [
         "mpirun", "-n", "4", "-hosts", "h1:3,h2:1",
-        "-genv", "MASTER_ADDR", "h1", "-genv", "MASTER_PORT", "29500", "-genv", "K", "v w",
+        "-genv", "MASTER_ADDR", "h1", "-genv", "MASTER_PORT", "29500",
+        "-genv", "CUDA_VISIBLE_DEVICES", "0,1,2", "-genv", "K", "v w",
         "python", "-m", "dsnd", "train", "--x",
     ]  # fmt: skip
 
 
-def test_mpirun_explicit_master_wins_over_env():
-    env = {"MASTER_PORT": "1", "MASTER_ADDR": "x", "A": "1"}
+def test_mpirun_explicit_master_and_slots_win_over_env():
+    env = {"MASTER_PORT": "1", "MASTER_ADDR": "x", "A": "1", "CUDA_VISIBLE_DEVICES": "5"}
     argv = mpirun_argv("openmpi", SLOTS, "h1", 29500, env, "py", [], False)
-    assert [a for a in argv if "=" in a] == ["MASTER_ADDR=h1", "MASTER_PORT=29500", "A=1"]
+    assert [a for a in argv if "=" in a] == ["MASTER_ADDR=h1", "MASTER_PORT=29500",
+                                             "CUDA_VISIBLE_DEVICES=0,1", "A=1"]  # fmt: skip
 
 
 def test_mpirun_rejects_unknown_flavor_and_pinned_slots():

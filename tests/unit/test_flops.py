@@ -7,7 +7,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dsnd.flops import flops_per_token, peak_flops
+from dsnd.config.summary import precision
+from dsnd.flops import DEVICE_NAMES, flops_per_token, mfu_peak, peak_flops
+from dsnd.layouts.hardware import DEVICES, named_device
 from dsnd.model import build_model, lm_loss
 from dsnd.model.count import matmul_params
 from tests.models import spec_of
@@ -50,11 +52,77 @@ def test_matmul_params_leave_out_lookups_norms_and_biases():
     assert matmul_params(dims) == total - not_matmul  # the tied wte counted once, as the head
 
 
-def test_peak_flops_sources():
-    assert peak_flops(1.5e12, None, bf16=False) == 1.5e12
-    assert peak_flops(None, "NVIDIA H200", bf16=True) == 989e12
-    assert peak_flops(None, "NVIDIA A100-SXM4-80GB", bf16=False) == 19.5e12
-    with pytest.raises(ValueError, match="set log.peak_flops"):
-        peak_flops(None, "Some Future GPU", bf16=True)
-    measured = peak_flops(None, None, bf16=False)
+def test_mfu_peak_sources():
+    assert mfu_peak(1.5e12, None, "fp32") == 1.5e12  # log.peak_flops wins
+    assert mfu_peak(1.5e12, "NVIDIA H100 PCIe", "bf16") == 1.5e12
+    assert mfu_peak(None, "NVIDIA H200", "bf16") == 989.4e12
+    assert mfu_peak(None, "NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
+    assert mfu_peak(None, "Some Future GPU", "bf16") is None  # no peak: MFU not reported
+    measured = mfu_peak(None, None, "fp32")
     assert 1e8 < measured < 1e13  # a real CPU's fp32 matmul rate, measured here
+
+
+def test_an_fp16_run_is_measured_against_the_half_precision_peak():
+    """fp16 runs on the tensor cores at bf16's rate; the fp32 peak made an fp16 run's MFU
+    ~15x too high on an H100."""
+    for name in DEVICE_NAMES:
+        assert peak_flops(name, "fp16") == peak_flops(name, "bf16"), name
+        assert peak_flops(name, "fp16") > 3 * peak_flops(name, "fp32"), name  # L40S: 3.95x
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp16") == 989.4e12
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16_tflops", "fp32_tflops"),
+    [
+        ("NVIDIA A100-SXM4-40GB", 312, 19.5),
+        ("NVIDIA A100-SXM4-80GB", 312, 19.5),
+        ("NVIDIA A100-PCIE-40GB", 312, 19.5),
+        ("NVIDIA A100 80GB PCIe", 312, 19.5),
+        ("NVIDIA H100 80GB HBM3", 989.4, 67),
+        ("NVIDIA H100 PCIe", 756, 51),
+        ("NVIDIA H100 NVL", 835, 60),
+        ("NVIDIA H200", 989.4, 67),
+        ("NVIDIA GH200 480GB", 989.4, 67),
+        ("NVIDIA B200", 2250, 75),
+        ("NVIDIA L40S", 362.05, 91.6),
+        ("AMD Instinct MI300X", 1307.4, 163.4),
+    ],
+)
+def test_each_product_has_its_own_dense_peak(name, bf16_tflops, fp32_tflops):
+    assert peak_flops(name, "bf16") == pytest.approx(bf16_tflops * 1e12, rel=1e-12)
+    assert peak_flops(name, "fp16") == pytest.approx(bf16_tflops * 1e12, rel=1e-12)
+    assert peak_flops(name, "fp32") == pytest.approx(fp32_tflops * 1e12, rel=1e-12)
+
+
+def test_products_are_matched_whole_not_by_substring():
+    """A substring match ("H100" in the name) gave the PCIe and NVL cards the SXM part's peak."""
+    sxm = peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") < sxm
+    assert peak_flops("NVIDIA H100 NVL", "bf16") < sxm
+    assert peak_flops("NVIDIA H200 NVL", "bf16") is None  # a different card, not in the table
+    assert peak_flops("H100", "bf16") is None
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        peak_flops("NVIDIA H200", "tf32")
+
+
+def test_the_planners_devices_share_the_table_and_match_names_exactly():
+    """The planner's h100 is the SXM part, the GPU bench finds it by exact product."""
+    assert DEVICES["h100"].bf16_flops == peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert DEVICES["a100"].fp32_flops == peak_flops("NVIDIA A100-SXM4-80GB", "fp32")
+    assert named_device("NVIDIA H100 80GB HBM3") is DEVICES["h100"]
+    assert named_device("NVIDIA A100-SXM4-40GB") is DEVICES["a100-40g"]
+    assert named_device("NVIDIA H100 PCIe") is None  # not the planner's SXM h100
+
+
+@pytest.mark.parametrize(
+    ("ds", "dtype"),
+    [
+        ({"fp16": {"enabled": True}}, "fp16"),
+        ({"bf16": {"enabled": True}}, "bf16"),
+        ({"bfloat16": {"enabled": True}}, "bf16"),
+        ({"fp16": {"enabled": False}, "bf16": {"enabled": False}}, "fp32"),
+        ({}, "fp32"),
+    ],
+)
+def test_the_run_precision_comes_from_the_deepspeed_json(ds, dtype):
+    assert precision(ds) == dtype
