@@ -23,9 +23,7 @@ vocab-parallel (`StageMath.loss_fn`).
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +35,7 @@ from dsnd.model.documents import Documents
 from dsnd.model.router_aux import RouterAux
 from dsnd.phases import PHASES
 from dsnd.pipeline.activations import ActivationMeter
+from dsnd.pipeline.clock import StepClock, phase_times
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.tied import TiedWeights
 from dsnd.plan import schedule as S
@@ -131,12 +130,6 @@ class _Step:
     result: StepResult = field(default_factory=lambda: StepResult(None, None))
 
 
-PHASE = {S.FORWARD: "forward", S.BACKWARD: "backward", S.BACKWARD_INPUT: "backward",
-         S.BACKWARD_WEIGHT: "backward", S.STEP: "optimizer"}  # fmt: skip
-"""The phase each instruction's time counts to; receives count as pipeline_wait (measured in
-the links), everything else as comm."""
-
-
 class Executor:
     """Runs programs of one stage: `step(program, batches)` and `evaluate(batches)`."""
 
@@ -150,6 +143,7 @@ class Executor:
         # zero-bubble programs always)
         self.plain = False
         self.activations = ActivationMeter(self._not_activations)
+        self.clock = StepClock(engine.device)  # host clock on the CPU, CUDA events on a GPU
         self.table: dict[str, Callable[[Instr, _Step], None]] = {
             S.RECV_ACT: self._recv_act, S.SEND_ACT: self._send_act, S.FORWARD: self._forward,
             S.RECV_GRAD: self._recv_grad, S.SEND_GRAD: self._send_grad,
@@ -178,29 +172,28 @@ class Executor:
              layout: StepLayout | None = None) -> StepResult:  # fmt: skip
         """Execute `program` (one optimizer step of this stage) on this rank's micro-batches
         (with `layout`, their loss weights and documents)."""
-        step_start = time.perf_counter()
         state = _Step(batches, layout)
-        times = state.result.times
+        result = state.result
         self.plain = self.engine.plain or any(x.op == S.BACKWARD_INPUT for x in program)
         self.links.reset_recv_wait()
         self.links.begin_step(self.role, program, self.shape)
         self.engine.begin()
         self.activations.begin()
-        ops = state.result.op_seconds
+        self.clock.start()
         for x in program:
-            start = time.perf_counter()
-            if x.op == S.REDUCE:
-                state.result.pipelined_s = start - step_start
             self.table[x.op](x, state)
-            spent = time.perf_counter() - start
-            state.result.instr_seconds.append(spent)
-            times[PHASE.get(x.op, "comm")] += spent
+            self.clock.lap()
+        self.links.wait()
+        self.clock.lap()
+        laps = self.clock.laps()
+        result.instr_seconds = laps[: len(program)]
+        for x, spent in zip(program, result.instr_seconds, strict=True):
             if x.op in S.COMPUTE:
-                ops[x.op] = ops.get(x.op, 0.0) + spent
-        with _timed(times, "comm"):
-            self.links.wait()
-        times["pipeline_wait"] = self.links.reset_recv_wait()
-        times["comm"] -= times["pipeline_wait"]  # receives were timed as comm above
+                result.op_seconds[x.op] = result.op_seconds.get(x.op, 0.0) + spent
+        reduce_at = next((i for i, x in enumerate(program) if x.op == S.REDUCE), len(program))
+        result.pipelined_s = sum(result.instr_seconds[:reduce_at])
+        blocked = self.links.reset_recv_wait()
+        phase_times(program, laps, None if self.clock.cuda else blocked, result.times)
         if state.losses:
             state.result.loss = torch.stack(state.losses).double().mean()
         if state.aux_losses:
@@ -339,11 +332,3 @@ class Executor:
         self.engine.engine.train()
         return torch.stack(state.losses).double().mean() if state.losses else None
 
-
-@contextlib.contextmanager
-def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[phase] += time.perf_counter() - start
