@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dsnd.config.batch import GAS, MICRO, TRAIN, Batch, resolve_batch
 from dsnd.config.deepspeed_json import (
     check_blamed,
@@ -22,13 +24,14 @@ from dsnd.config.ds_effect import zero_notes
 from dsnd.config.ds_monitors import take_monitors
 from dsnd.config.load import LoadedConfig
 from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
+from dsnd.config.summary import precision
 from dsnd.cp.slices import IMPLS, divisor
 from dsnd.errors import UserError
 from dsnd.model.moe import num_experts
 from dsnd.model.router_aux import wants_router_aux
 from dsnd.model.source import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.plan.plan import Plan, make_plan
-from dsnd.plan.profile import profile_partition
+from dsnd.plan.profile import DTYPES, profile_partition, target_device
 from dsnd.topology import Topology
 
 
@@ -218,8 +221,11 @@ def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str,
             # measured on this process, cached under log.dir by config (one measurement per
             # host; dsnd launch measures before any rank starts), checked equal on all ranks
             cache = os.path.join(run.log.dir, "profile-cache")
+            # on the device and in the dtype the run trains in: CPU fp32 costs are not a GPU's
+            device = target_device(dict(os.environ), torch.cuda.is_available())
             return profile_partition(model, run.model.seq_len, batch.micro, stages, cache,
-                                     cap_bytes)[0]  # fmt: skip
+                                     cap_bytes, dtype=DTYPES[precision(ds)],
+                                     device=device)[0]  # fmt: skip
 
     return make_plan(
         model,

@@ -383,6 +383,19 @@ def _write(path: str, key: str, costs: Sequence[LayerCost]) -> None:
 # ---------------------------------------------------------------------------- together
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def target_device(env: dict[str, str], cuda_available: bool) -> str:
+    """Where the run's layers will compute, to measure them there: this rank's GPU
+    (``cuda:<LOCAL_RANK % count>``, the device it binds; not GPU 0 for every rank) where CUDA is
+    there and DeepSpeed's accelerator is not pinned to another (``DS_ACCELERATOR``), else the
+    CPU. The device count is read only when CUDA is there."""
+    if not cuda_available or env.get("DS_ACCELERATOR", "cuda") not in ("", "cuda"):
+        return "cpu"
+    return f"cuda:{int(env.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+
+
 def profile_partition(
     model: ModelSpec,
     seq_len: int,

@@ -275,3 +275,15 @@ def test_profile_partition_measures_once_and_balances(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 1
     again, cached = profile_partition(model, 8, 1, 2, str(tmp_path), None, repeats=1)
     assert (again, cached) == (parts, costs)
+
+
+def test_layers_are_measured_where_the_run_computes():
+    """`parallel.partition: profile` measures on the rank's own GPU where the run uses CUDA (not
+    GPU 0 for every rank), on the CPU where CUDA is absent or DeepSpeed's accelerator is the
+    CPU; in the JSON's precision (`DTYPES` by `dsnd.config.summary.precision`)."""
+    from dsnd.plan.profile import DTYPES, target_device
+
+    assert target_device({"LOCAL_RANK": "3"}, cuda_available=False) == "cpu"
+    assert target_device({"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "1"}, cuda_available=True) \
+        == "cpu"
+    assert DTYPES == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
