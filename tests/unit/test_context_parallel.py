@@ -101,11 +101,27 @@ def test_ring_blocks_written_out_equal_torchs_fused_kernel(causal):
     gen = torch.Generator().manual_seed(0)
     q, k, v, k2, v2, do = (torch.randn(2, 3, 8, 4, generator=gen) for _ in range(6))
     got = {}
-    for fused in (True, False):
-        o1, l1 = block_forward(q, k, v, 0.5, causal, fused)
-        o2, l2 = block_forward(q, k2, v2, 0.5, False, fused)
+    for kernel in ("cpu", "math"):
+        o1, l1, _ = block_forward(q, k, v, 0.5, causal, kernel)
+        o2, l2, _ = block_forward(q, k2, v2, 0.5, False, kernel)
         lse = torch.logaddexp(l1, l2)
         out = o1 * torch.exp(l1 - lse) + o2 * torch.exp(l2 - lse)
-        got[fused] = (o1, l1, out, *block_backward(do, q, k, v, out, lse, 0.5, causal, fused))
-    for a, b in zip(got[True], got[False], strict=True):
+        got[kernel] = (o1, l1, out, *block_backward(do, q, k, v, out, lse, 0.5, causal, kernel))
+    for a, b in zip(got["cpu"], got["math"], strict=True):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_the_kernel_trial_passes_where_kernels_agree_and_names_what_fails():
+    """`kernels_agree` is the trial a CUDA device runs before ring attention uses torch's flash
+    kernel; here on the CPU kernel (grouped-query heads, fp32) it agrees, and a kernel that does
+    not exist on a device is named, not raised."""
+    import torch
+
+    from dsnd.cp.ring import kernel_for, kernels_agree
+
+    cpu = torch.device("cpu")
+    assert kernels_agree("cpu", cpu, torch.float32, groups=2, head_dim=16, tokens=32) is None
+    why = kernels_agree("cuda", cpu, torch.bfloat16, groups=2, head_dim=16, tokens=32)
+    assert why is not None and why.startswith(("RuntimeError", "NotImplementedError"))
+    assert kernel_for(torch.zeros(1, 2, 4, 8), groups=1) == "cpu"
+    assert kernel_for(torch.zeros(1, 2, 4, 8, device="meta"), groups=1) == "math"
