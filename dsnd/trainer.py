@@ -8,7 +8,7 @@ no parallel layout changes; the last stage computes it and every rank reports it
 
 A resumed run loads its checkpoint (any layout) and continues at the saved step: the batch of
 step k is a function of (seed, k) alone, so the data position is the step. Checkpoints are saved
-every `checkpoint.every` steps and at the end.
+every `checkpoint.every` steps and at the end (unless `checkpoint.at_end` is false).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def _peak(res: Resolved, engine) -> float | None:
 
 def _should_save(run, done: int) -> bool:
     every = run.checkpoint.every
-    return done == run.train.steps or (every > 0 and done % every == 0)
+    at_end = run.checkpoint.at_end and done == run.train.steps
+    return at_end or (every > 0 and done % every == 0)
 
 
 def check_finite(step: int, loss: float, norm: float | None) -> None:

@@ -217,6 +217,10 @@ class CheckpointConfig:
         "Checkpoint root directory, visible to every host; null = <log.dir>/checkpoints.", None
     )
     every: int = doc("Steps between checkpoints; 0 = only at the end of training.", 0)
+    at_end: bool = doc(
+        "Save a checkpoint when training ends (false: only every checkpoint.every steps, and on "
+        "a stop request; benchmarks and plan --validate measure without one).", True
+    )
     keep: int = doc("Keep the newest N committed checkpoints; 0 = keep all.", 0)
     resume: str = doc(
         "auto: resume from the newest valid checkpoint under checkpoint.dir (corrupt ones are "

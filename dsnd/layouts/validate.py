@@ -53,6 +53,7 @@ def run_layout(model: str, pr: Problem, lay: Layout, steps: int, tmp: str,
     argv = ["-m", "dsnd", "train", "--config", os.path.join(out, emit.RUN_YAML),
             "--set", f"log.dir={log}", "--set", f"train.steps={steps}",
             "--set", "log.tensorboard=false", "--set", "checkpoint.resume=never",
+            "--set", "checkpoint.at_end=false",  # a measurement: no end-of-run save
             "--set", f"dist.backend={BACKENDS[accelerator]}",
             *(f"--set={item}" for item in sets)]  # fmt: skip
     run_ranks(pr.world, argv, TIMEOUT_S, accelerator=accelerator)

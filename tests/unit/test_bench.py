@@ -755,3 +755,19 @@ def test_gpu_bench_without_cuda_says_skipped_in_one_line(capsys):
     assert cli.main(["bench", "gpu"]) == 0
     out = capsys.readouterr().out
     assert out == "dsnd bench gpu: skipped: torch sees no CUDA device\n"
+
+
+def test_gpu_kernel_rows_compare_the_kernels_with_the_math_path_here_on_the_cpu():
+    """`dsnd bench gpu`'s kernel rows, run on the CPU's kernels (small sizes): the ring block
+    kernel and SDPA under the document mask agree with the written-out/math path in fp32."""
+    import torch
+
+    from dsnd.bench.kernels import packing_rows, ring_kernel_rows
+
+    cpu = torch.device("cpu")
+    rows = {r.metric: r for r in ring_kernel_rows(cpu, torch.float32, 1, tokens=64, head_dim=16)}
+    assert rows["ring_kernel_agrees"].value == 1.0, rows["ring_kernel_agrees"].note
+    assert rows["ring_kernel_speedup"].value > 0
+    rows = {r.metric: r for r in packing_rows(cpu, torch.float32, 1, tokens=64)}
+    assert rows["packing_kernel_error"].value <= 1e-5
+    assert rows["packing_kernel_speedup"].value > 0

@@ -37,3 +37,15 @@ def test_one_rank_asking_stops_every_rank():
     assert not stop_agreed(stats)
     stats[2, STATS.index("stop_requested")] = 1.0  # rank 2's request, seen in every rank's copy
     assert stop_agreed(stats)
+
+
+def test_checkpoint_at_end_false_saves_only_on_every():
+    """`checkpoint.at_end: false` (what benchmarks and plan --validate run with): no save when
+    training ends, the periodic ones still."""
+    from dsnd.config.load import load
+    from dsnd.trainer import _should_save
+
+    default = load(None, ["train.steps=6"]).run
+    assert [_should_save(default, s) for s in (3, 6)] == [False, True]
+    quiet = load(None, ["train.steps=6", "checkpoint.at_end=false", "checkpoint.every=4"]).run
+    assert [_should_save(quiet, s) for s in (4, 6)] == [True, False]
