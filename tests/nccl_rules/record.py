@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, Work
 
 ENV = "DSND_NCCL_TRACE"
+HERE = "/" + os.path.abspath(__file__).replace(os.sep, "/").lstrip("/")
 
 P2P = {"send": "send", "recv": "recv", "recv_anysource": "recv_any"}
 COLLECTIVES = (
@@ -44,15 +45,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _where() -> str:
-    """file:line of the nearest caller in dsnd or the tests (else DeepSpeed, else torch)."""
+    """file:line of the nearest caller in dsnd or the tests (else DeepSpeed), past this file."""
     frame, fallback = sys._getframe(2), ""
     while frame is not None:
         name = frame.f_code.co_filename
-        if "nccl_rules" not in name:
+        path = "/" + os.path.abspath(name).replace(os.sep, "/").lstrip("/")
+        if path != HERE:
             here = f"{os.path.basename(name)}:{frame.f_lineno}"
-            if "/dsnd/" in name or "/tests/" in name:
+            if "/dsnd/" in path or "/tests/" in path:
                 return here
-            if not fallback and "/deepspeed/" in name:
+            if not fallback and "/deepspeed/" in path:
                 fallback = here
         frame = frame.f_back
     return fallback
