@@ -62,6 +62,7 @@ def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, chat_sets, 
     got = run_cases(tmp_path, 4, [
         *(case(f"pp2-dp2-z{stage}", stage, sets=PP2) for stage in range(4)),
         case("pp4-z0", 0, sets=("parallel.pp=4",)),
+        case("pp4-gpipe-z1", 1, sets=("parallel.pp=4", "parallel.schedule=gpipe")),
         case("gpt2-pp2-dp2-z1", 1, "gpt2-tiny", sets=PP2),
         # ZeRO-3 keeping each stage's parameters gathered through the step (one gather a step)
         case("pp2-dp2-z3-keep", 3, sets=(*PP2, "parallel.reshard_after_forward=false")),
