@@ -41,7 +41,11 @@ def run_ranks(world: int, argv: list[str], timeout: float = 300) -> list[str]:
                 del os.environ[record.ENV]
             else:
                 os.environ[record.ENV] = previous
-        assert_nccl_rules(replay.load(folder), " ".join(argv))
+        records = replay.load(folder)
+        if len(records) != world:  # a rank that recorded nothing would pass unseen
+            raise AssertionError(f"{' '.join(argv)}: {len(records)} of {world} ranks left an "
+                                 f"NCCL-rules record (tests/distributed/worker.world writes it)")
+        assert_nccl_rules(records, " ".join(argv))
     return outputs
 
 
