@@ -44,14 +44,9 @@ POST_AHEAD = 2  # receives kept posted per channel, at most (see the module docs
 Channels = dict[tuple[int, int, str], dist.ProcessGroup]  # (from, to, kind) -> its group
 
 
-def routes(role: StageRole, program: list[Instr]) -> dict[Instr, tuple[tuple, int]]:
-    """Each send and receive of `program`: (its channel, the peer stage)."""
-    out = {}
-    for x in program:
-        if x.op in SENDS or x.op in RECVS:
-            key = stream(role, x)
-            out[x] = (key, key[1] if x.op in SENDS else key[0])
-    return out
+def routes(role: StageRole, program: list[Instr]) -> dict[Instr, tuple[int, int, str]]:
+    """Each send and receive of `program`: the channel it goes on (`schedule.stream`)."""
+    return {x: stream(role, x) for x in program if x.op in SENDS or x.op in RECVS}
 
 
 class StageLinks:
@@ -76,7 +71,7 @@ class StageLinks:
         self._shape: tuple[tuple[int, ...], torch.dtype] | None = None
         self._program: list[Instr] | None = None  # the program `_routes` was worked out for
         self._role: StageRole | None = None
-        self._routes: dict[Instr, tuple[tuple, int]] = {}
+        self._routes: dict[Instr, tuple[int, int, str]] = {}
         self._counts: dict[tuple, int] = {}  # channel -> receives per step
         self.recv_wait_s = 0.0  # seconds blocked in receives since construction or the last reset
 
@@ -91,7 +86,7 @@ class StageLinks:
         if program is not self._program or role != self._role:
             self._routes = routes(role, program)
             self._counts = {}
-            for x, (key, _) in self._routes.items():
+            for x, key in self._routes.items():
                 if x.op in RECVS:
                     self._counts[key] = self._counts.get(key, 0) + 1
             self._program, self._role = program, role
@@ -117,7 +112,7 @@ class StageLinks:
 
     def recv(self, x: Instr) -> torch.Tensor:
         """The tensor receive instruction `x` names (blocks until it has arrived)."""
-        key = self._routes[x][0]
+        key = self._routes[x]
         queue = self._posted[key]
         work, buf = queue.popleft()
         start = time.perf_counter()
@@ -129,7 +124,7 @@ class StageLinks:
     def send(self, x: Instr, tensor: torch.Tensor) -> None:
         """Send `tensor` as send instruction `x` says (asynchronously); then top every channel up
         to `ahead` posted receives (see the module docstring)."""
-        key, _ = self._routes[x]
+        key = self._routes[x]
         group = self.channels[key]
         self._pending.append(group.send([tensor.detach().contiguous()], self._peer[key], 0))
         for key in self._left:
