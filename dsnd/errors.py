@@ -8,10 +8,14 @@ A rank's exit code tells its launcher why it ended, so that the job's one-line d
 the rank that failed first, and a restart is not wasted on a run that would fail again:
 
     0  done (or stopped on request, with a checkpoint)
-    1  this rank failed (an exception of its own: a bug, a full disk, ...)
+    1  this rank failed (an exception of its own: a bug, a full disk, ...); a save or a write to
+       log.dir that the disk refused (ENOSPC, any OSError) is one line (`WriteFailed`), the
+       previous checkpoint kept (`latest` unchanged, the unfinished one removed)
     2  bad input, found before any process group started
     3  training diverged (a non-finite loss or gradient norm): restarting would diverge again
-    4  a peer failed first (a collective lost its connection or timed out)
+    4  a peer failed first (a collective lost its connection or timed out, or its save
+       failed on another rank)
+  130  interrupted by a second Ctrl-C (SIGINT): one line; a save under way finishes first
 
 A rank the NCCL watchdog aborts (a collective timed out, or its communicator failed) ends by
 SIGABRT (-6; 134 through a shell) without running any Python: the launcher names it as an NCCL
@@ -27,6 +31,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_PEER_FAILED = 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd command
 
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
@@ -35,11 +40,31 @@ def did_you_mean(word: str, options: Iterable[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+SHOWN = 80  # characters of a value an error echoes
+LONGEST_WORD = 300  # past this, a word of an error line is an echoed value, not a name
+
+
+def shorten(text: str, keep: int = SHOWN) -> str:
+    """`text`, or its first `keep` characters and how long it was ("… (N chars)")."""
+    return text if len(text) <= keep + 20 else f"{text[:keep]}… ({len(text)} chars)"
+
+
+def shown(value: object) -> str:
+    """repr(value) for an error line, shortened: a 100 KB `--set` value is not echoed whole."""
+    return shorten(repr(value))
+
+
+def _one_line(message: str) -> str:
+    """`message` on one line, each overlong word (an echoed value) shortened."""
+    return " ".join(shorten(word) if len(word) > LONGEST_WORD else word
+                    for word in message.split())  # fmt: skip
+
+
 class UserError(Exception):
     """A problem in the user's input, reported as one line and exit code 2."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))  # always exactly one line
+        super().__init__(_one_line(message))  # always exactly one line
 
 
 class UserErrors(UserError):
@@ -47,7 +72,7 @@ class UserErrors(UserError):
     exit code 2, so a config is fixed in one round, not one launch per problem)."""
 
     def __init__(self, problems: list[str]) -> None:
-        self.problems = [" ".join(p.split()) for p in problems]
+        self.problems = [_one_line(p) for p in problems]
         Exception.__init__(self, "\n".join(self.problems))
 
 
@@ -69,3 +94,13 @@ class Diverged(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+class WriteFailed(Exception):
+    """Writing a run's output failed (a checkpoint save or log.dir the disk refused): one line
+    and exit code `code` — EXIT_FAILED on the rank whose write failed, EXIT_PEER_FAILED on the
+    ranks that learnt of it — with no traceback on the console (the rank's log keeps it)."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(" ".join(message.split()))
+        self.code = code

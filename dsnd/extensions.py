@@ -21,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from collections.abc import Mapping, MutableMapping
 
 VARIABLE = "TORCH_EXTENSIONS_DIR"
+LOCK = "lock"  # torch's FileBaton in an op's build directory: created, held open, removed
 
 
 def prefix_dir(prefix: str) -> str:
@@ -74,3 +76,44 @@ def use_environment_dir(env: MutableMapping[str, str] | None = None) -> str | No
     if chosen is not None:
         env[VARIABLE] = chosen
     return chosen
+
+
+def _held_here(path: str) -> bool | None:
+    """Whether a process of this host has `path` open (True/False); None where /proc does not
+    say (not Linux). torch's build holds its lock file's descriptor for the whole build."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    target = os.path.realpath(path)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        fds = f"/proc/{pid}/fd"
+        try:
+            names = os.listdir(fds)
+        except OSError:  # gone, or another user's
+            continue
+        for fd in names:
+            try:
+                if os.readlink(os.path.join(fds, fd)) == target:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def remove_stale_lock(build_dir: str, settle_s: float = 1.0) -> str | None:
+    """Remove the build `lock` of `build_dir` that no process holds, and say so (None: there is
+    none, or one is held). A build killed midway (SIGKILL, a test's timeout) leaves it, and
+    every later build of the op then waits for it forever. A build finishing closes the file a
+    moment before removing it: it counts as stale only when nobody holds it twice, `settle_s`
+    apart. (A build on another host sharing this directory holds nothing here: `dsnd ops build`
+    is run on one host, before a launch.)"""
+    lock = os.path.join(build_dir, LOCK)
+    for attempt in range(2):
+        if not os.path.isfile(lock) or _held_here(lock) is not False:
+            return None
+        if attempt == 0:
+            time.sleep(settle_s)
+    try:
+        os.remove(lock)
+    except FileNotFoundError:
+        return None
+    return f"removed the stale build lock {lock} (no process holds it: a build was killed midway)"

@@ -24,6 +24,10 @@ class TensorBoardWriter:
                 self._writer.add_scalar(name, value, step)
         self._writer.flush()
 
+    def note(self, step: int, text: str) -> None:
+        """A marked event (a resume, a layout change, an expert-load alert) as text at `step`."""
+        self._writer.add_text("events", text, step)
+
     def close(self) -> None:
         self._writer.close()
 
@@ -47,6 +51,9 @@ class CsvWriter:
                     f.write(f"step,{name}\n")
                 f.write(f"{step},{value!r}\n")
 
+    def note(self, step: int, text: str) -> None:
+        """Events are in their `events/` scalars; CSV has no text."""
+
     def close(self) -> None:
         pass
 
@@ -67,6 +74,10 @@ class WandbWriter:
     def write(self, step: int, scalars: dict[str, float | None]) -> None:
         clean = {k: v for k, v in scalars.items() if v is not None and math.isfinite(v)}
         self._run.log(clean, step=step)
+
+    def note(self, step: int, text: str) -> None:
+        """Events are in their `events/` scalars (wandb's steps only grow: no text back in
+        time)."""
 
     def close(self) -> None:
         import wandb

@@ -13,6 +13,7 @@ metrics.jsonl keeps each step's own figures.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -36,22 +37,53 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+class RecentRate:
+    """tokens/s over the last `WINDOW` steps: their tokens over their time (a mean of per-step
+    rates would let one fast step dominate), and their mean step time."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
+
+    def add(self, tokens_per_s: float, seconds: float | None) -> float:
+        """Take one step's figures; tokens/s over the window. Without `seconds` (a metrics row
+        written before step_time_s was recorded) the step is taken to be 1 / tokens_per_s long:
+        every step of a run has the same tokens, so the window's rate is the same."""
+        if seconds is None:
+            seconds = 1.0 / tokens_per_s if tokens_per_s else 0.0
+        self.recent.append((tokens_per_s * seconds, seconds))
+        spent = sum(s for _, s in self.recent)
+        return sum(t for t, _ in self.recent) / spent if spent else tokens_per_s
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(s for _, s in self.recent) / len(self.recent) if self.recent else 0.0
+
+
+def smoothed_rates(rows: list[dict]) -> list[float]:
+    """The tokens/s the progress line showed at each metrics row (`RecentRate` over the rows in
+    order), its window restarted where a run started or resumed (a row with "run_start"), as a
+    new process's progress line restarts."""
+    rate, out = RecentRate(), []
+    for row in rows:
+        if "run_start" in row:
+            rate = RecentRate()
+        out.append(rate.add(row["tokens_per_s"], row.get("step_time_s")))
+    return out
+
+
 class Progress:
     def __init__(self, total: int, every: int, stream: TextIO | None = None) -> None:
         self.total, self.every = total, max(every, 1)
         self.stream = stream if stream is not None else sys.stderr
         self.live = self.stream.isatty()
-        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
+        self.rate = RecentRate()
 
     def line(self, row: dict) -> str:
         """The progress text of a metrics row (step, loss, lr, grad_norm, tokens_per_s,
         step_time_s); tokens/s and the ETA over the last `WINDOW` rows."""
-        step, seconds = row["step"], row["step_time_s"]
-        self.recent.append((row["tokens_per_s"] * seconds, seconds))
-        spent = sum(s for _, s in self.recent)
-        # total tokens over total time: a mean of per-step rates would let one fast step dominate
-        tokens_per_s = sum(t for t, _ in self.recent) / spent if spent else row["tokens_per_s"]
-        eta = spent / len(self.recent) * (self.total - step)
+        step = row["step"]
+        tokens_per_s = self.rate.add(row["tokens_per_s"], row["step_time_s"])
+        eta = self.rate.step_seconds * (self.total - step)
         evaluated = f" eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
         return (f"step {step}/{self.total} loss {row['loss']:.4f}{evaluated} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm'] or 0.0:.3f} tokens/s {tokens_per_s:.0f} "
@@ -81,6 +113,31 @@ def rank_log_path(log_dir: str, rank: int) -> str:
     return os.path.join(log_dir, "logs", f"rank_{rank:05d}.log")
 
 
+class _LogFileHandler(logging.FileHandler):
+    """A rank's log file whose write the disk refuses (a full log.dir): said once, in one line,
+    and the file given up — logging's own handling prints a traceback for every record."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        if not self.failed:
+            self.failed = True
+            sys.stderr.write(f"dsnd: cannot write {self.baseFilename} ({error.strerror or error}); "
+                             "this rank's log stops there\n")  # fmt: skip
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # what a full disk still refuses to take
+            super().close()
+
+
 class RankLogFile:
     """Every record of this rank's `dsnd` and DeepSpeed loggers, at INFO and above, in
     `<log_dir>/logs/rank_XXXXX.log` (other ranks are quiet on the console by default)."""
@@ -88,7 +145,7 @@ class RankLogFile:
     def __init__(self, log_dir: str, rank: int, coord: Coord) -> None:
         self.path = rank_log_path(log_dir, rank)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.handler = logging.FileHandler(self.path, encoding="utf-8")
+        self.handler = _LogFileHandler(self.path, encoding="utf-8")
         self.handler.setLevel(logging.INFO)
         self.handler.setFormatter(
             logging.Formatter(

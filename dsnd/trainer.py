@@ -13,6 +13,7 @@ every `checkpoint.every` steps and at the end (unless `checkpoint.at_end` is fal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,13 +34,15 @@ from dsnd.config.resolve import Resolved
 from dsnd.config.summary import batch_line, precision, precision_line
 from dsnd.data import SampleSet, batch_for_step
 from dsnd.data.corpus import Corpus
-from dsnd.data.layout import sample_sets, step_layout
+from dsnd.data.counted import counted_line
+from dsnd.data.held_out import load_eval_corpus, split_samples
+from dsnd.data.layout import step_layout
 from dsnd.data.sources import load_data
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.loss_scale import current_scale, scale_numbers
 from dsnd.engine.public import comms_log_summary
-from dsnd.errors import Diverged
+from dsnd.errors import Diverged, WriteFailed
 from dsnd.flops import flops_per_token, mfu_peak
 from dsnd.model.count import layer_table
 from dsnd.model.export_dir import ExportOrigin
@@ -48,7 +51,7 @@ from dsnd.model.router_aux import wants_router_aux
 from dsnd.model.router_load import RouterLoad
 from dsnd.pipeline.runner import StageRunner
 from dsnd.progress import RankLogFile
-from dsnd.report import Reporter, step_row
+from dsnd.report import Reporter, layout_of, saved_layout, start_mark, step_row
 from dsnd.stop_request import StopRequest
 from dsnd.telemetry import (
     check_skips_agree,
@@ -136,6 +139,7 @@ class _Stage:
     held_out: SampleSet | None
     root: str
     start: int
+    mark: dict[str, Any]  # metrics.jsonl's "run_start" (`report.start_mark`)
     router_load: RouterLoad | None = None  # an MoE model's tokens per expert, counted per step
 
 
@@ -144,10 +148,19 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
     torch.manual_seed(run.train.seed)
     corpus = load_data(run.data, run.model)
     check_vocab(corpus.vocab_size, res.model.vocab_size, corpus.name)
-    samples, held_out = sample_sets(corpus, run.model.seq_len, run.data.packing,
-                                    run.eval.fraction if run.eval.every else None)  # fmt: skip
+    eval_corpus = load_eval_corpus(run)
+    if eval_corpus is not None:
+        check_vocab(eval_corpus.vocab_size, res.model.vocab_size, eval_corpus.name)
+    split = split_samples(run, corpus, eval_corpus)
+    counted = counted_line(corpus, split.train, run.data.packing)  # every rank: may refuse
     root = checkpoint_root(run)
     if dist.get_rank() == 0:
+        for note in corpus.notes:  # a data.max_bytes cap: what it reads of how much
+            log.info("%s", note)
+        if counted:
+            log.info("%s", counted)
+        if split.note:
+            log.warning("%s", split.note)
         for name in remove_temporaries(root):
             log.warning("removed %s/%s, left by a save that did not finish", root, name)
     runner = StageRunner(res, groups, load_hf=resume is None)
@@ -159,15 +172,16 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
              f"{res.plan.stage_parameters(res.model)[groups.coord.pp]:,}",
              f"{total:,}", res.plan.zero_stage, res.topology.dp, res.topology.cp,
              res.topology.tp, res.run.parallel.ep)  # fmt: skip
-    start = 0 if resume is None else _resume(engine, res, resume, corpus)
+    start, saved = (0, None) if resume is None else _resume(engine, res, resume, corpus)
+    mark = start_mark(start, layout_of(res.topology, res.run.parallel.ep), resume, saved)
     own_tokens = groups.coord.tp == 0 or res.run.parallel.sequence_parallel  # see RouterLoad
     load = RouterLoad(engine.module, res.model.config, res.model.num_layers, own_tokens) \
         if res.model.family.moe else None  # fmt: skip
-    return _Stage(runner, corpus, samples, held_out, root, start, load)
+    return _Stage(runner, corpus, split.train, split.held_out, root, start, mark, load)
 
 
-def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> int:
-    """Load checkpoint `resume` into the engine; the step it was saved at."""
+def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> tuple[int, dict[str, int]]:
+    """Load checkpoint `resume` into the engine; the step and the layout it was saved at."""
     manifest = load_checkpoint(engine, res, resume)
     if dist.get_rank() == 0:
         log.info("resumed from %s at step %d (saved with pp=%d tp=%d dp=%d, ZeRO-%d)",
@@ -176,7 +190,7 @@ def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> int:
         if manifest["corpus"]["sha256"] != corpus.fingerprint:
             log.warning("the corpus differs from the checkpoint's (%s): same positions, "
                         "different data", manifest["corpus"]["name"])  # fmt: skip
-    return manifest["step"]
+    return manifest["step"], saved_layout(manifest)
 
 
 def _log_start(res: Resolved, st: _Stage) -> None:
@@ -232,10 +246,26 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
             row["moe_dropped_tokens"] = {b: int(dropped[int(b)]) for b in counts}
             for b, n in row["moe_dropped_tokens"].items():
                 numbers[f"moe/layer{b}_dropped_share"] = n / sum(counts[b])
-    if st.held_out is not None and (step + 1) % run.eval.every == 0:
+    return row, numbers, stop_agreed(stats)
+
+
+def _should_eval(run, done: int) -> bool:
+    """Evaluate after `done` steps: at the end of training, and every eval.every steps (0: every
+    checkpoint.every steps, the saves' steps)."""
+    every = run.eval.every or run.checkpoint.every
+    return done == run.train.steps or (every > 0 and done % every == 0)
+
+
+def _marked(res: Resolved, groups: ProcessGroups, st: _Stage, step: int,
+            row: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """`row` of optimizer step `step` (0-based) with where this run started (its first row)
+    and the held-out loss when it is evaluated after this step (collective)."""
+    if step == st.start:
+        row["run_start"] = st.mark
+    if st.held_out is not None and _should_eval(res.run, step + 1):
         row["eval_loss"] = _evaluate(st.runner, res, groups, st.held_out)
         row["eval_perplexity"] = math.exp(min(row["eval_loss"], 50.0))
-    return row, numbers, stop_agreed(stats)
+    return row
 
 
 def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopRequest | None,
@@ -248,16 +278,21 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
     if reporter:
         _log_start(res, st)
     rows: list[dict[str, Any]] = []
+    last_saved = exported = None
+    stop = stop or StopRequest()  # (not entered: no signal handlers, but `ask` works)
+    outputs = _LogDir(reporter, stop, run.log.dir)
     try:
         for step in range(st.start, run.train.steps):
             row, numbers, stopping = _step(res, groups, st, step, flops, stop)
-            rows.append(row)
-            if reporter:
-                reporter.write(row, numbers)
+            rows.append(_marked(res, groups, st, step, row))
+            outputs.write(step + 1, row, numbers)
             if _should_save(run, step + 1) or stopping:
-                saved = save_checkpoint(engine, res, groups, step + 1, st.root, st.corpus, job_id)
+                with stop.saving():  # a second Ctrl-C waits for the commit
+                    saved = save_checkpoint(engine, res, groups, step + 1, st.root, st.corpus,
+                                            job_id)  # fmt: skip
                 if saved:
                     log.info("checkpoint %s committed", saved)
+                    last_saved = saved
             if stopping:
                 row["stopped"] = True
                 if reporter:
@@ -272,14 +307,60 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                              ExportOrigin(st.root, run.train.steps), engine.device)  # fmt: skip
             if said:  # rank 0: says where the model went
                 log.info("%s", said)
+            exported = run.checkpoint.export_hf
+        elif run.checkpoint.export_hf and reporter:  # stopped early: said, not skipped silently
+            log.warning("%s", export_skipped(run.checkpoint.export_hf))
+        outputs.check(last_saved)  # rank 0: a log.dir it could not write ends the run here
         if reporter:  # the closing line: where everything the run wrote is
-            log.info("outputs: metrics %s, checkpoints %s%s", reporter.metrics.path, st.root,
-                     f", export {run.checkpoint.export_hf}" if run.checkpoint.export_hf else "")
+            log.info("%s", reporter.closing_line(last_saved, st.root, exported))
     finally:
-        if reporter:
-            reporter.close()
+        outputs.close()
         engine.destroy()
     return rows
+
+
+class _LogDir:
+    """Rank 0's writes to log.dir as a run goes (metrics.jsonl, the monitors): a write the disk
+    refuses (ENOSPC: a full disk) asks every rank to stop at the next step — through the stop
+    flag of the step's all-gather, as a SIGTERM would — where a checkpoint is saved (elsewhere,
+    or here if there is room), and the run then ends in one line (`WriteFailed`, exit 1)
+    instead of a traceback on rank 0 and peers that lost it mid-collective."""
+
+    def __init__(self, reporter: Reporter | None, stop: StopRequest, log_dir: str) -> None:
+        self.reporter, self.stop, self.log_dir = reporter, stop, log_dir
+        self.failed: tuple[int, OSError] | None = None  # (step, what the disk said)
+
+    def write(self, step: int, row: dict[str, Any], numbers: dict[str, Any]) -> None:
+        if self.reporter is None or self.failed:
+            return
+        try:
+            self.reporter.write(row, numbers)
+        except OSError as e:
+            self.failed = (step, e)
+            self.stop.ask("log.dir could not be written")
+
+    def check(self, saved: str | None) -> None:
+        if self.failed is None:
+            return
+        step, e = self.failed
+        where = f" ({e.filename})" if e.filename else ""
+        kept = f"checkpoint {saved} is the last saved" if saved else "no checkpoint was saved"
+        raise WriteFailed(f"log.dir {self.log_dir}: cannot write the metrics of step {step} "
+                          f"({e.strerror or e}){where}; stopped, {kept}; free space there, "
+                          "then relaunch to resume") from e  # fmt: skip
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            with contextlib.suppress(OSError):  # buffered rows a full disk still refuses
+                self.reporter.close()
+
+
+def export_skipped(path: str) -> str:
+    """What a run stopped before `train.steps` says of its `checkpoint.export_hf` (no export,
+    and no directory made for one)."""
+    return (f"checkpoint.export_hf: not exported to {path} (stopped before train.steps; the "
+            "export is written when a run completes): resume to finish the run, or export the "
+            "saved checkpoint with dsnd ckpt export")
 
 
 def _comms_summary(log_dir: str) -> None:
@@ -290,6 +371,10 @@ def _comms_summary(log_dir: str) -> None:
     summary = comms_log_summary()
     if dist.get_rank() == 0 and summary is not None:
         path = os.path.join(log_dir, "comms_summary.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1, default=str)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=1, default=str)
+        except OSError as e:  # a full log.dir: said in a line, the run's end is not lost to it
+            log.warning("cannot write %s (%s)", path, e.strerror or e)
+            return
         log.info("DeepSpeed's communication summary written to %s", path)

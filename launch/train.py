@@ -1,7 +1,7 @@
 """Train with dsnd from any launcher that runs a script per rank.
 
     deepspeed --hostfile hostfiles/localhost launch/train.py --config RUN.yaml --set KEY=VALUE
-    deepspeed --num_gpus 4 launch/train.py
+    deepspeed --num_gpus 4 launch/train.py        # one machine without ssh (a hostfile needs it)
     torchrun --nproc-per-node 2 launch/train.py
 
 The same as `dsnd train ...` (DeepSpeed's `--local_rank=N` argument is accepted and ignored:

@@ -9,13 +9,16 @@ offloaded or not); Lion, which torch lacks, is the short `Lion` below.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from deepspeed.runtime import lr_schedules
 from torch.nn import functional as F
 
 from dsnd.config.resolve import Resolved
 from dsnd.data import batch_for_step
-from dsnd.data.layout import sample_sets, step_layout
+from dsnd.data.held_out import split_samples
+from dsnd.data.layout import step_layout
 from dsnd.data.sampler import IGNORE_INDEX
 from dsnd.data.sources import load_data
 from dsnd.model import build_model, param_groups
@@ -24,16 +27,17 @@ from dsnd.model.documents import Documents
 from dsnd.model.router_aux import RouterAux, wants_router_aux
 
 
-def reference_rows(res: Resolved) -> list[dict]:
+def reference_rows(res: Resolved, change: tuple[int, dict] | None = None) -> list[dict]:
     """Metric rows of `train.steps` steps on one process. The loss of a step is what every layout
     must give: the summed token losses of the global batch over its number of counted labels
     (not -100), computed here as that sum, not as dsnd's weighted micro-batch means (plus, for
     a mixture of experts with `output_router_logits`, the mean of its micro-batches'
-    load-balancing losses)."""
+    load-balancing losses). `change` (step, hyper-parameters): from that 0-based step on, the
+    optimizer takes them, as a run resumed there with them in its JSON."""
     run, ds = res.run, res.ds
     torch.manual_seed(run.train.seed)
     corpus = load_data(run.data, run.model)
-    samples, _ = sample_sets(corpus, run.model.seq_len, run.data.packing)
+    samples = split_samples(run, corpus).train  # held-out samples excepted, as in dsnd
     documents = Documents() if run.data.packing == "documents" else None
     model = build_model(res.model, run.train.seed, documents)
     # a mixture of experts' routers' load-balancing loss (output_router_logits), as transformers
@@ -42,10 +46,12 @@ def reference_rows(res: Resolved) -> list[dict]:
     factor = run.model.moe_capacity_factor  # each micro-batch's forward capped, as on a rank
     capacity = None if factor is None else Capacity(model, factor, res.model.num_layers)
     opt = reference_optimizer(param_groups(model), ds["optimizer"])
-    sched = getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
+    sched = reference_scheduler(opt, ds)
     clip = ds.get("gradient_clipping", 0.0)
     rows = []
     for step in range(run.train.steps):
+        for group in opt.param_groups if change is not None and step == change[0] else ():
+            group.update(change[1])
         lr = opt.param_groups[0]["lr"]
         where = (run.train.seed, step, res.batch.train, 0, 1, res.batch.micro)
         micro = batch_for_step(samples, *where)
@@ -81,6 +87,15 @@ def reference_rows(res: Resolved) -> list[dict]:
             rows[-1]["moe_dropped_tokens"] = {str(b): int(n) for b, n in enumerate(dropped)
                                               if n > 0}  # fmt: skip
     return rows
+
+
+def reference_scheduler(opt: torch.optim.Optimizer, ds: dict) -> Any:
+    """DeepSpeed's scheduler class the JSON names, on `opt`; none: the optimizer's lr, constant,
+    as DeepSpeed runs an optimizer without a scheduler."""
+    section = ds.get("scheduler")
+    if section:
+        return getattr(lr_schedules, section["type"])(opt, **section["params"])
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
 def reference_optimizer(groups: list[dict], section: dict) -> torch.optim.Optimizer:

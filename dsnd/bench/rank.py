@@ -31,6 +31,7 @@ import torch.distributed as dist
 from dsnd.config.load import default_config_path
 from dsnd.config.resolve import Resolved
 from dsnd.data import SampleSet, batch_for_step, load_corpus
+from dsnd.data.held_out import split_samples
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.distributed.init import WorldInfo, init_world, shutdown, world_info
 from dsnd.pipeline.executor import Batches
@@ -92,10 +93,11 @@ def run(out: str, what: str, world: int, resolve_runs: Callable[[], Runs],
 
 
 def sample_set(res: Resolved) -> SampleSet:
-    """The run's corpus cut into samples of its sequence length, as the trainer reads it."""
+    """The run's training samples (its corpus cut into samples of its sequence length, the
+    held-out ones excepted), as the trainer reads them."""
     data = res.run.data
     corpus = load_corpus(data.path, data.format, data.text_field, data.max_bytes)
-    return SampleSet(corpus.tokens, res.run.model.seq_len, name=corpus.name)
+    return split_samples(res.run, corpus).train
 
 
 def step_batches(res: Resolved, samples: SampleSet, groups: ProcessGroups, step: int) -> Batches:

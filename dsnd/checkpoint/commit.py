@@ -9,11 +9,14 @@ POSIX filesystem shared by every host).
 3. Only then does `latest` change (again by temporary name and rename).
 
 A crash at any moment leaves either no `step_N` at all (a `.tmp-` directory, removed at the next
-start by `remove_temporaries`) or a complete one; `latest` always names a complete one.
+start by `remove_temporaries`) or a complete one; `latest` always names a complete one. A save
+that fails without a crash (a full disk) removes its `.tmp-` directory at once
+(`dsnd.checkpoint.failure`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,14 +35,22 @@ from dsnd.model.export_dir import fsync
 
 
 def write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` so that `path` is either absent or complete."""
+    """Write `data` to `path` so that `path` is either absent or complete (a write that fails,
+    on a full disk say, leaves no `.partial` file either)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.partial"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a write's own: no file named
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
     fsync(os.path.dirname(path) or ".")
 
 
@@ -81,13 +92,21 @@ def remove_temporaries(root: str) -> list[str]:
 
 
 def prune(root: str, keep: int) -> list[str]:
-    """Keep the newest `keep` committed checkpoints (0 = all) and the one `latest` names."""
+    """Keep the newest `keep` committed checkpoints (0 = all) and the one `latest` names. Each
+    other one is renamed away (a temporary name, removed at the next start if this one dies)
+    before it is deleted: a reader such as `dsnd ckpt verify` finds it whole or gone, never
+    half deleted, and can tell the two apart."""
     if keep <= 0:
         return []
     pointed = latest(root)
     removed = []
     for step_dir in committed(root)[keep:]:
         if step_dir != pointed:
-            shutil.rmtree(step_dir, ignore_errors=True)
+            doomed = os.path.join(root, f"{TMP_PREFIX}removed-{os.path.basename(step_dir)}")
+            try:
+                os.rename(step_dir, doomed)
+            except OSError:  # a leftover of that name: delete in place, as before
+                doomed = step_dir
+            shutil.rmtree(doomed, ignore_errors=True)
             removed.append(step_dir)
     return removed

@@ -15,7 +15,9 @@ Input: what `engine.save_checkpoint(DIR)` wrote, ZeRO stage 1, 2 or 3 — a `Pip
 2. DeepSpeed's universal-checkpoint conversion (`ds_to_universal`) joins every parameter's fp32
    master and Adam moments over the data-parallel partitions and pipeline stages, into a
    temporary directory beside OUT (removed at the end, whatever happens). The learning rate
-   and betas it took from data-parallel rank 0's optimizer file are checked the same way.
+   and betas it took from data-parallel rank 0's optimizer file are checked the same way; a
+   NaN or infinity in what it joined, or a step count that is not an integer, is refused
+   naming the optimizer file and key it came from (`import_blame`), not the temporary files.
 3. dsnd writes per-layer safetensors files (fp32 master as the weight, exp_avg and exp_avg_sq),
    the trainer state (step, Adam's step, learning rate, betas, DeepSpeed's LR-scheduler state)
    and a manifest, and commits them as OUT/step_<step> with OUT/latest
@@ -42,6 +44,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from dsnd.checkpoint.commit import publish, temporary_dir, write_atomic, write_manifest
 from dsnd.checkpoint.ds_names import Shapes, dsnd_names, layer_indices, naming
+from dsnd.checkpoint.import_blame import check_finite, checked_step
 from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, step_dir_name
 from dsnd.checkpoint.save import software_versions
 from dsnd.checkpoint.schema import BETAS, COUNT, LR, POSITION, STEP, Rule, value_problem
@@ -226,8 +229,10 @@ def _scheduler_state(state: dict, where: str) -> dict | None:
     return sched
 
 
-def _tensor(universal: str, name: str, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """One full tensor the converter wrote for parameter `name`, in `shape`, fp32."""
+def _tensor(universal: str, name: str, key: str, shape: tuple[int, ...],
+            tag_dir: str) -> torch.Tensor:  # fmt: skip
+    """One full tensor the converter wrote for parameter `name`, in `shape`, fp32 and finite
+    (else refused naming the optimizer file and key of `tag_dir` it came from)."""
     path = os.path.join(universal, "zero", name, f"{key}.pt")
     if not os.path.isfile(path):
         raise UserError(f"{name}: DeepSpeed's conversion wrote no {key} for it (no optimizer "
@@ -237,26 +242,29 @@ def _tensor(universal: str, name: str, key: str, shape: tuple[int, ...]) -> torc
     if not torch.is_tensor(value) or value.numel() != torch.Size(shape).numel():
         got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise UserError(f"{name}: DeepSpeed's conversion wrote {key} {got}, expected {list(shape)}")
-    return value.reshape(shape).to(torch.float32).contiguous()
+    value = value.reshape(shape).to(torch.float32).contiguous()
+    check_finite(value, tag_dir, name, key)
+    return value
 
 
-def _adam_step(universal: str, names: list[str], optim: dict) -> int:
+def _adam_step(universal: str, names: list[str], optim: dict, tag_dir: str) -> int:
     """Adam's step count: each parameter's step.pt (ZeRO-1/2), else the optimizer's state or
-    its param group (ZeRO-3, optimizers that count per group); all must agree."""
+    its param group (ZeRO-3, optimizers that count per group); all must agree, each an integer
+    (`checked_step`: a string "3" is refused naming its file and key in `tag_dir`)."""
     found = set()
     for name in names:
         path = os.path.join(universal, "zero", name, "step.pt")
         if os.path.isfile(path):
-            found.add(int(load_file(path)))
+            found.add(checked_step(load_file(path), tag_dir))
     if not found:
         inner = optim.get("optimizer_state_dict") or {}
         for entry in (inner.get("state") or {}).values():
             if isinstance(entry, dict) and "step" in entry:
-                found.add(int(entry["step"]))
+                found.add(checked_step(entry["step"], tag_dir))
     if not found:
         group = (optim.get("param_groups") or [{}])[0]
         if "step" in group:
-            found.add(int(group["step"]))
+            found.add(checked_step(group["step"], tag_dir))
     if len(found) != 1:
         raise UserError(f"the optimizer's step count is {sorted(found) or 'missing'} (expected "
                         "one value for every parameter)")  # fmt: skip
@@ -326,13 +334,14 @@ def _convert(source: Source, tmp: str) -> str:
     return universal
 
 
-def _trainer_state(universal: str, names: list[str], optim: dict, sched: dict | None) -> dict:
+def _trainer_state(universal: str, names: list[str], optim: dict, sched: dict | None,
+                   tag_dir: str) -> dict:  # fmt: skip
     group = optim["param_groups"][0]
     # float() only what is a number already: a string "0.1" is refused by _check_param_group,
     # as torch's optimizer would refuse it, not read as 0.1
     betas = group.get("betas")
     return {
-        "optimizer_step": _adam_step(universal, names, optim),
+        "optimizer_step": _adam_step(universal, names, optim, tag_dir),
         "lr": _float(group["lr"]),
         "lr_scheduler": sched,
         "betas": [_float(b) for b in betas] if isinstance(betas, list | tuple) else betas,
@@ -378,9 +387,9 @@ def _write_layers(work: str, universal: str, source: Source, mapping: dict[str, 
         weights, states = {}, {}
         for theirs in names:
             ours, shape = mapping[theirs], source.shapes[theirs]
-            weights[ours] = _tensor(universal, theirs, "fp32", shape)
+            weights[ours] = _tensor(universal, theirs, "fp32", shape, source.tag_dir)
             for key in OPTIM_KEYS:
-                states[f"{ours}.{key}"] = _tensor(universal, theirs, key, shape)
+                states[f"{ours}.{key}"] = _tensor(universal, theirs, key, shape, source.tag_dir)
             params[ours] = {"file": model_file(layer), "shape": list(shape), "dtype": "F32"}
         for rel, tensors in ((model_file(layer), weights), (optim_file(layer), states)):
             write_atomic(os.path.join(work, rel), safetensors_bytes(tensors))
@@ -406,7 +415,7 @@ def import_deepspeed(path: str, out: str, run: RunConfig, model: ModelSpec) -> t
             universal = _convert(source, tmp)
             optim = load_file(os.path.join(universal, "zero", "optimizer_state.pt"))
             zero_stage = int(optim.get("zero_stage", 1))
-            trainer = _trainer_state(universal, list(mapping), optim, sched)
+            trainer = _trainer_state(universal, list(mapping), optim, sched, source.tag_dir)
             _check_param_group(trainer, source.tag_dir, zero_stage)
             os.makedirs(work)
             files, params = _write_layers(work, universal, source, mapping, layers)

@@ -3,7 +3,8 @@
 Every rank reads, for each parameter of its stage, only its tensor-parallel shard of the full
 tensors from the files the manifest names (safetensors slices; nothing is unpickled), and sets
 the model parameter, the fp32 master and the optimizer state (dsnd/checkpoint/state.py). Then
-the learning-rate schedule, DeepSpeed's step counters and, when the layout is unchanged, this
+the learning-rate schedule's position (`restore_schedule`: hyper-parameters are this run's
+JSON's), DeepSpeed's step counters and, when the layout is unchanged, this
 rank's RNG streams. The caller has verified the checksums before any process group started;
 every file is still opened through `verify_mod.member` (inside the step directory, listed, so
 checksummed) and every safetensors header is checked against the manifest before a tensor is
@@ -25,7 +26,7 @@ from dsnd.checkpoint.layout import CheckpointError, optim_file, rng_file
 from dsnd.checkpoint.members import member
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved
-from dsnd.engine.compat import replay_cpu_adam_steps
+from dsnd.engine.compat import quiet_scheduler_start, replay_cpu_adam_steps
 from dsnd.engine.loss_scale import restore_scaler
 from dsnd.engine.state import (
     basic_optimizer,
@@ -75,14 +76,8 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
                 raise CheckpointError(f"{step_dir}: {name} {e}") from e
             set_full_state(engine, param, value, states, masters)
 
-    sched = engine.lr_scheduler
-    if sched is not None and trainer["lr_scheduler"] is not None:
-        sched.load_state_dict(trainer["lr_scheduler"])
-    for group in engine.optimizer.param_groups:
-        group["lr"] = trainer["lr"]
-        if trainer["betas"] is not None:
-            group["betas"] = tuple(trainer["betas"])
-    # with the restored betas: DeepSpeedCPUAdam's beta powers as an uninterrupted run has them
+    restore_schedule(engine.lr_scheduler, trainer["lr_scheduler"], manifest["step"])
+    # with this run's betas: DeepSpeedCPUAdam's beta powers as torch's Adam computes them
     replay_cpu_adam_steps(basic_optimizer(engine), trainer["optimizer_step"])
     restore_scaler(engine, trainer.get("loss_scaler"))
     step = manifest["step"]
@@ -94,6 +89,21 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
     if _same_layout(manifest, res) and rel in manifest["files"]:
         _restore_rng(member(step_dir, manifest, rel))
     return manifest
+
+
+def restore_schedule(sched, state: dict | None, step: int) -> None:
+    """The learning rate (and OneCycle's momentum) that this run's scheduler gives at the
+    checkpoint's position. The checkpoint supplies the optimizer's state and the schedule's
+    position only: every hyper-parameter (betas, eps, weight decay, the schedule's numbers) is
+    this run's JSON's, as the engine was built with it, so a resume with a changed JSON runs
+    what it says, and an unchanged one gives the saved rate bit for bit (the same function at
+    the same position). No scheduler: the JSON's lr, constant. A checkpoint saved without one:
+    the position its step gives (DeepSpeed steps the scheduler once per optimizer step)."""
+    if sched is None:
+        return
+    sched.load_state_dict(state if state is not None else {"last_batch_iteration": step - 1})
+    with quiet_scheduler_start():  # position -1: the warm-up's start, without DeepSpeed's warning
+        sched.step(sched.last_batch_iteration)  # set the rate there; the position stays
 
 
 def _open(path: str):

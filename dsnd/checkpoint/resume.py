@@ -70,9 +70,13 @@ def choose_resume(run: RunConfig, job_id: str | None = None) -> str | None:
 # What a resumed run must share with the checkpoint's run, and what it may change. The layout
 # (parallel.*, ZeRO stage, micro-batch and accumulation) may change: checkpoints are layout-free.
 MUST_MATCH_ALWAYS = ("model",)  # the architecture: the tensors would not even fit
-MUST_MATCH_IMPLICITLY = ("train.seed", "data.path", "data.format", "data.text_field",
-                         "data.max_bytes")  # fmt: skip
-WARN_RUN = ("model.seq_len", "train.lr_scaling", "train.lr_reference_batch")
+MUST_MATCH_IMPLICITLY = ("train.seed", "data.path", "data.blend", "data.format",
+                         "data.text_field", "data.max_bytes")  # fmt: skip
+# eval.fraction and data.eval_path decide which samples train (dsnd.data.held_out);
+# model.moe_capacity_factor which tokens reach their experts (dropless <-> capped, or another
+# cap: the weights fit either way, so it is allowed, and said)
+WARN_RUN = ("model.seq_len", "train.lr_scaling", "train.lr_reference_batch", "eval.fraction",
+            "data.eval_path", "model.moe_capacity_factor")  # fmt: skip
 WARN_DS = ("train_batch_size", "optimizer", "scheduler", "gradient_clipping", "bf16", "bfloat16")
 
 
@@ -84,8 +88,18 @@ def _dotted(config: dict, key: str):
 
 
 def _differences(keys: tuple[str, ...], now: dict, then: dict) -> list[str]:
-    return [f"{k} {_dotted(then, k)!r} -> {_dotted(now, k)!r}"
-            for k in keys if _dotted(now, k) != _dotted(then, k)]  # fmt: skip
+    """Each changed key as `key old -> new`; a section by its changed keys, so that the note
+    says which hyper-parameter changed (`ds.optimizer.params.betas [0.9, 0.95] -> [0.9, 0.99]`),
+    each of them applied by the resumed run."""
+    out = []
+    for key in keys:
+        old, new = _dotted(then, key), _dotted(now, key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = tuple(f"{key}.{k}" for k in dict.fromkeys([*old, *new]))
+            out += _differences(inner, now, then)
+        elif old != new:
+            out.append(f"{key} {old!r} -> {new!r}")
+    return out
 
 
 SAME_STATE = {"adam": "adam", "adamw": "adam"}

@@ -12,6 +12,7 @@ refusal names it. flock works across hosts on NFS v4 (as a byte-range lock) and 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -25,9 +26,20 @@ from dsnd.checkpoint.layout import CheckpointError
 LOCK_FILE = ".dsnd.lock"
 
 
-def check_writable(path: str, what: str) -> None:
+def _missing(path: str) -> list[str]:
+    """`path` and those of its parents that do not exist, deepest first."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+def check_writable(path: str, what: str, keep: bool = True) -> None:
     """Create `path` if needed and write and remove a file in it; CheckpointError (one line)
-    when that fails."""
+    when that fails. `keep=False` removes again the directories it made: an export's target is
+    made by the export alone, so a run stopped before it (or refused) leaves no empty one."""
+    made = [] if keep else _missing(path)
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".dsnd-write-test-{uuid.uuid4().hex}")
@@ -37,6 +49,10 @@ def check_writable(path: str, what: str) -> None:
     except OSError as e:
         raise CheckpointError(f"{what} {path} is not writable ({e.strerror or e}); nothing "
                               "was started") from None  # fmt: skip
+    finally:
+        for directory in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
 
 
 def _holder_text(path: str) -> str:
@@ -48,8 +64,10 @@ def _holder_text(path: str) -> str:
     if not isinstance(holder, dict):
         return "another process"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
-    return (f"job {holder.get('job_id')} (pid {holder.get('pid')} on host {holder.get('host')}, "
-            f"since {since})")  # fmt: skip
+    job = holder.get("job_id")
+    # `dsnd train` names its job before it locks; only a preflight probe holds it without one
+    who = f"job {job}" if job else "a dsnd process without a job id"
+    return f"{who} (pid {holder.get('pid')} on host {holder.get('host')}, since {since})"
 
 
 class RootLock:

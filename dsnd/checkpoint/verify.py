@@ -16,6 +16,7 @@ from dsnd.checkpoint.layout import (
     MANIFEST,
     MANIFEST_SUM,
     MODEL_SUFFIX,
+    TMP_PREFIX,
     CheckpointError,
     committed,
     latest,
@@ -23,9 +24,10 @@ from dsnd.checkpoint.layout import (
     read_text,
     regular,
     sha256_file,
+    step_of,
 )
 from dsnd.checkpoint.members import Problem, member_problem, name_problem, raise_problem
-from dsnd.checkpoint.schema import file_entry_problem, manifest_problems
+from dsnd.checkpoint.schema import STEP, file_entry_problem, manifest_problems, value_problem
 
 
 def read_manifest(step_dir: str) -> dict:
@@ -105,6 +107,18 @@ def _reference_problems(manifest: dict) -> list[Problem]:
     return problems
 
 
+def _step_problem(step_dir: str, manifest: dict) -> list[Problem]:
+    """A manifest `step` other than its directory's name: `latest`, `auto` and rotation go by the
+    name, a resume by the manifest, so it would continue one step off (a hand edit, or a
+    directory renamed)."""
+    name = os.path.basename(os.path.normpath(step_dir)).removeprefix(TMP_PREFIX)
+    named, step = step_of(name), manifest.get("step")
+    if named is None or value_problem(step, STEP) or step == named:  # or refused as it is
+        return []
+    return [Problem(MANIFEST, f"'step' is {step}, but the directory is named {name} (a resume "
+                              "would continue one step off)")]  # fmt: skip
+
+
 def verify(step_dir: str) -> list[Problem]:
     """Every problem of `step_dir`: the manifest (its checksum, then every key a load reads),
     each listed file (inside the step directory, size, SHA-256), the files params name, then the
@@ -114,6 +128,7 @@ def verify(step_dir: str) -> list[Problem]:
     if not manifest:
         return problems
     files, named = manifest["files"], {p.file for p in problems}
+    problems = _step_problem(step_dir, manifest) + problems
     intact = []
     for rel in sorted(set(files) - named):
         what = _file_problem(step_dir, files, rel)

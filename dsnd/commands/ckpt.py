@@ -184,6 +184,16 @@ def run_inspect(path: str, as_json: bool) -> int:
 def run_verify(path: str) -> int:
     step_dir = step_dir_of(path)
     problems = verify(step_dir)
+    for _ in range(3):  # gone meanwhile: a running job's checkpoint.keep rotated it away
+        if not problems or os.path.isdir(step_dir):
+            break  # still there: what verify found is damage (a rotation renames it away first)
+        if os.path.normpath(step_dir) == os.path.normpath(path):
+            raise CheckpointError(f"{step_dir}: removed while it was verified (rotated away by "
+                                  "checkpoint.keep?); nothing left to verify")  # fmt: skip
+        print(f"dsnd: {step_dir} was removed while it was verified (rotated away by "
+              "checkpoint.keep); verifying what latest names now", file=sys.stderr)  # fmt: skip
+        step_dir = step_dir_of(path)
+        problems = verify(step_dir)
     for p in problems:
         print(f"{os.path.join(step_dir, p.file)}: {p.what}", file=sys.stderr)
     if problems:

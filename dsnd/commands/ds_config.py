@@ -98,8 +98,7 @@ def explain_lines(res: Resolved) -> list[str]:
         f"ZeRO-{stage} over each stage's {t.dp * t.cp} {ranks}; offload: optimizer "
         f"{offload['offload_optimizer']}, parameters {offload['offload_param']}",
         f"optimizer {ds['optimizer']['type']} {ds['optimizer'].get('params', {})} (DeepSpeed "
-        f"builds {optimizer}: {per_param} B of state per parameter); scheduler "
-        f"{(ds.get('scheduler') or {}).get('type', 'none')}",
+        f"builds {optimizer}: {per_param} B of state per parameter); {_schedule(ds)}",
         "model-state bytes per rank (formula: parameters, gradients, fp32 master, optimizer "
         "state; activations and buffers not included):",
     ]
@@ -122,6 +121,14 @@ def explain_lines(res: Resolved) -> list[str]:
         lines.append(f"  stage {s}: {psi:,} parameters{of_which}{f' / tp {t.tp}' * (t.tp > 1)}: "
                      f"{device:.1f} MiB on the device, {cpu:.1f} MiB in CPU memory")  # fmt: skip
     return lines
+
+
+def _schedule(ds: dict) -> str:
+    sched = ds.get("scheduler")
+    if sched:
+        return f"scheduler {sched['type']} {sched.get('params') or {}}"
+    lr = (ds["optimizer"].get("params") or {}).get("lr", "the optimizer's default")
+    return f"no scheduler: lr {lr}, constant, as DeepSpeed runs it"
 
 
 def run_explain(args: argparse.Namespace) -> int:

@@ -83,8 +83,20 @@ def absolute_path_sets(run: RunConfig, sets: list[str], cwd: str) -> list[str]:
         values["checkpoint.resume"] = run.checkpoint.resume
     if any(item.partition("=")[0].strip() == "deepspeed" for item in sets):
         values["deepspeed"] = run.deepspeed
-    return [f"{key}={os.path.join(cwd, value)}" for key, value in values.items()
-            if value and not os.path.isabs(value)]  # fmt: skip
+    out = [f"{key}={os.path.join(cwd, value)}" for key, value in values.items()
+           if value and not os.path.isabs(value)]  # fmt: skip
+    blend = run.data.blend
+    if isinstance(blend, list) and any(_relative_entry(e) for e in blend):  # data.blend's files
+        pinned = [{**e, "path": os.path.join(cwd, e["path"])} if _relative_entry(e) else e
+                  for e in blend]  # fmt: skip
+        out.append(f"data.blend={json.dumps(pinned)}")
+    return out
+
+
+def _relative_entry(entry: object) -> bool:
+    """A `data.blend` entry naming a relative path (a malformed one is left for the check)."""
+    return isinstance(entry, dict) and isinstance(entry.get("path"), str) \
+        and bool(entry["path"]) and not os.path.isabs(entry["path"])  # fmt: skip
 
 
 def _train_args(args: argparse.Namespace, sets: list[str]) -> list[str]:

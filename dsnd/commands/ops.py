@@ -14,12 +14,15 @@ run's) will load, as DeepSpeed's engine chooses it (`ops_for`): FusedAdam for Ad
 with the optimizer offloaded, FusedLamb, FusedLion or CPU Lion, CPU Adagrad offloaded, async_io
 for NVMe offload, the quantizer for ZeRO++ qwZ/qgZ; every other op is printed as skipped, with
 the reason. CUDA ops compile for minutes each, so building all of them would cost more than a
-first launch does.
+first launch does. A build killed midway leaves torch's `lock` file in the op's directory, on
+which every later build would wait forever; one that no process holds is removed first, with a
+line saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -115,6 +118,17 @@ def _unavailable(builder) -> str | None:
     return None
 
 
+def _unlock(name: str, op: str) -> None:
+    """Remove (and say so) the build lock a killed build of `op` left in this environment's op
+    directory: torch's build would otherwise wait for it forever (`remove_stale_lock`)."""
+    from dsnd.extensions import VARIABLE, remove_stale_lock
+
+    if os.environ.get(VARIABLE):  # set by dsnd.cli.main (or by the user) before any build
+        said = remove_stale_lock(os.path.join(os.environ[VARIABLE], op))
+        if said:
+            print(f"{name:<20} {said}", flush=True)
+
+
 def run_build(names: list[str], deepspeed: str | None = None) -> int:
     """Build `names`, or without names what `ops_for` chooses for the JSON `deepspeed`."""
     from dsnd.config.deepspeed_json import load_json
@@ -140,6 +154,7 @@ def run_build(names: list[str], deepspeed: str | None = None) -> int:
         if builder is None or why:
             print(f"{name:<20} skipped: {why or 'this accelerator has no such op'}", flush=True)
             continue
+        _unlock(name, builder.name)
         start = time.monotonic()
         try:
             builder.load(verbose=False)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 
 from dsnd.errors import UserError
 
@@ -29,6 +31,19 @@ def fixed(items: list[str]) -> dict[str, str]:
     return out
 
 
+def check_out(out: str) -> None:
+    """`--out` is written into a new or empty directory only: run.yaml or ds_config.json there
+    may be the user's own, which a plan must not overwrite."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out}: exists and is not a directory")
+    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise UserError(f"--out {out}: holds {shown}; dsnd plan writes run.yaml and "
+                        "ds_config.json into a new or empty directory only (nothing is "
+                        "overwritten): name another one, or remove what is there")  # fmt: skip
+
+
 def _keeps(lay, knobs: dict[str, str]) -> bool:
     return all(str(getattr(lay, k)).lower() == v for k, v in knobs.items())
 
@@ -39,6 +54,29 @@ def global_batch(requested: int | None, world: int) -> int:
             raise UserError(f"--global-batch must be >= 1, got {requested}")
         return requested
     return -(-DEFAULT_GLOBAL_BATCH // world) * world
+
+
+MAX_WORLD = 2**20
+"""The largest --world planned: past a million devices the divisor search alone (every pp, tp,
+cp and ep dividing the world) runs for minutes, and no cluster is that large."""
+_FIGURES = (("gpu_mem", "--gpu-mem"), ("gpu_flops", "--gpu-flops"), ("intra_bw", "--intra-bw"),
+            ("inter_bw", "--inter-bw"))  # fmt: skip
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """UserError for a number dsnd plan cannot plan with, before any search: a world past
+    MAX_WORLD, a device figure that is not a finite number > 0 (argparse reads "nan"), a
+    --top that would show nothing."""
+    if not 1 <= args.world <= MAX_WORLD:
+        raise UserError(f"--world {args.world} is above {MAX_WORLD} devices (the most dsnd plan "
+                        "searches)" if args.world > MAX_WORLD else
+                        f"--world must be >= 1, got {args.world}")  # fmt: skip
+    for attr, flag in _FIGURES:
+        value = getattr(args, attr)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(f"{flag} must be a finite number > 0, got {value}")
+    if args.top < 1:
+        raise UserError(f"--top must be >= 1, got {args.top} (--all shows every layout)")
 
 
 def _device(args: argparse.Namespace):
@@ -56,8 +94,7 @@ def problem(args: argparse.Namespace):
     from dsnd.layouts.search import Problem
     from dsnd.layouts.source import load
 
-    if args.world < 1:
-        raise UserError(f"--world must be >= 1, got {args.world}")
+    check_numbers(args)
     device = _device(args)
     model, shape, split = load(args.model)
     seq = args.seq if args.seq is not None else min(model.max_seq_len, MAX_DEFAULT_SEQ)
@@ -70,15 +107,16 @@ def problem(args: argparse.Namespace):
 
 
 def header(pr, count: int, fitting: int) -> list[str]:
+    from dsnd.layouts.render import device_lines
+
     d = pr.device
     precision = ("bf16 mixed precision, Adam (K = 12: fp32 master and two moments)" if pr.bf16
                  else "fp32, Adam (DeepSpeed's fp32 master and two moments)")  # fmt: skip
+    figures, *fit = device_lines(d, pr.bf16)
     return [
         f"model: {pr.shape.name}; {pr.shape.params / 1e9:.3g}B parameters",
-        f"world: {pr.world} x {d.name} ({d.memory_bytes / GIB:.0f} GiB, "
-        f"{d.flops(pr.bf16) / 1e12:.4g} TFLOP/s, HBM {d.hbm_bytes_per_s / 1e9:.0f} GB/s, links "
-        f"{d.intra_bytes_per_s / 1e9:.0f} / {d.inter_bytes_per_s / 1e9:.0f} GB/s, {d.per_node} "
-        f"per node; efficiency {d.efficiency:g})",
+        f"world: {pr.world} x {figures}",
+        *fit,
         f"precision: {precision}",
         f"batch: {pr.global_batch} sequences of {pr.seq} tokens per step",
         f"layouts: {count} valid, {fitting} fit in {d.memory_bytes / GIB:.0f} GiB x 0.9",
@@ -86,15 +124,9 @@ def header(pr, count: int, fitting: int) -> list[str]:
 
 
 def table(layouts) -> list[str]:
-    width = max([52, *(len(lay.key()) for lay in layouts)])
-    lines = [f"{'#':>3}  {'layout':<{width}} {'s/step':>9} {'MFU':>6} {'GiB':>7}  "
-             "params+grads+optimizer+activations+buffers  fits"]  # fmt: skip
-    for i, lay in enumerate(layouts, 1):
-        parts = "+".join(f"{v / GIB:.3g}" for v in lay.memory_bytes.values())
-        lines.append(f"{i:>3}  {lay.key():<{width}} {lay.step_time_s:>9.4g} {lay.mfu:>6.1%} "
-                     f"{lay.total_bytes / GIB:>7.3g}  {parts}  "
-                     f"{'yes' if lay.fits else 'NO'}")  # fmt: skip
-    return lines
+    from dsnd.layouts.render import table as render
+
+    return render(layouts)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -102,6 +134,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from dsnd.layouts.search import explain, plan
     from dsnd.layouts.zero_sizes import sized_hidden
 
+    if args.out:
+        check_out(args.out)
     model, pr = problem(args)
     if args.validate is not None and pr.device.name != "cpu":
         raise UserError("--validate runs the layouts on this machine: plan with --gpu cpu")

@@ -11,9 +11,11 @@ import os
 from dsnd.checkpoint.layout import check_root
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_checkpoint
 from dsnd.checkpoint.root import check_writable
+from dsnd.checkpoint.space import check_space
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.data.check import check_data
+from dsnd.data.held_out import eval_data
 from dsnd.errors import UserError
 from dsnd.model.export_dir import ExportOrigin, check_target
 from dsnd.model.hf_io import check_init_from
@@ -21,10 +23,21 @@ from dsnd.model.hf_io import check_init_from
 log = logging.getLogger(__name__)
 
 
+def _check_data(res: Resolved) -> None:
+    """data.path, and data.eval_path read the same way, against the model's vocabulary."""
+    run = res.run
+    check_data(run.data, res.model.vocab_size, run.model)
+    if run.data.eval_path:
+        try:
+            check_data(eval_data(run), res.model.vocab_size, run.model)
+        except UserError as e:  # the checks name the key they read the file from: data.path
+            raise UserError(str(e).replace("data.path", "data.eval_path")) from e
+
+
 def check_inputs(res: Resolved) -> None:
     """What a dry run checks too (it writes nothing): the data against the model's vocabulary,
     `model.init_from` against the model (names, shapes, config) and the export's target."""
-    check_data(res.run.data, res.model.vocab_size, res.run.model)
+    _check_data(res)
     if res.run.model.init_from:
         check_init_from(res.run.model.init_from, res.model)
     _check_export_target(res.run)
@@ -50,13 +63,13 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
     layout was checked when the config resolved to its plan); returns that checkpoint's step
     directory (None: start fresh). Raises UserError."""
     run = res.run
-    check_data(run.data, res.model.vocab_size, run.model)
+    _check_data(res)
     root = checkpoint_root(run)
     check_root(root)
     check_writable(root, "checkpoint.dir")
     check_writable(run.log.dir, "log.dir")
     if run.checkpoint.export_hf:  # written after the last step: find out now, not then
-        check_writable(run.checkpoint.export_hf, "checkpoint.export_hf")
+        check_writable(run.checkpoint.export_hf, "checkpoint.export_hf", keep=False)
         _check_export_target(run)
     resume = choose_resume(run, job_id)
     if resume is not None:
@@ -68,4 +81,5 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
             log.warning("resuming %s with a change: %s", os.path.basename(resume), line)
     elif run.model.init_from:  # a resume takes its weights from the checkpoint instead
         check_init_from(run.model.init_from, res.model)
+    check_space(res, root, resume)  # a run that could not save even once
     return resume

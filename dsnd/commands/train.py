@@ -4,8 +4,10 @@ Every check runs before the process group starts (`prestart`). Rank 0 holds the 
 checkpoint root and log.dir for the whole run. After the start, how a rank ends is its exit code
 (see `dsnd.errors`): a divergence is one line and code 3 on every rank; a rank whose collective
 lost its peer says so in one line and exits 4, so that the launcher names the rank that failed
-first; any other exception is printed as usual and exits 1. Every rank's traceback also goes to
-its `log.dir/logs/rank_XXXXX.log`.
+first; a save or a log.dir write the disk refused is one line and code 1 (4 on the ranks that
+learnt of another's), the previous checkpoint kept; a second Ctrl-C is one line and code 130;
+any other exception is printed as usual and exits 1. Every rank's traceback also goes to its
+`log.dir/logs/rank_XXXXX.log`.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.distributed.discover import job_id as job_id_from_env
 from dsnd.distributed.init import init_world, shutdown, world_info
+from dsnd.distributed.launcher_watch import LauncherWatch
 from dsnd.errors import (
     EXIT_DIVERGED,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_PEER_FAILED,
     EXIT_USAGE,
     Diverged,
     UserError,
+    WriteFailed,
 )
 from dsnd.progress import rank_log_path, rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
@@ -59,8 +64,9 @@ def peer_failed(exc: BaseException) -> bool:
 
 def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None],
               job_id: str | None = None) -> int:  # fmt: skip
-    # from here on SIGTERM / Ctrl-C mean "save at the next step boundary and exit 0"
-    with StopRequest() as stop:
+    # from here on SIGTERM / Ctrl-C, or the exit of the launcher that started this rank, mean
+    # "save at the next step boundary and exit 0"
+    with StopRequest(LauncherWatch.start(os.environ)) as stop:
         return _run_train(config, sets, setup_logging, stop, job_id)
 
 
@@ -82,14 +88,18 @@ def _run_train(config: str | None, sets: list[str], setup_logging: Callable[[int
                 print(f"dsnd: {resume} is at step {step}, train.steps={res.run.train.steps}: "
                       "nothing to train")  # fmt: skip
             return 0
+    named = job_id is not None
     with contextlib.ExitStack() as locks:
         if info.rank == 0:
+            # no launcher named the job: rank 0 does, before it locks (the lock's holder says
+            # which job it is) and for the manifests (shared once the world is up)
+            job_id = job_id or uuid.uuid4().hex[:12]
             for path, what in run_dirs(checkpoint_root(res.run), res.run.log.dir):
                 locks.enter_context(RootLock(path, what).acquire(job_id))
-        return _train_in_world(res, info, resume, stop, job_id)
+        return _train_in_world(res, info, resume, stop, job_id, share_id=not named)
 
 
-def _train_in_world(res, info, resume, stop, job_id) -> int:
+def _train_in_world(res, info, resume, stop, job_id, share_id: bool) -> int:
     """Train; the exit code says how it ended (the trainer has put any traceback into the
     rank's log file)."""
     logfile = rank_log_path(res.run.log.dir, info.rank)
@@ -98,8 +108,8 @@ def _train_in_world(res, info, resume, stop, job_id) -> int:
 
     try:
         init_world(info, res.run.dist.timeout_s, res.run.dist.backend, res.run.log.dir)
-        if job_id is None:  # no launcher named the job: rank 0 does, for the manifests
-            ids = [uuid.uuid4().hex[:12] if info.rank == 0 else None]
+        if share_id:  # rank 0 named the job (`_run_train`): every rank takes its name
+            ids = [job_id]
             dist.broadcast_object_list(ids, src=0)
             job_id = ids[0]
         train(res, build_groups(res.topology), resume, stop, job_id)
@@ -112,6 +122,15 @@ def _train_in_world(res, info, resume, stop, job_id) -> int:
         # killed); a dsnd agent passes identical error lines of its host's ranks on once
         print(f"dsnd: error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+    except WriteFailed as e:  # a full disk: the previous checkpoint is kept (dsnd.errors)
+        said = f"rank {info.rank}: a peer failed first ({e})" if e.code == EXIT_PEER_FAILED \
+            else f"error: {e}"  # fmt: skip
+        print(f"dsnd: {said}", file=sys.stderr, flush=True)
+        return e.code
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, but never inside a save
+        print("dsnd: interrupted (a second Ctrl-C); the last committed checkpoint stays latest",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return EXIT_INTERRUPTED
     except Exception as e:
         if peer_failed(e):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -1,17 +1,20 @@
 """Fill in what a user's DeepSpeed JSON leaves to the caller, as the Hugging Face integration
 does, so that the JSONs users already have run unchanged.
 
-- ``"auto"`` values: the Hugging Face Trainer fills them from its own arguments; dsnd fills them
-  from its packaged ``zero*.json`` (the optimizer's and scheduler's numbers), from the run config
-  (``total_num_steps`` = ``train.steps``) and from the model (ZeRO bucket sizes from the hidden
-  size, with Hugging Face's formulas). Batch keys set to ``"auto"`` are derived by the batch rule
-  (the packaged micro-batch when nothing else sets it, and at least 2 x pp micro-batches per
-  step in a pipeline); precision ``"auto"`` is fp32, as the Hugging Face Trainer's is unless its
-  ``--bf16`` / ``--fp16`` flag asks (dsnd's flag is the JSON's ``"enabled": true``).
+- ``"auto"`` values: the Hugging Face Trainer fills them from its own arguments; dsnd fills the
+  optimizer's and scheduler's from the run's learning-rate keys and recipes
+  (`dsnd.config.lr_schedule`: train.lr, train.warmup_steps, train.lr_decay, train.min_lr,
+  ``total_num_steps`` = ``train.steps``), and the rest from the model (ZeRO bucket sizes from the
+  hidden size, with Hugging Face's formulas). Batch keys set to ``"auto"`` are derived by the
+  batch rule (the packaged micro-batch when nothing else sets it, and at least 2 x pp
+  micro-batches per step in a pipeline); precision ``"auto"`` is fp32, as the Hugging Face
+  Trainer's is unless its ``--bf16`` / ``--fp16`` flag asks (dsnd's flag is the JSON's
+  ``"enabled": true``).
 - DeepSpeed's legacy forms, as it still reads them: ``"zero_optimization": true`` (stage 1),
   ``cpu_offload`` / ``cpu_offload_param`` (the CPU offload sections).
-- a missing ``optimizer`` or ``scheduler`` section (Megatron's and Hugging Face's JSONs leave
-  them to the calling code): the packaged AdamW and warm-up; a missing ``gradient_clipping``:
+- a JSON with neither ``optimizer`` nor ``scheduler`` (Megatron's and Hugging Face's leave them
+  to the calling code): the run's AdamW and schedule; an optimizer without a scheduler: its lr,
+  constant, as DeepSpeed runs it (`dsnd.config.lr_schedule`); a missing ``gradient_clipping``:
   DeepSpeed's own default (1.0 in 0.19.8: it clips when the JSON says nothing), written out.
 
 Every decision is returned as a note (logged at start, shown by ``dsnd ds-config check``), and
@@ -28,28 +31,32 @@ from functools import cache
 from typing import Any
 
 from dsnd.config.batch import GAS, MICRO, TRAIN
+from dsnd.config.lr_schedule import fill_lr
 from dsnd.config.packaged import packaged_json
+from dsnd.config.schema import TrainConfig
 
 AUTO = "auto"
 
 
 @cache
 def packaged() -> dict[str, Any]:
-    """The packaged ZeRO-1 JSON: where dsnd's default optimizer and scheduler come from."""
+    """The packaged ZeRO-1 JSON (its micro-batch is the "auto" one)."""
     with open(packaged_json(1), encoding="utf-8") as f:
         return json.load(f)
 
 
-def fill_auto(ds: dict[str, Any], hidden: int, steps: int, pp: int = 1,
-              dp: int = 1) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+def fill_auto(ds: dict[str, Any], hidden: int, steps: int, pp: int = 1, dp: int = 1,
+              train: TrainConfig | None = None, fine_tune: bool = False,
+              where: str = "the DeepSpeed JSON") -> tuple[dict[str, Any], list[str]]:  # fmt: skip
     """(a copy of `ds` with the above filled in, one note per decision), for a model of hidden
-    size `hidden` trained `steps` steps on `pp` pipeline stages x `dp` data-parallel ranks."""
+    size `hidden` trained `steps` steps on `pp` pipeline stages x `dp` data-parallel ranks, with
+    the run's learning-rate keys `train` (`fine_tune`: model.init_from is set); errors name
+    `where`."""
     ds = copy.deepcopy(ds)
     notes: list[str] = []
     _batch(ds, pp, dp, notes)
     _legacy_zero(ds, notes)
-    _sections(ds, notes)
-    _optimizer_and_scheduler(ds, steps, notes)
+    fill_lr(ds, train or TrainConfig(), fine_tune, steps, where, notes)
     if ds.get("gradient_clipping") == AUTO:
         ds["gradient_clipping"] = 1.0
         notes.append("gradient_clipping: 'auto' -> 1.0")
@@ -113,14 +120,6 @@ def _legacy_zero(ds: dict[str, Any], notes: list[str]) -> None:
     zero.pop("cpu_offload_use_pin_memory", None)
 
 
-def _sections(ds: dict[str, Any], notes: list[str]) -> None:
-    for name in ("optimizer", "scheduler"):
-        if name not in ds:
-            ds[name] = copy.deepcopy(packaged()[name])
-            notes.append(f"{name}: none in the JSON -> dsnd's default {ds[name]['type']} "
-                         f"{json.dumps(ds[name]['params'])}")  # fmt: skip
-
-
 def _default_clipping(ds: dict[str, Any], notes: list[str]) -> None:
     """No `gradient_clipping`: DeepSpeed clips at its own default (1.0 in 0.19.8, where older
     versions did not clip), written into the JSON so that the run, its reference and the note
@@ -131,21 +130,6 @@ def _default_clipping(ds: dict[str, Any], notes: list[str]) -> None:
     notes.append(f"gradient_clipping: none in the JSON -> DeepSpeed's default "
                  f"{ds['gradient_clipping']:g} (clipping by the global norm; set 0 to turn it "
                  "off)")  # fmt: skip
-
-
-def _optimizer_and_scheduler(ds: dict[str, Any], steps: int, notes: list[str]) -> None:
-    defaults = {**packaged()["optimizer"]["params"], **packaged()["scheduler"]["params"],
-                "total_num_steps": steps}  # fmt: skip
-    for name in ("optimizer", "scheduler"):
-        section = ds.get(name)
-        params = section.get("params") if isinstance(section, dict) else None
-        if not isinstance(params, dict):
-            continue
-        for key, value in list(params.items()):
-            if value == AUTO and key in defaults:
-                params[key] = copy.deepcopy(defaults[key])
-                source = "train.steps" if key == "total_num_steps" else "dsnd's default"
-                notes.append(f"{name}.params.{key}: 'auto' -> {params[key]} ({source})")
 
 
 def _precision(ds: dict[str, Any], notes: list[str]) -> None:

@@ -3,7 +3,8 @@
 ``--set KEY=VALUE``: VALUE is parsed as JSON, else taken as a string, then coerced to the field's
 type. ``--set ds.a.b=v`` sets one key of the DeepSpeed JSON, creating parents (``null`` deletes;
 an object value replaces the key's whole object). A ``deepspeed:`` path is relative to the YAML
-that names it, or to the current directory when given by ``--set``.
+that names it, or to the current directory when given by ``--set``; a YAML without the key
+takes dsnd's packaged ``zero0.json`` (the default's), wherever the YAML lies.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from dsnd.config import deepspeed_json, json_lines, strict
 from dsnd.config.ds_auto import fill_auto
-from dsnd.config.packaged import default_config_path
+from dsnd.config.packaged import default_config_path, packaged_json
 from dsnd.config.schema import RunConfig
 from dsnd.config.yaml_lines import load_yaml
 from dsnd.errors import UserError, did_you_mean
@@ -114,7 +115,9 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
 
     run = strict.build(RunConfig, data, where, yaml_path)
     base = os.getcwd() if ds_from_cli else os.path.dirname(os.path.abspath(yaml_path))
-    ds_path = os.path.normpath(os.path.join(base, run.deepspeed))
+    # a YAML without `deepspeed:` means the packaged default JSON, not a zero0.json beside it
+    written = ds_from_cli or "deepspeed" in data
+    ds_path = os.path.normpath(os.path.join(base, run.deepspeed)) if written else packaged_json(0)
     ds_file = deepspeed_json.load_json(ds_path)
     # checked as it will run: "auto" filled (the numbers do not matter yet: resolve fills them
     # again for the model and world)

@@ -23,11 +23,12 @@ from dsnd.config.ds_auto import fill_auto
 from dsnd.config.ds_effect import zero_notes
 from dsnd.config.ds_monitors import take_monitors
 from dsnd.config.load import LoadedConfig
+from dsnd.config.lr_schedule import check_lr_keys
 from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
 from dsnd.config.summary import precision
 from dsnd.cp.slices import IMPLS, divisor
 from dsnd.errors import UserError
-from dsnd.model.moe import num_experts
+from dsnd.model.moe import expert_layers, num_experts
 from dsnd.model.router_aux import wants_router_aux
 from dsnd.model.source import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
 from dsnd.plan.plan import Plan, make_plan
@@ -156,6 +157,19 @@ BOUNDS: dict[str, tuple[int, int | None]] = {
 YEAR_S = 365 * 24 * 3600
 
 
+def _check_eval(run: RunConfig) -> None:
+    """Held-out evaluation and the expert-load warning: values that mean something."""
+    if not 0 <= run.eval.fraction < 1:
+        raise UserError(f"eval.fraction must be in [0, 1), got {run.eval.fraction}")
+    if run.eval.every and not run.eval.fraction and not run.data.eval_path:
+        raise UserError(f"eval.every={run.eval.every}: nothing to evaluate on (eval.fraction is "
+                        "0 and data.eval_path is unset)")  # fmt: skip
+    warn = run.log.expert_load_warn
+    if not (math.isfinite(warn) and (warn == 0 or warn > 1)):
+        raise UserError("log.expert_load_warn must be > 1 (times the mean expert load) or 0 "
+                        f"(never), got {warn}")  # fmt: skip
+
+
 def check_ranges(run: RunConfig) -> None:
     """Refuse values the schema's types allow but a run cannot use (a negative seed fails in the
     sampler, a peak of 0 FLOP/s gives a negative MFU, a timeout past timedelta's range fails when
@@ -163,12 +177,13 @@ def check_ranges(run: RunConfig) -> None:
     for key, (low, high) in BOUNDS.items():
         section, name = key.split(".")
         value = getattr(getattr(run, section), name)
+        if value is None:  # an optional key left unset (data.max_bytes: no cap)
+            continue
         if high is None and value < low:
             raise UserError(f"{key} must be >= {low}, got {value}")
         if high is not None and not low <= value <= high:
             raise UserError(f"{key} must be in {low}..{high}, got {value}")
-    if run.eval.every and not 0 < run.eval.fraction < 1:
-        raise UserError(f"eval.fraction must be in (0, 1), got {run.eval.fraction}")
+    _check_eval(run)
     timeout = run.dist.timeout_s
     if not (math.isfinite(timeout) and 0 < timeout <= YEAR_S):
         raise UserError(f"dist.timeout_s must be > 0 and at most {YEAR_S} (a year), got {timeout}")
@@ -191,7 +206,8 @@ def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
 
     Checks the keys first, so every intermediate dict a blame search tries fails as a UserError.
     """
-    ds, notes = fill_auto(ds, hidden, run.train.steps, run.parallel.pp, dp)
+    ds, notes = fill_auto(ds, hidden, run.train.steps, run.parallel.pp, dp, run.train,
+                          run.model.init_from is not None, where)  # fmt: skip
     notes += check_keys(ds, where) + zero_notes(ds)
     monitors = take_monitors(ds)
     batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), dp, where)
@@ -253,6 +269,13 @@ def check_ep(model: ModelSpec, par: ParallelConfig, dp: int) -> None:
     if not model.family.moe:
         raise UserError(f"parallel.ep={ep}: {model.source} is a dense model "
                         f"({model.family.name}), with no experts to split; use parallel.ep=1")
+    if not expert_layers(model.config):
+        config = model.config
+        raise UserError(f"parallel.ep={ep}: {model.source} has no layer with experts "
+                        f"(decoder_sparse_step={getattr(config, 'decoder_sparse_step', None)}, "
+                        f"mlp_only_layers={getattr(config, 'mlp_only_layers', None)} of "
+                        f"{config.num_hidden_layers} layers: every layer is dense); use "
+                        "parallel.ep=1")  # fmt: skip
     experts = num_experts(model.config)
     if experts % ep:
         raise UserError(f"parallel.ep={ep} must divide the {experts} experts per layer of "
@@ -286,6 +309,12 @@ def check_capacity(run: RunConfig, model: ModelSpec) -> None:
                         f"({model.family.name}), with no experts; set it to null")  # fmt: skip
     if not factor > 0:
         raise UserError(f"model.moe_capacity_factor={factor} must be > 0 (null = dropless)")
+    experts, top_k = num_experts(model.config), model.config.num_experts_per_tok
+    if not factor <= experts / top_k:  # past it the capacity only grows (1e300: an overflow)
+        raise UserError(f"model.moe_capacity_factor={factor} must be in (0, {experts / top_k:g}] "
+                        f"for {model.source} ({experts} experts, top-{top_k}): at "
+                        f"{experts / top_k:g} an expert may take every token of a forward and "
+                        "nothing is dropped (null = dropless)")  # fmt: skip
     if par.cp > 1 or (par.sequence_parallel and par.tp > 1):
         key = f"parallel.cp={par.cp}" if par.cp > 1 else "parallel.sequence_parallel=true"
         raise UserError(f"model.moe_capacity_factor={factor}: not with {key}, which gives each "
@@ -379,6 +408,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         raise UserError(f"parallel.pp={par.pp} exceeds the {model.num_layers} blocks of "
                         f"{model.source}")  # fmt: skip
     check_ranges(run)
+    check_lr_keys(run.train)
     for name in run.launch.env:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise UserError(f"launch.env: {name!r} is not a variable name")

@@ -55,8 +55,8 @@ class ModelConfig:
         "Mixture-of-experts models: each expert of a layer takes at most ceil(f * T * k / E) "
         "of the (token, choice) rows of a rank's forward of T tokens, earliest tokens first; "
         "the rest are dropped (their router weight 0: the residual carries the token) and "
-        "counted in metrics.jsonl (moe_dropped_tokens). null = dropless, as transformers "
-        "routes (and as exports compute).",
+        "counted in metrics.jsonl (moe_dropped_tokens); at most E / k, where nothing is "
+        "dropped. null = dropless, as transformers routes (and as exports compute).",
         None,
     )
     overrides: dict = field(
@@ -64,7 +64,9 @@ class ModelConfig:
         metadata={
             "doc": (
                 "Any other config.json key to set, as transformers would read it (e.g. "
-                "{rope_theta: 500000.0, resid_pdrop: 0.0}); recorded in checkpoints and exports."
+                "{rope_theta: 500000.0} for a Llama, {resid_pdrop: 0.0} for a GPT-2; a 4.x rope "
+                "key on a config with rope_parameters is set inside them); recorded in "
+                "checkpoints and exports."
             )
         },
     )
@@ -98,8 +100,10 @@ class ParallelConfig:
         "Expert parallelism (mixture-of-experts models): each data-parallel group cut into "
         "groups of ep consecutive ranks that split every MoE layer's experts (rank i computes "
         "experts [i*E/ep, (i+1)*E/ep)) and exchange tokens with all-to-all, dropless. Must "
-        "divide dp and the number of experts. Expert weights stay the model's: ZeRO shards and "
-        "averages them over dp like every parameter, so checkpoints do not depend on ep. "
+        "divide dp and the number of experts. ZeRO shards and averages a rank's experts over "
+        "its expert-data-parallel group (the dp/ep ranks, times cp, holding the same experts), "
+        "the dense parameters over dp (times cp); checkpoints hold whole tensors, so they do "
+        "not depend on ep. "
         "1 = every rank computes every expert.",
         1,
     )
@@ -162,7 +166,17 @@ class DataConfig:
     path: str | None = doc(
         "Text, JSONL or pre-tokenized .bin file (dsnd data prepare), or a Hugging Face dataset "
         "(a save_to_disk directory, a .parquet or .arrow file) to train on; null = the Python "
-        "standard library's own source.",
+        "standard library's own source (its first 4,000,000 bytes), unless data.blend is set.",
+        None,
+    )
+    blend: list | None = doc(
+        "Token files (dsnd data prepare) trained on together, each by its share, as Megatron's "
+        "--data-path 0.3 A 0.7 B: a list of {path, weight} (weights > 0, normalised to sum 1). "
+        "Each position of the sample stream draws from one file by a fixed schedule of the "
+        "weights (in every prefix of the stream each file's count is within a sample or two of "
+        "prefix x weight), then from that file's own shuffled epochs: a function of "
+        "(train.seed, step), as for one file. The files must share one tokenizer and "
+        "vocabulary; not with data.path. null = data.path alone.",
         None,
     )
     format: str = doc(
@@ -187,7 +201,7 @@ class DataConfig:
         "across document boundaries (nanoGPT's way); documents = positions restart at each "
         "document and attention stays within it (block-diagonal causal mask), and no token "
         "is predicted from the previous document. documents needs document boundaries (JSONL, "
-        "hf or chat data) and parallel.cp = 1.",
+        "hf or chat data, a token file with its .docs) and parallel.cp = 1.",
         "stream",
     )
     allow_vocab_mismatch: bool = doc(
@@ -196,13 +210,50 @@ class DataConfig:
         "would read the ids as other tokens.",
         False,
     )
-    max_bytes: int = doc("Read at most this many bytes of the corpus.", 4_000_000)
+    max_bytes: int | None = doc(
+        "Read at most this many bytes of the corpus (of each file of a blend; of text, for "
+        "JSONL, datasets and chat data), said in a line at start; null = all of it. The default "
+        "corpus (no data.path) is the first 4,000,000 bytes of the standard library's sources, "
+        "cut further by a smaller value.",
+        None,
+    )
+    eval_path: str | None = doc(
+        "A separate held-out file to evaluate on, in data.path's format (read with the same "
+        "tokenizer, packing and data.max_bytes); the whole of data.path then trains and "
+        "eval.fraction is not used. null = hold out eval.fraction of data.path.",
+        None,
+    )
 
 
 @dataclass
 class TrainConfig:
     steps: int = doc("Optimizer steps to train (counted from the start of training).", 20)
     seed: int = doc("Seed of weights and sample order; the layout never changes either.", 1234)
+    lr: float | None = doc(
+        "Peak learning rate, for the DeepSpeed JSON's \"auto\" optimizer.params.lr and "
+        "scheduler.params.warmup_max_lr (refused where the JSON sets another number). null = "
+        "the JSON's, else 3e-3, or 5e-5 (the Hugging Face Trainer's) with model.init_from.",
+        None,
+    )
+    warmup_steps: int | None = doc(
+        "Steps of linear warm-up from min_lr to lr (DeepSpeed's warmup_num_steps, which its "
+        "schedulers raise to 2; 0 = none). null = the JSON's, else 5, or 0 with "
+        "model.init_from, or 0 where the JSON has an optimizer and no scheduler.",
+        None,
+    )
+    lr_decay: str | None = doc(
+        "After the warm-up: constant (DeepSpeed's WarmupLR), linear down to min_lr at "
+        "train.steps (WarmupDecayLR) or cosine down to min_lr (WarmupCosineLR), for a JSON "
+        "scheduler of \"type\": \"auto\" or none. null = the JSON's, else constant, or linear "
+        "with model.init_from.",
+        None,
+    )
+    min_lr: float | None = doc(
+        "Where the warm-up starts and the decay ends (DeepSpeed's warmup_min_lr; cosine: "
+        "cos_min_ratio and warmup_min_ratio x lr). null = the JSON's, else lr / 10, or 0 with "
+        "model.init_from.",
+        None,
+    )
     lr_scaling: str = doc(
         "Scale the JSON's learning rates by global batch / lr_reference_batch: none, linear "
         "or sqrt.",
@@ -239,9 +290,15 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = doc("Evaluate on the held-out split every this many steps; 0 = never.", 0)
+    every: int = doc(
+        "Evaluate on the held-out samples every this many steps and at the end of training; "
+        "0 = at each checkpoint.every step and at the end only.",
+        0,
+    )
     fraction: float = doc(
-        "Share of the corpus's samples held out for evaluation (the last ones), when every > 0.",
+        "Share of the corpus's samples held out for evaluation (the last ones; never trained "
+        "on) unless data.eval_path is set; 0 = hold out nothing and never evaluate. A corpus "
+        "too small to hold out one sample trains on everything, unevaluated (a line says so).",
         0.02,
     )
     batches: int = doc("Global batches per evaluation (the same ones each time).", 2)
@@ -257,6 +314,14 @@ class LogConfig:
         "Write TensorBoard event files into log.dir: loss, lr, grad norm, throughput, MFU, step "
         "time by phase, pipeline bubble, memory per stage, and the resolved config.",
         True,
+    )
+    expert_load_warn: float = doc(
+        "Mixture-of-experts runs: warn (a console line, moe_load_alert in metrics.jsonl, "
+        "TensorBoard events/expert_load) when some MoE layer's busiest expert gets more than "
+        "this many times the mean tokens per expert for 5 steps in a row (the router "
+        "collapsing onto few experts); at most 90% of experts / top-k, the most an expert can "
+        "get (every token picks it). 0 = never.",
+        2.0,
     )
     peak_flops: float | None = doc(
         "Peak FLOP/s of one device, for MFU; null = the vendor's dense (no sparsity) peak of "
@@ -289,7 +354,8 @@ class LaunchConfig:
 
 @dataclass
 class RunConfig:
-    deepspeed: str = doc("DeepSpeed JSON, relative to this YAML file.", "zero0.json")
+    deepspeed: str = doc("DeepSpeed JSON, relative to this YAML file (--set: to the current "
+                         "directory). Absent: dsnd's packaged zero0.json.", "zero0.json")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "The model."})
     parallel: ParallelConfig = field(
         default_factory=ParallelConfig, metadata={"doc": "The parallel layout."}
@@ -311,6 +377,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.format": ("auto", "text", "jsonl", "tokens", "hf", "chat"),
     "data.packing": ("stream", "documents"),
     "parallel.schedule": ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1"),
+    "train.lr_decay": ("constant", "linear", "cosine"),
     "train.lr_scaling": ("none", "linear", "sqrt"),
     "dist.backend": ("auto", "gloo", "nccl"),
 }

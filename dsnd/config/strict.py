@@ -13,7 +13,7 @@ import typing
 from typing import Any
 
 from dsnd.config.schema import CHOICES
-from dsnd.errors import UserError, did_you_mean
+from dsnd.errors import UserError, did_you_mean, shown
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -70,7 +70,8 @@ def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             return None
         if not isinstance(value, tuple(members)):
             names = " or ".join(_a(m) for m in members)
-            raise UserError(f"{where}: {key} must be {names}, got {type(value).__name__} {value!r}")
+            raise UserError(f"{where}: {key} must be {names}, got {type(value).__name__} "
+                            f"{shown(value)}")
         return value
     optional, base = _is_optional(tp)
     if value is None:
@@ -84,12 +85,13 @@ def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     if base is str and isinstance(value, (int, float, bool)):
         return str(value)
     if base is int and isinstance(value, bool):
-        raise UserError(f"{where}: {key} must be an int, got bool {value!r}")
+        raise UserError(f"{where}: {key} must be an int, got bool {shown(value)}")
     if not isinstance(value, base):
-        raise UserError(f"{where}: {key} must be {_a(base)}, got {type(value).__name__} {value!r}")
+        raise UserError(f"{where}: {key} must be {_a(base)}, got {type(value).__name__} "
+                        f"{shown(value)}")
     if key in CHOICES and value not in CHOICES[key]:
         raise UserError(
-            f"{where}: {key} must be one of {', '.join(CHOICES[key])}, got {value!r}"
+            f"{where}: {key} must be one of {', '.join(CHOICES[key])}, got {shown(value)}"
             + did_you_mean(value, CHOICES[key])
         )
     return value

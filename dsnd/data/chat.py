@@ -33,21 +33,31 @@ def chat_corpus(values: Iterable[tuple[str, Any]], tok: Any, max_bytes: int | No
                 tokenizer: str) -> Corpus:  # fmt: skip
     """Every conversation of `values` ((where, messages) pairs) rendered, until `max_bytes` of
     message text are read, as one corpus whose targets are the assistant tokens."""
-    template = getattr(tok, "chat_template", None)
-    if not template:
-        raise UserError(f"data.format=chat: the tokenizer {tokenizer} has no chat template "
-                        "(tokenizer_config.json chat_template or chat_template.jinja)")  # fmt: skip
-    render = _marked if _GENERATION.search(str(template)) else _by_prefixes
+    check_template(tok, tokenizer)
     pieces, targets, read = [], [], 0
     for where, messages in values:
-        _check_messages(messages, where)
-        ids, mask = render(tok, messages, where)
+        ids, mask = render_conversation(tok, messages, where)
         pieces.append(ids)
         targets.append(mask)
         read += sum(len(m["content"].encode("utf-8", "replace")) for m in messages)
         if max_bytes is not None and read >= max_bytes:
             break
     return documents_corpus(pieces, targets, name, tokenizer, tok)
+
+
+def check_template(tok: Any, tokenizer: str, what: str = "data.format=chat") -> None:
+    """Refuse a tokenizer without a chat template (`what` names the setting that asked)."""
+    if not getattr(tok, "chat_template", None):
+        raise UserError(f"{what}: the tokenizer {tokenizer} has no chat template "
+                        "(tokenizer_config.json chat_template or chat_template.jinja)")  # fmt: skip
+
+
+def render_conversation(tok: Any, messages: Any, where: str) -> tuple[list[int], list[bool]]:
+    """(token ids, whether each counts) of one conversation, checked first: a list of
+    {role, content} messages (`where` names its line or row in errors)."""
+    _check_messages(messages, where)
+    marked = _GENERATION.search(str(tok.chat_template))
+    return (_marked if marked else _by_prefixes)(tok, messages, where)
 
 
 def _check_messages(messages: Any, where: str) -> None:

@@ -1,19 +1,25 @@
-"""Load a training corpus as one flat array of byte tokens.
+"""Load a training corpus as one flat array of tokens.
 
-Four sources, all read into memory at once (corpora here are small: the cap defaults to 4 MB):
+Four sources:
 
-* no path: the Python standard library's own ``.py`` sources — real, varied text present on every
-  machine that runs dsnd, so a first run and every test need no download;
-* a plain text file: its raw bytes;
+* no path: the first `STDLIB_BYTES` of the Python standard library's own ``.py`` sources — real,
+  varied text present on every machine that runs dsnd, so a first run and every test need no
+  download; the limit is the default corpus's own (its whole is about 11 MB, and tests and first
+  runs want a small, fast one), not ``data.max_bytes``;
+* a plain text file: its raw bytes, read into memory;
 * a JSONL file: one JSON object per line, the ``text_field`` of each joined with a blank line;
-* a pre-tokenized ``.bin`` file (`dsnd.data.token_file`), memory-mapped, not loaded.
+* a pre-tokenized ``.bin`` file (`dsnd.data.token_file`) of any size: memory-mapped, with its
+  document starts and loss mask when it has them, and nothing read at start but the sidecar and
+  a few entries — start-up time and memory do not grow with the file.
 
-JSONL records are documents: the corpus records which document each byte belongs to, for
-``data.packing: documents``. Hugging Face datasets, chat data and text tokenized with a
-`transformers` tokenizer are `dsnd.data.sources`'.
+``max_bytes`` (``data.max_bytes``) is no cap unless given; a given cap is said in one line
+(`Corpus.notes`, logged at start). JSONL records are documents: the corpus records which
+document each byte belongs to, for ``data.packing: documents``. Hugging Face datasets, chat
+data and text tokenized with a `transformers` tokenizer are `dsnd.data.sources`'.
 
-The fingerprint (sha256 of the token bytes) goes into checkpoint manifests so a resume can tell
-that it is reading the same data it was trained on.
+The fingerprint goes into checkpoint manifests so a resume can tell that it is reading the same
+data it was trained on: the sha256 of the tokens (for a token file the one its sidecar records,
+written once by ``dsnd data prepare``, not computed again).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from dsnd.data.doc_starts import DocumentStarts
 from dsnd.data.hf_dataset import is_dataset
+from dsnd.data.token_extras import map_mask, map_starts
 from dsnd.data.token_file import check_file, read_token_file
 from dsnd.errors import UserError
 
@@ -42,6 +50,7 @@ _T = TypeVar("_T")
 _STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 )
+STDLIB_BYTES = 4_000_000  # the default corpus: this much of the stdlib's sources (docstring)
 _DOC_SEPARATOR = b"\n\n"  # between JSONL records
 _FILE_SEPARATOR = b"\n"  # between stdlib source files
 
@@ -50,9 +59,10 @@ _FILE_SEPARATOR = b"\n"  # between stdlib source files
 class Corpus:
     """A loaded corpus.
 
-    tokens: 1-D token ids (uint8 for the byte tokenizer).
+    tokens: 1-D token ids (uint8 for the byte tokenizer; a read-only memmap for a token file).
     name: where it came from (the path, or ``python3.X-stdlib``), for logs and manifests.
-    fingerprint: sha256 hex of ``tokens.tobytes()``, to detect a changed corpus on resume.
+    fingerprint: sha256 hex of the token bytes (a token file's: its sidecar's), to detect a
+    changed corpus on resume.
     """
 
     tokens: np.ndarray
@@ -60,11 +70,17 @@ class Corpus:
     fingerprint: str
     vocab_size: int | None = None  # a pre-tokenized file's vocabulary (None: bytes, 256)
     # whether each token counts as a prediction target (None: all do); chat data's assistant
-    # tokens, say
+    # tokens, say (bool, or a token file's uint8 mask: nonzero counts)
     targets: np.ndarray | None = None
-    # the index of the document each token belongs to (None: not known, as in a token file)
-    documents: np.ndarray | None = None
+    # the document each token belongs to: an index per token, or a token file's first token of
+    # each document (None: not known)
+    documents: np.ndarray | DocumentStarts | None = None
     tokenizer: str = "byte"  # what made the ids: "byte" or a tokenizer directory
+    notes: tuple[str, ...] = ()  # lines to say at start (a data.max_bytes cap)
+
+    def manifest(self) -> dict:
+        """What a checkpoint records of the corpus."""
+        return {"name": self.name, "tokens": int(len(self.tokens)), "sha256": self.fingerprint}
 
 
 def fingerprint(tokens: np.ndarray, targets: np.ndarray | None = None) -> str:
@@ -75,11 +91,22 @@ def fingerprint(tokens: np.ndarray, targets: np.ndarray | None = None) -> str:
     return sha.hexdigest()
 
 
+def cap_note(max_bytes: int, where: str, total: int | None) -> str:
+    """The line that says what a `data.max_bytes` cap reads of `where` (`total` bytes, when
+    known; None: a cap on text, counted as it is read)."""
+    if total is None:
+        return f"data: data.max_bytes={max_bytes} reads at most the first {max_bytes} bytes of " \
+               f"text of {where}"  # fmt: skip
+    read = min(max_bytes, total)
+    return (f"data: data.max_bytes={max_bytes} reads the first {read} of {total} bytes "
+            f"({100 * read / max(total, 1):.1f}%) of {where}")  # fmt: skip
+
+
 def load_corpus(
     path: str | None,
     fmt: str = "auto",
     text_field: str = "text",
-    max_bytes: int | None = 4_000_000,
+    max_bytes: int | None = None,
 ) -> Corpus:
     """Load a corpus; `max_bytes` caps its size (None: no cap).
 
@@ -92,26 +119,45 @@ def load_corpus(
         raise UserError(f"{path}: {fmt} data is read with a tokenizer (dsnd.data.sources)")
     if max_bytes is not None and max_bytes < 1:
         raise UserError(f"corpus max_bytes must be at least 1, got {max_bytes}")
-    documents = None
+    documents, notes = None, ()
     if path is None:
         data, name = _stdlib_bytes(max_bytes), _stdlib_name()
-    elif fmt == "tokens":  # max_bytes caps the file's bytes, as for text
-        tokens, meta = read_token_file(path, None)
         if max_bytes is not None:
-            tokens = tokens[: max_bytes // tokens.dtype.itemsize]
-        return Corpus(tokens=tokens, name=path, fingerprint=fingerprint(tokens),
-                      vocab_size=meta["vocab_size"],
-                      tokenizer=str(meta.get("tokenizer") or "byte"))  # fmt: skip
+            notes = (cap_note(max_bytes, f"the default corpus ({name}'s first {STDLIB_BYTES} "
+                                         "bytes)", STDLIB_BYTES),)  # fmt: skip
+    elif fmt == "tokens":
+        return token_corpus(path, max_bytes)
     elif fmt == "jsonl":
         parts = _read(path, lambda: text_parts(jsonl_values(path, text_field), text_field,
                                                max_bytes))  # fmt: skip
         data, documents = join_documents(parts, max_bytes)
         name = path
+        notes = () if max_bytes is None else (cap_note(max_bytes, path, None),)
     else:
         data, name = _read(path, lambda: _text_bytes(path, max_bytes)), path
+        if max_bytes is not None:
+            notes = (cap_note(max_bytes, path, os.path.getsize(path)),)
     tokens = np.frombuffer(data, dtype=np.uint8).copy()
     return Corpus(tokens=tokens, name=name, fingerprint=hashlib.sha256(data).hexdigest(),
-                  documents=documents)  # fmt: skip
+                  documents=documents, notes=notes)  # fmt: skip
+
+
+def token_corpus(path: str, max_bytes: int | None = None) -> Corpus:
+    """Token file `path` as a corpus, memory-mapped with its document starts and loss mask where
+    it has them; what is read at start does not grow with the file (`dsnd.data.token_extras`).
+    A `max_bytes` cap keeps the first ``max_bytes // itemsize`` tokens."""
+    tokens, meta = read_token_file(path, None)
+    starts, mask = map_starts(path, meta), map_mask(path, meta)
+    digest, notes = meta["sha256"], ()
+    if max_bytes is not None:
+        notes = (cap_note(max_bytes, path, tokens.nbytes),)
+        keep = max_bytes // tokens.dtype.itemsize
+        if keep < len(tokens):  # another corpus than the file's: its own fingerprint
+            digest = hashlib.sha256(f"{digest}[:{keep}]".encode()).hexdigest()
+            tokens, mask = tokens[:keep], None if mask is None else mask[:keep]
+    return Corpus(tokens=tokens, name=path, fingerprint=digest, vocab_size=meta["vocab_size"],
+                  targets=mask, documents=None if starts is None else DocumentStarts(starts),
+                  tokenizer=str(meta.get("tokenizer") or "byte"), notes=notes)  # fmt: skip
 
 
 def _read(path: str, read: Callable[[], _T]) -> _T:
@@ -246,7 +292,9 @@ def _stdlib_files(root: Path) -> list[Path]:
 
 
 def _stdlib_bytes(max_bytes: int | None) -> bytes:
-    """Concatenate stdlib sources with a newline between files until `max_bytes` are reached."""
+    """Concatenate stdlib sources with a newline between files until `STDLIB_BYTES` (or a smaller
+    `max_bytes`) are reached."""
+    max_bytes = STDLIB_BYTES if max_bytes is None else min(max_bytes, STDLIB_BYTES)
     root = Path(sysconfig.get_paths()["stdlib"])
     parts: list[bytes] = []
     total = 0
@@ -257,12 +305,11 @@ def _stdlib_bytes(max_bytes: int | None) -> bytes:
             continue
         parts.append(content)
         total += len(content) + len(_FILE_SEPARATOR)
-        if max_bytes is not None and total >= max_bytes:
+        if total >= max_bytes:
             break
     if not parts:
         raise UserError(
             f"data.path: no default corpus: no .py sources under {root}; "
             f"set data.path to a text or JSONL file"
         )
-    data = _FILE_SEPARATOR.join(parts)
-    return data if max_bytes is None else data[:max_bytes]
+    return _FILE_SEPARATOR.join(parts)[:max_bytes]

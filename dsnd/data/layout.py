@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dsnd.data.blend import BlendedCorpus, BlendedSamples
 from dsnd.data.corpus import Corpus
-from dsnd.data.sampler import SampleSet, global_batch_indices
+from dsnd.data.sampler import Samples, SampleSet
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,14 @@ class StepLayout:
     documents: tuple[torch.Tensor, ...] | None = None
 
 
-def step_layout(samples: SampleSet, seed: int, step: int, global_batch: int, dp_rank: int,
+def step_layout(samples: Samples, seed: int, step: int, global_batch: int, dp_rank: int,
                 dp: int, micro: int) -> StepLayout | None:  # fmt: skip
     """Rank `dp_rank`'s `StepLayout` of global step `step` (None where every label counts and
     no documents are kept apart: the plain mean, as without it), for the micro-batches
     `batch_for_step` gives with the same arguments."""
     if not samples.masked:
         return None
-    indices = global_batch_indices(len(samples), global_batch, seed, step)
+    indices = samples.step_indices(global_batch, seed, step)
     counts = samples.label_counts(indices).reshape(-1, micro).sum(axis=1)
     total = int(counts.sum())
     per_rank = len(counts) // dp
@@ -53,19 +54,37 @@ def step_layout(samples: SampleSet, seed: int, step: int, global_batch: int, dp_
     return StepLayout(weights, docs)
 
 
-def sample_sets(corpus: Corpus, seq_len: int, packing: str,
-                held_out: float | None = None) -> tuple[SampleSet, SampleSet | None]:  # fmt: skip
+def fewest_samples(corpus: Corpus | BlendedCorpus, seq_len: int) -> int:
+    """The windows of `seq_len + 1` tokens of the corpus (of a blend's smallest file: the one
+    a held-out share is the fewest samples of)."""
+    parts = corpus.parts if isinstance(corpus, BlendedCorpus) else (corpus,)
+    return min(len(p.tokens) for p in parts) // (seq_len + 1)
+
+
+def sample_sets(corpus: Corpus | BlendedCorpus, seq_len: int, packing: str,
+                held_out: float | None = None) -> tuple[Samples, Samples | None]:  # fmt: skip
     """The corpus's training samples and, with a `held_out` fraction, the held-out last share
-    of its windows (at least one). `packing` "documents" keeps documents apart."""
+    of its windows (at least one; of each file, for a blend, blended by the same weights).
+    `packing` "documents" keeps documents apart. Nothing here reads the tokens: a token file's
+    windows, mask and document starts stay memory-mapped views."""
+    if isinstance(corpus, BlendedCorpus):
+        pairs = [sample_sets(part, seq_len, packing, held_out) for part in corpus.parts]
+        train = BlendedSamples([p[0] for p in pairs], corpus.weights, corpus.name)
+        if held_out is None:
+            return train, None
+        return train, BlendedSamples([p[1] for p in pairs], corpus.weights,
+                                     f"{corpus.name} (held out)")  # fmt: skip
     documents = corpus.documents if packing == "documents" else None
+    vocab = corpus.vocab_size
     if held_out is None:
-        return SampleSet(corpus.tokens, seq_len, corpus.name, corpus.targets, documents), None
+        return SampleSet(corpus.tokens, seq_len, corpus.name, corpus.targets, documents,
+                         vocab), None  # fmt: skip
     window = seq_len + 1
     count = len(corpus.tokens) // window
     cut = (count - max(1, int(count * held_out))) * window
 
     def part(lo: int, hi: int | None, name: str) -> SampleSet:
         pick = [None if a is None else a[lo:hi] for a in (corpus.targets, documents)]
-        return SampleSet(corpus.tokens[lo:hi], seq_len, name, *pick)
+        return SampleSet(corpus.tokens[lo:hi], seq_len, name, *pick, vocab)
 
     return part(0, cut, corpus.name), part(cut, None, f"{corpus.name} (held out)")

@@ -8,7 +8,8 @@ model.config's) for a Hugging Face dataset and chat data, which are meant for a 
 model; `model`, `byte` or a directory to choose. Each document tokenized with a tokenizer ends
 with its EOS token when it has one, so that the model learns where documents end and a stream
 of them still shows the boundary. Every rank tokenizes the data itself, before the process
-group starts (corpora are capped by data.max_bytes of text).
+group starts (all of it, unless data.max_bytes caps the text read: then a line says so). A
+blend of token files (`data.blend`) is `dsnd.data.blend_files`'.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any
 import numpy as np
 
 from dsnd.config.schema import DataConfig, ModelConfig
+from dsnd.data.blend import BlendedCorpus
+from dsnd.data.blend_files import load_blend
 from dsnd.data.chat import chat_corpus
 from dsnd.data.corpus import (
     Corpus,
+    cap_note,
     corpus_format,
     fingerprint,
     join_documents,
@@ -59,12 +63,22 @@ def _why_model(fmt: str) -> str:
     return f"{fmt} data is tokenized with" if fmt in TOKENIZED else "asks for"
 
 
-def load_data(data: DataConfig, model: ModelConfig) -> Corpus:
+def load_data(data: DataConfig, model: ModelConfig) -> Corpus | BlendedCorpus:
     """The corpus `data` names, tokenized with `data_tokenizer`; Raises `UserError` for bad
     files, records and settings (each one line naming the file, row or line, and key)."""
+    if data.blend is not None:
+        return load_blend(data)
     fmt = corpus_format(data.path, data.format)
     if fmt == "tokens":
         return load_corpus(data.path, fmt, data.text_field, data.max_bytes)
+    corpus = _load_text(data, model, fmt)
+    if data.max_bytes is not None and not corpus.notes:
+        corpus.notes = (cap_note(data.max_bytes, data.path, None),)
+    return corpus
+
+
+def _load_text(data: DataConfig, model: ModelConfig, fmt: str) -> Corpus:
+    """Text, JSONL, a dataset or chat data, tokenized with `data_tokenizer`."""
     tokenizer = data_tokenizer(data, model)
     if tokenizer == BYTE:
         if fmt == "chat":

@@ -2,7 +2,9 @@
 Megatron's way: nothing is tokenized at training time, and the file is paged in, not loaded).
 
     corpus.bin        token ids, little-endian uint16 (uint32 when the vocabulary needs it)
-    corpus.bin.json   {"dtype", "vocab_size", "tokens", "tokenizer", "source", "sha256"}
+    corpus.bin.json   {"dtype", "vocab_size", "tokens", "tokenizer", "source", "sha256"}, and
+                      optionally "eot", "documents" and "targets" (`dsnd.data.token_extras`
+                      maps the .docs and .mask files these describe)
 
 `dsnd data prepare INPUT corpus.bin` writes both from a text or JSONL file, with the byte-level
 tokenizer or any `transformers` tokenizer in a local directory.
@@ -14,8 +16,8 @@ garbage) and a wrong count or vocabulary only shows up as an index error deep in
 
 from __future__ import annotations
 
-import hashlib
 import json
+import mmap
 import os
 import re
 
@@ -24,9 +26,11 @@ import numpy as np
 from dsnd.errors import UserError
 
 # Token ids are non-negative integers; a signed dtype is allowed (other tools write int32/int64)
-# but its minimum is checked (dsnd.data.check). Anything else is refused by name.
+# but its minimum is checked (each gathered batch, and dsnd.data.verify). Anything else is
+# refused by name.
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 _REQUIRED = {"dtype": str, "vocab_size": int, "tokens": int, "sha256": str}
+_OPTIONAL = {"eot": (int, type(None)), "documents": (int,), "targets": (bool,)}
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
                float: "number", type(None): "null"}  # fmt: skip
 
@@ -47,8 +51,8 @@ def check_file(path: str, what: str) -> None:
 def read_token_file(path: str, max_tokens: int | None) -> tuple[np.ndarray, dict]:
     """(token ids as a read-only memmap, capped at `max_tokens`; the sidecar's metadata).
 
-    Checks the sidecar's schema and that the file's size matches it; the checks that read every
-    token (SHA-256, id range) are `dsnd.data.check.check_token_file`'s.
+    Checks the sidecar's schema and that the file's size matches it, reading no token; the
+    checks that read every token (SHA-256, id range) are `dsnd.data.verify.verify_token_file`'s.
     """
     meta = read_meta(path)
     tokens = _map_tokens(path, meta)
@@ -98,6 +102,26 @@ def _check_meta(meta: object, where: str) -> None:
     if not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]):
         raise UserError(f"{where}: sha256 must be 64 lowercase hex digits, "
                         f"got {meta['sha256'][:80]!r}")  # fmt: skip
+    _check_optional(meta, where)
+
+
+def _check_optional(meta: dict, where: str) -> None:
+    """The optional keys: eot (an id or null), documents (how many int64 starts the .docs file
+    beside the tokens holds) and targets (true: a .mask file holds one uint8 per token)."""
+    for key, kinds in _OPTIONAL.items():
+        if key in meta and type(meta[key]) not in kinds:
+            names = " or ".join(_JSON_TYPES[k] for k in kinds)
+            got = _json_type(meta[key])
+            if not isinstance(meta[key], (dict, list, type(None))):
+                got += f" {json.dumps(meta[key])}"
+            raise UserError(f"{where}: {key} must be {'an' if names[0] in 'aeiou' else 'a'} "
+                            f"{names}, got {got}")  # fmt: skip
+    eot, vocab, tokens = meta.get("eot"), meta["vocab_size"], meta["tokens"]
+    if eot is not None and not 0 <= eot < vocab:
+        raise UserError(f"{where}: eot {eot} is not an id of the vocabulary of {vocab}")
+    documents = meta.get("documents")
+    if documents is not None and not 1 <= documents <= max(tokens, 1):
+        raise UserError(f"{where}: documents must be in 1..tokens ({tokens}), got {documents}")
 
 
 def _json_type(value: object) -> str:
@@ -121,35 +145,27 @@ def _map_tokens(path: str, meta: dict) -> np.ndarray:
         raise UserError(f"{path}: {size} bytes hold {count} {dtype} tokens, "
                         f"{meta_path(path)} says {meta['tokens']}")  # fmt: skip
     try:
-        return np.memmap(path, dtype=dtype, mode="r")
+        return advise(np.memmap(path, dtype=dtype, mode="r"))
     except OSError as e:
         raise UserError(f"{path}: cannot read the token file ({e.strerror or e})") from e
+
+
+def advise(array: np.ndarray, advice: str = "MADV_RANDOM") -> np.ndarray:
+    """Tell the kernel how a memory map will be read; returns `array`. Training reads a token
+    file (and its mask and document starts) at random — a shuffled sample, a binary search —
+    and the default read-around reads and maps whole readahead windows around each touch
+    (read_ahead_kb, 8 MB on some machines): 32 random windows of 256 tokens of a cold 1 GiB
+    file mapped 2 MB by default and 0.25 MB with MADV_RANDOM on such a machine, and their
+    binary searches 7.3 MB of a 16 MB .docs file against 1.9 MB, which grew with the file.
+    tests/unit/test_corpus_scale.py bounds a whole start-up. A full scan asks for
+    MADV_SEQUENTIAL instead."""
+    handle = getattr(array, "_mmap", None)  # numpy.memmap's own mmap.mmap
+    if handle is not None and hasattr(mmap, advice):
+        handle.madvise(getattr(mmap, advice))
+    return array
 
 
 def check_vocab(vocab_size: int | None, model_vocab: int, path: str) -> None:
     if vocab_size is not None and vocab_size > model_vocab:
         raise UserError(f"data.path={path}: tokens from a vocabulary of {vocab_size}, the model "
                         f"has {model_vocab}")  # fmt: skip
-
-
-def write_token_file(path: str, ids: np.ndarray, vocab_size: int, tokenizer: str,
-                     source: str) -> dict:  # fmt: skip
-    """Write `ids` and the sidecar; returns the metadata."""
-    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
-    data = np.asarray(ids, dtype=dtype).tobytes()
-    meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "tokens": len(ids),
-            "tokenizer": tokenizer, "source": source,
-            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(parent) and not os.path.isdir(parent):  # makedirs would say "File exists"
-        raise UserError(f"{path}: cannot write the token file ({parent} is not a directory)")
-    try:
-        os.makedirs(parent, exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-        with open(meta_path(path), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-    except OSError as e:  # an output that is a directory, under a file, read-only, disk full
-        raise UserError(f"{e.filename or path}: cannot write the token file "
-                        f"({e.strerror or e})") from e  # fmt: skip
-    return meta

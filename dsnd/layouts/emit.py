@@ -55,13 +55,24 @@ def run_yaml(lay: Layout, model: str, preset: bool, seq: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def comment(lay: Layout) -> str:
+    """The plan's prediction for the layout, as the run YAML's leading comment lines."""
+    from dsnd.layouts.render import memory_words
+
+    spread = "" if lay.mfu_range is None else (
+        " (published runs: {:.1%}-{:.1%})".format(*lay.mfu_range).replace("%-", "-"))
+    return (f"# dsnd plan: {lay.key()}\n"
+            f"# predicted: {lay.step_time_s:.3g} s/step, MFU {lay.mfu:.1%}{spread}\n"
+            f"# memory per device (GiB): {memory_words(lay)}\n")  # fmt: skip
+
+
 def write(out: str, lay: Layout, model: str, preset: bool, seq: int, global_batch: int,
           bf16: bool, hidden: int | None = None) -> list[str]:  # fmt: skip
     """Write both files into `out` (created); their paths. `hidden`: as `ds_json`'s."""
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, RUN_YAML), os.path.join(out, DS_JSON)]
     with open(paths[0], "w", encoding="utf-8") as f:
-        f.write(f"# dsnd plan: {lay.key()}, predicted {lay.step_time_s:.3g} s/step\n")
+        f.write(comment(lay))
         yaml.safe_dump(run_yaml(lay, model, preset, seq), f, sort_keys=False)
     with open(paths[1], "w", encoding="utf-8") as f:
         json.dump(ds_json(lay, global_batch, bf16, hidden), f, indent=2)

@@ -1,10 +1,11 @@
 """Devices as the planner sees them: memory, peak FLOP/s, memory bandwidth and links, from the
-vendors' datasheets (dense, no sparsity), and one efficiency constant.
+vendors' datasheets (dense, no sparsity), and the efficiencies the time model runs them at.
 
 Links are per device and per direction: ``intra`` between the devices of one node (NVLink),
 ``inter`` from a device to another node (its share of the node's network adapters). The time
-model (`dsnd.layouts.timing`) runs compute, memory traffic and communication at `efficiency` of
-these peaks: one constant, calibrated once (see `SELENE_EFFICIENCY`).
+model (`dsnd.layouts.timing`) runs GEMMs, the attention core, memory traffic and communication
+at the device's `Efficiency` of these peaks, fitted per GPU generation to published runs
+(`FITTED`), and says how far those runs fell from it (`ACCURACY`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,60 @@ from dsnd.flops import DEVICE_NAMES, PEAKS
 
 GiB = 1024**3
 
-SELENE_EFFICIENCY = 0.742
-"""The fraction of every peak (FLOP/s, memory bandwidth, links) that reproduces Megatron's
-measured iteration time of GPT-3 175B on Selene's A100s with sequence parallelism and selective
-recomputation (13.75 s; `dsnd.layouts.selene`). With it the time model predicts the other seven
-published iteration times (22B, 530B, 1T; full and selective recomputation) within 9%."""
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fractions of a device's peaks its work runs at: weight matrix multiplications and the
+    attention core (QK^T, AV) of the FLOP/s peak; element-wise and optimizer traffic,
+    collectives and messages of the memory and link bandwidths; and the share of the
+    data-parallel communication (reduction, ZeRO-3's gathers) hidden under compute."""
+
+    matmul: float
+    attention: float
+    bandwidth: float
+    overlap: float = 0.0
+
+    @classmethod
+    def uniform(cls, value: float) -> Efficiency:
+        """Every rate at `value`, nothing overlapped: time scales as 1 / value."""
+        return cls(value, value, value)
+
+    def of(self, kind: str) -> float:
+        """The efficiency of a `dsnd.layouts.timing.KINDS` kind."""
+        return getattr(self, kind) if kind in ("matmul", "attention") else self.bandwidth
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """How far published runs' MFU fell from the planner's prediction for them: measured ÷
+    predicted ranged `low`..`high` (root mean square of the relative error `rms`) over `runs`
+    runs on `device`."""
+
+    device: str
+    low: float
+    high: float
+    rms: float
+    runs: int
+
+
+GENERATIONS = {"a100": "ampere", "a100-40g": "ampere", "h100": "hopper", "h200": "hopper"}
+"""The fitted efficiencies each datasheet device runs at: its GPU generation's (an H200 is an
+H100's die with more and faster memory; a device given by its figures runs at Hopper's)."""
+
+FITTED = {
+    "ampere": Efficiency(matmul=0.756, attention=0.513, bandwidth=0.710, overlap=0.371),
+    "hopper": Efficiency(matmul=0.607, attention=0.295, bandwidth=0.710, overlap=0.371),
+}
+"""Least squares on the log of step time over the published runs of `dsnd.layouts.dense_runs`
+(`dsnd.layouts.calibration.fit`): GEMM and attention efficiencies per generation, bandwidth and
+overlap shared (they are the links' and the frameworks', not the tensor cores')."""
+
+ACCURACY = {
+    "ampere": Accuracy("a100", low=0.70, high=1.15, rms=0.114, runs=72),
+    "hopper": Accuracy("h100", low=0.79, high=1.12, rms=0.091, runs=72),
+}
+"""Measured ÷ predicted MFU over each generation's fitted runs at `FITTED`, the range rounded
+outwards to 0.01 (`dsnd.layouts.calibration.accuracy`; a unit test recomputes both)."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +85,9 @@ class Device:
     intra_bytes_per_s: float  # per direction, to a device of the same node
     inter_bytes_per_s: float  # per direction, to another node
     per_node: int = 8
-    efficiency: float = SELENE_EFFICIENCY
+    efficiency: Efficiency = FITTED["hopper"]
     product: str | None = None  # the `dsnd.flops.PEAKS` product, for a datasheet device
+    accuracy: Accuracy | None = ACCURACY["hopper"]  # None: no published runs (a CPU)
 
     def flops(self, bf16: bool) -> float:
         return self.bf16_flops if bf16 else self.fp32_flops
@@ -45,8 +96,10 @@ class Device:
 def _gpu(name: str, product: str, mem_gib: float, hbm_tb: float, intra_gb: float,
          inter_gb: float) -> Device:  # fmt: skip
     peaks = PEAKS[product]  # the same figures MFU is measured against
+    gen = GENERATIONS[name]
     return Device(name, mem_gib * GiB, peaks["bf16"], peaks["fp32"], hbm_tb * 1e12,
-                  intra_gb * 1e9, inter_gb * 1e9, product=product)  # fmt: skip
+                  intra_gb * 1e9, inter_gb * 1e9, product=product, efficiency=FITTED[gen],
+                  accuracy=ACCURACY[gen])  # fmt: skip
 
 
 DEVICES: dict[str, Device] = {
@@ -140,4 +193,5 @@ def this_cpu(world: int) -> Device:
     share = min(1.0, (os.cpu_count() or 1) / max(world, 1))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Device("cpu", float(ram), peak * share, peak * share, copy * share, copy * share,
-                  copy * share, per_node=max(world, 1), efficiency=1.0)  # fmt: skip
+                  copy * share, per_node=max(world, 1), efficiency=Efficiency.uniform(1.0),
+                  accuracy=None)  # fmt: skip

@@ -48,6 +48,7 @@ class Layout:
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
+    mfu_range: tuple[float, float] | None = None  # what published runs' spread makes of `mfu`
     fits: bool = False
 
     @property
@@ -178,6 +179,8 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
     lay.tokens_per_s = tokens_step / lay.step_time_s
     flops = sum(sh.forward_flops(i, 1, pr.seq) for i in range(len(sh.layer_params))) * 3
     lay.mfu = lay.tokens_per_s * flops / (pr.world * dev.flops(pr.bf16))
+    if dev.accuracy is not None:
+        lay.mfu_range = (lay.mfu * dev.accuracy.low, lay.mfu * dev.accuracy.high)
     lay.fits = lay.total_bytes <= HEADROOM * dev.memory_bytes
     return lay
 
@@ -204,28 +207,45 @@ def plan(pr: Problem) -> list[Layout]:
 
 KNOBS = ("pp", "tp", "cp", "ep", "zero_stage", "micro_batch", "activation_checkpointing",
          "schedule")  # fmt: skip
+TIE = 0.005
+"""Layouts within this relative difference of time (or memory) tie: their ratio prints 1.00x."""
+CLOSE = 0.05
+"""Layouts within this relative difference of time are too close for the model to rank: its
+published runs spread further (`dsnd.layouts.hardware.ACCURACY`)."""
 
 
 def explain(layouts: list[Layout], gib: float = 1024**3) -> list[str]:
     """Why the best layout: for each knob, the best layout that sets it otherwise and what it
-    costs (slower by a factor, or memory it does not have)."""
+    costs (slower by a factor, or memory it does not have); a tie is said to be one."""
     best = layouts[0]
+    span = "" if best.mfu_range is None else (
+        " ({:.1%}-{:.1%} going by published runs)".format(*best.mfu_range).replace("%-", "-"))
     lines = [f"best: {best.key()}: {best.step_time_s:.3g} s/step, "
-             f"{best.total_bytes / gib:.1f} GiB per device, MFU {best.mfu:.1%}"]  # fmt: skip
+             f"{best.total_bytes / gib:.1f} GiB per device, MFU {best.mfu:.1%}{span}"]  # fmt: skip
     for knob in KNOBS:
         rival = next((x for x in layouts if getattr(x, knob) != getattr(best, knob)), None)
-        if rival is None:
-            continue
-        name = {"zero_stage": "zero", "activation_checkpointing": "checkpointing",
-                "micro_batch": "micro-batch"}.get(knob, knob)  # fmt: skip
-        value = getattr(best, knob)
-        if not rival.fits:
-            why = (f"every layout with another {name} needs more memory than fits: the best, "
-                   f"{rival.key()}, {rival.total_bytes / gib:.1f} GiB")  # fmt: skip
-        else:
-            why = (f"the best with {name}={getattr(rival, knob)} ({rival.key()}) takes "
-                   f"{rival.step_time_s / best.step_time_s:.2f}x the time")  # fmt: skip
-            if rival.step_time_s == best.step_time_s:
-                why += f" and {rival.total_bytes / best.total_bytes:.2f}x the memory"
-        lines.append(f"{name}={value} because {why}")
+        if rival is not None:
+            lines.append(_why(knob, best, rival, gib))
     return lines
+
+
+def _why(knob: str, best: Layout, rival: Layout, gib: float) -> str:
+    name = {"zero_stage": "zero", "activation_checkpointing": "checkpointing",
+            "micro_batch": "micro-batch"}.get(knob, knob)  # fmt: skip
+    mine, other = f"{name}={getattr(best, knob)}", f"{name}={getattr(rival, knob)}"
+    if not rival.fits:
+        return (f"{mine} because every layout with another {name} needs more memory than fits: "
+                f"the best, {rival.key()}, {rival.total_bytes / gib:.1f} GiB")  # fmt: skip
+    time = rival.step_time_s / best.step_time_s
+    memory = rival.total_bytes / best.total_bytes
+    them = f"the best with {other} ({rival.key()})"
+    if time - 1 < TIE and abs(memory - 1) < TIE:
+        return f"{mine} ties with {other}: {them} takes the same time and memory"
+    if time - 1 < TIE and memory < 1:
+        return f"{mine} ties with {other} on time: {them} needs {memory:.2f}x the memory"
+    if time - 1 < TIE:
+        return f"{mine} because at the same time {them} needs {memory:.2f}x the memory"
+    if time - 1 < CLOSE:
+        return (f"{mine}, narrowly: {them} takes {time:.2f}x the time, too close for the model "
+                "to rank")  # fmt: skip
+    return f"{mine} because {them} takes {time:.2f}x the time"

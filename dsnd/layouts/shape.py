@@ -104,3 +104,16 @@ def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq
     return ModelShape(name, counts, tuple(range(1, layers + 1)), hidden, heads, heads,
                       hidden // heads, 4 * hidden, vocab, seq, 12 * hidden * hidden,
                       MLP_SAVED["megatron"], rms_norm=False, megatron_layer=True)  # fmt: skip
+
+
+def llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+          vocab: int, seq: int) -> ModelShape:  # fmt: skip
+    """A Llama from its published dimensions (RMSNorm, SwiGLU, no biases, an untied head), as
+    `from_model` counts a dsnd Llama: for checking the planner against published runs of sizes
+    dsnd has no preset for."""
+    head_dim = hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    matmul = attention + 3 * hidden * ffn
+    counts = (vocab * hidden, *([matmul + 2 * hidden] * layers), hidden, vocab * hidden)
+    return ModelShape(name, counts, tuple(range(1, layers + 1)), hidden, heads, kv_heads,
+                      head_dim, ffn, vocab, seq, matmul, MLP_SAVED["swiglu"])  # fmt: skip

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from dsnd.layouts import emit
+from dsnd.layouts.hardware import Efficiency
 from dsnd.layouts.search import Layout, Problem, evaluate
 
 TIMEOUT_S = 600
@@ -86,9 +87,8 @@ def validate(model: str, pr: Problem, layouts: list[Layout], steps: int) -> list
     if not measured:
         return []
     # every rate of the time model runs at the efficiency: time scales as 1 / efficiency
-    unit = replace(
-        pr, device=replace(pr.device, efficiency=1.0), measured=layer_costs(model, pr, layouts)
-    )
+    one = replace(pr.device, efficiency=Efficiency.uniform(1.0))
+    unit = replace(pr, device=one, measured=layer_costs(model, pr, layouts))
     at_one = [evaluate(unit, replace(lay), _split(pr, lay)).step_time_s for lay in layouts]
     efficiency = at_one[0] / measured[0]["step_time_s"]
     rows = []

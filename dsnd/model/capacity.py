@@ -44,8 +44,9 @@ def keep_mask(top_k_index: torch.Tensor, experts: int, factor: float) -> torch.T
 
 class Capacity:
     """Capacity `factor` on every MoE layer of `stack` (a `LayerStack`); `dropped` counts the
-    rows dropped per block number since the last `take()` (nothing where `counts` is False: a
-    rank whose tokens another rank counts)."""
+    rows training forwards dropped per block number since the last `take()` (nothing where
+    `counts` is False: a rank whose tokens another rank counts; nothing in an evaluation's
+    forwards, which would land in the next step's count)."""
 
     def __init__(self, stack: nn.Module, factor: float, blocks: int, counts: bool = True) -> None:
         if factor <= 0:
@@ -63,7 +64,7 @@ class Capacity:
         def cap(module: nn.Module, args: tuple) -> tuple:
             hidden, index, weights = args
             keep = keep_mask(index, module.num_experts, self.factor)
-            if self.counts and not in_recompute():
+            if self.counts and module.training and not in_recompute():  # not evaluations
                 if self.dropped.device != keep.device:
                     self.dropped = self.dropped.to(keep.device)
                 self.dropped[block] += (~keep).sum()

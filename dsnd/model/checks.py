@@ -11,9 +11,13 @@ a key dsnd cannot place might change the math.
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from dsnd.errors import shown
 
 # Keys of config.json that describe the file or generation, not the network's math.
 METADATA = frozenset({
@@ -65,6 +69,16 @@ def rope_conflicts(raw: dict, config: PretrainedConfig) -> list[str]:
     return out
 
 
+def divisors(config: PretrainedConfig) -> list[str]:
+    """Values transformers' layers divide by, which no layout could build (Qwen-MoE's
+    `decoder_sparse_step` 0: a ZeroDivisionError deep in the layer's constructor)."""
+    step = getattr(config, "decoder_sparse_step", None)
+    if isinstance(step, int) and step < 1:  # (transformers refuses other types itself)
+        return [f"decoder_sparse_step={step}: must be an integer >= 1 (layer i is a mixture of "
+                "experts when (i + 1) % decoder_sparse_step == 0; 1 = every layer)"]
+    return []
+
+
 def no_dropout(config: PretrainedConfig, *fields: str) -> list[str]:
     return [f"{name}={getattr(config, name)}: dsnd trains without dropout (layouts would draw "
             f"different masks); set it to 0 (--set model.overrides.{name}=0)"
@@ -81,11 +95,18 @@ def activation(config: PretrainedConfig, field: str) -> list[str]:
 
 def rope(config: PretrainedConfig) -> list[str]:
     params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta")
+    if theta is not None and not (_number(theta) and math.isfinite(theta) and theta > 0):
+        return [f"rope_theta={shown(theta)}: must be a finite number > 0 (the rotary base)"]
     kind = params.get("rope_type", "default")
     if kind == "default" or kind in ROPE_INIT_FUNCTIONS:
         return []
     return [f"rope_scaling.rope_type={kind!r}: transformers implements "
             f"{', '.join(['default', *sorted(ROPE_INIT_FUNCTIONS)])}"]  # fmt: skip
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def sliding_window(config: PretrainedConfig, seq_len: int) -> list[str]:

@@ -40,7 +40,7 @@ from dsnd.model.export_dir import ExportOrigin, umask, write_whole
 from dsnd.model.hf_files import file_names, file_shapes, join, split
 from dsnd.model.hf_weights import from_hf_name, to_hf_names
 from dsnd.model.moe import num_experts
-from dsnd.model.source import TOKENIZER_FILES, ModelSpec, load_model
+from dsnd.model.source import ModelSpec, load_model, tokenizer_files
 from dsnd.model.stack import LayerStack
 from dsnd.tp.shard import read_part
 
@@ -212,7 +212,8 @@ def write_config(path: str, model: ModelSpec, dtype: torch.dtype) -> None:
 
 
 def copy_tokenizer(path: str, tokenizer_from: str | None) -> None:
-    """The tokenizer files `tokenizer_from` holds (none: nothing) into the export `path`."""
-    for name in TOKENIZER_FILES if tokenizer_from else ():
-        if os.path.isfile(os.path.join(tokenizer_from, name)):
-            shutil.copyfile(os.path.join(tokenizer_from, name), os.path.join(path, name))
+    """The tokenizer files `tokenizer_from` holds (`tokenizer_files`; none: nothing) into the
+    export `path`: a model trained from its own export keeps its chat template."""
+    for name in tokenizer_files(tokenizer_from):
+        os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+        shutil.copyfile(os.path.join(tokenizer_from, name), os.path.join(path, name))

@@ -26,12 +26,27 @@ def moe_router(layer: nn.Module) -> nn.Module | None:
     return router if router is not None and hasattr(router, "top_k") else None
 
 
-def num_experts(config: PretrainedConfig) -> int:
-    """Routed experts per MoE layer (Mixtral's `num_local_experts`, Qwen's `num_experts`)."""
+def experts_key(config: PretrainedConfig) -> str:
+    """The config key of the routed-expert count (Mixtral's `num_local_experts`, Qwen's
+    `num_experts`)."""
     for name in ("num_local_experts", "num_experts"):
         if getattr(config, name, None) is not None:
-            return getattr(config, name)
+            return name
     raise AttributeError(f"{type(config).__name__} names no expert count")
+
+
+def num_experts(config: PretrainedConfig) -> int:
+    """Routed experts per MoE layer (Mixtral's `num_local_experts`, Qwen's `num_experts`)."""
+    return getattr(config, experts_key(config))
+
+
+def expert_layers(config: PretrainedConfig) -> list[int]:
+    """The decoder layers with routed experts, as transformers' Qwen MoE layers choose them:
+    not in `mlp_only_layers`, and every `decoder_sparse_step`-th (Mixtral: every layer)."""
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return [i for i in range(config.num_hidden_layers)
+            if i not in dense and (i + 1) % step == 0]  # fmt: skip
 
 
 def active_share(config: PretrainedConfig) -> float:
@@ -56,7 +71,9 @@ def moe_checks(config: PretrainedConfig, seq_len: int) -> list[str]:
     layouts it needs are checked with the run's.)"""
     out = rotary_checks(config, seq_len)
     experts, top_k = num_experts(config), config.num_experts_per_tok
-    if not 1 <= top_k <= experts:
+    if experts < 1:  # before top-k, which it would otherwise be blamed on
+        out.append(f"{experts_key(config)}={experts}: must be >= 1 (routed experts per layer)")
+    elif not 1 <= top_k <= experts:
         out.append(f"num_experts_per_tok={top_k}: must be in 1..{experts}, the number of "
                    "experts per layer")  # fmt: skip
     if getattr(config, "router_jitter_noise", 0) not in (0, 0.0, None):

@@ -19,21 +19,55 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 from dsnd.errors import UserError
-from dsnd.model.checks import METADATA, UNDECLARED_READ, rope_conflicts, unknown_keys
+from dsnd.model.checks import (
+    LEGACY,
+    METADATA,
+    UNDECLARED_READ,
+    divisors,
+    rope_conflicts,
+    unknown_keys,
+)
 from dsnd.model.families import by_name, family_of, supported
 from dsnd.model.family import Family
 
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
 DEFAULT_PRESET = "llama-tiny"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
+TOKENIZER_DIRS = ("additional_chat_templates",)  # transformers' named templates: NAME.jinja
+# What a model directory holds that is not its tokenizer: the network (config.json, weights and
+# their index, in any format), and the marker of a dsnd export (each export writes its own)
+_NETWORK_FILES = ("config.json", "dsnd-export.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
+                    ".onnx", ".npz", ".index.json")  # fmt: skip
+# A directory holds a tokenizer when it holds one of these (config.json and weights alone do
+# not): only then are its other files taken for the tokenizer's
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def tokenizer_files(directory: str | None) -> list[str]:
+    """What an export of a model from `directory` carries on beside the weights it writes (paths
+    relative to it, sorted): every top-level file but the network's (config, weights, index,
+    export marker; hidden files neither), and `TOKENIZER_DIRS`' files — whatever the tokenizer
+    was saved in, whichever names its class gives them: vocabulary, special tokens, generation
+    defaults, and the chat template (transformers 5 writes it to chat_template.jinja, 4.x
+    into tokenizer_config.json), which a fixed list of names once dropped from exports. A
+    directory without a tokenizer (`_TOKENIZER_MARKERS`) gives nothing."""
+    if not directory or not any(os.path.isfile(os.path.join(directory, f))
+                                for f in _TOKENIZER_MARKERS):  # fmt: skip
+        return []
+    out = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name in TOKENIZER_DIRS and os.path.isdir(path):
+            out += [f"{name}/{f}" for f in sorted(os.listdir(path))
+                    if not f.startswith(".") and os.path.isfile(os.path.join(path, f))]  # fmt: skip
+        elif _tokenizer_file(name, path):
+            out.append(name)
+    return out
+
+
+def _tokenizer_file(name: str, path: str) -> bool:
+    network = name in _NETWORK_FILES or name.lower().endswith(_WEIGHT_SUFFIXES)
+    return os.path.isfile(path) and not name.startswith(".") and not network
 
 
 def presets() -> list[str]:
@@ -200,9 +234,37 @@ def _apply(family: Family, raw: dict[str, Any], shape: dict[str, int | None],
         and (shape.get("hidden_size") is not None or shape.get("num_heads") is not None)
     ):
         out["head_dim"] = _get(out, "hidden_size") // _get(out, "num_heads")
-    for key, value in overrides.items():
-        out[key] = value
+    return _with_overrides(out, overrides)
+
+
+def _with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with `model.overrides` as transformers 5 reads them: a 4.x rope key (rope_theta,
+    partial_rotary_factor, rope_scaling's entries) on a config in the 5.x form goes into its
+    `rope_parameters`, which transformers reads in place of those keys (so `rope_theta:
+    500000` takes effect on either form); a `rope_parameters` override replaces the file's rope
+    keys whole."""
+    out = {**raw, **overrides}
+    if "rope_parameters" in overrides:
+        return {k: v for k, v in out.items() if k not in LEGACY - overrides.keys()}
+    params = raw.get("rope_parameters")
+    if not isinstance(params, dict):
+        return out  # the 4.x form: the keys themselves are read
+    folded = {k: overrides[k] for k in ("rope_theta", "partial_rotary_factor") if k in overrides}
+    scaling = overrides.get("rope_scaling")
+    if isinstance(scaling, dict):
+        folded |= {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
+    if folded:
+        out["rope_parameters"] = {**params, **folded}
+        for key in LEGACY & overrides.keys() - raw.keys():
+            del out[key]  # folded in: not a second spelling beside rope_parameters
     return out
+
+
+def _blamed(path: str, problem: str, overrides: dict[str, Any]) -> str:
+    """Where a config problem lies: the key's `model.overrides` entry when the run set it, so
+    that a user's override is not blamed on the file (a packaged preset) it was applied to."""
+    key = problem.split("=", 1)[0].split(".", 1)[0]
+    return f"model.overrides.{key} (applied to {path})" if key in overrides else path
 
 
 def _get(raw: dict[str, Any], key: str) -> int:
@@ -232,9 +294,9 @@ def load_model(source: str, key: str, shape: dict[str, int | None] | None = None
     except (TypeError, ValueError, KeyError, ArithmeticError, StrictDataclassError) as e:
         e = e.__cause__ or e  # huggingface_hub wraps the validator's error in two lines
         raise UserError(f"{key}={source}: transformers refuses the config: {e}") from e
-    problems = unknown_keys(raw, config) + rope_conflicts(raw, config)
+    problems = unknown_keys(raw, config) + rope_conflicts(raw, config) + divisors(config)
     if problems:
-        raise UserError(f"{path}: {problems[0]}")
+        raise UserError(f"{_blamed(path, problems[0], overrides or {})}: {problems[0]}")
     return ModelSpec(family, config, label, directory)
 
 

@@ -20,6 +20,7 @@ parallel unit, which a plain engine built after it would take for its own.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.data import SampleSet, batch_for_step, load_corpus  # noqa: E402
+from dsnd.data.held_out import split_samples  # noqa: E402
 from dsnd.model import build_model, init_layer, layer_specs, lm_loss, param_groups  # noqa: E402
 from dsnd.model.stack import TIED_EMBED_KEY  # noqa: E402
 from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
@@ -40,7 +42,7 @@ from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 def _samples(res) -> SampleSet:
     data = res.run.data
     corpus = load_corpus(data.path, data.format, data.text_field, data.max_bytes)
-    return SampleSet(corpus.tokens, res.run.model.seq_len, name=corpus.name)
+    return split_samples(res.run, corpus).train  # what dsnd trains on: held-out excepted
 
 
 def _pipeline_engine(res, ds: dict):
@@ -100,8 +102,7 @@ def resolve_case(case: dict, world: int):
 
 def run_case(case: dict, res) -> list[dict]:
     pipe = case["engine"] == "pipe"
-    with open(case["json"], encoding="utf-8") as f:
-        ds = json.load(f)
+    ds = copy.deepcopy(res.ds)  # the JSON as dsnd resolves it ("auto" filled), run natively
     torch.manual_seed(res.run.train.seed)
     engine = (_pipeline_engine if pipe else _plain_engine)(res, ds)
     samples = _samples(res)

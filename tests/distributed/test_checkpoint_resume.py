@@ -40,6 +40,27 @@ def _assert_exact(got: dict, tag: str) -> None:
         assert [r[key] for r in first + second] == [r[key] for r in full], (tag, key)
 
 
+BETAS = "ds.optimizer.params.betas=[0.5, 0.6]"  # the packaged JSON's: [0.9, 0.95]
+
+
+def _assert_new_betas_apply(got: dict) -> None:
+    """Betas changed on resume are the resumed run's (the checkpoint gives the optimizer's state,
+    not its hyper-parameters): steps 6-10 are the single-process reference's whose optimizer
+    takes them at step 6, not the unchanged run's."""
+    from dsnd.config.load import load
+    from dsnd.config.resolve import resolve
+    from tests.reference import reference_rows
+
+    res = resolve(load(None, ["train.steps=10", "deepspeed=ds_configs/zero1.json", *PP2]), 4)
+    want = reference_rows(res, (5, {"betas": (0.5, 0.6)}))[5:]
+    rows = got["betas-z1"]
+    assert [r["step"] for r in rows] == list(range(6, 11))
+    for row, ref in zip(rows, want, strict=True):
+        for key in ("loss", "grad_norm", "lr"):
+            assert row[key] == pytest.approx(ref[key], rel=RTOL), ("betas", row["step"], key)
+    assert rows[-1]["loss"] != pytest.approx(got["straight-z1"][-1]["loss"], rel=RTOL)
+
+
 @pytest.mark.dist
 def test_resume_is_exact_and_reshapes(tmp_path):
     saved = os.path.join(tmp_path, "halves-z3", "checkpoints", "step_00000005")
@@ -74,6 +95,8 @@ def test_resume_is_exact_and_reshapes(tmp_path):
     bf16 = (*PP2, "ds.bf16.enabled=true")
     got = run_cases(tmp_path, 4, [
         *_exact_cases("z1", 1, *PP2),
+        case("betas-z1", 1, sets=(*PP2, BETAS, "train.steps=10", "checkpoint.resume=" + os.path
+                                  .join(tmp_path, "halves-z1", "checkpoints", "step_00000005"))),
         *_exact_cases("z3", 3, *PP2),
         *reshaped,
         # bf16: the fp32 masters are saved, the bf16 weights restored from them
@@ -82,6 +105,7 @@ def test_resume_is_exact_and_reshapes(tmp_path):
     ])  # fmt: skip
     for tag in ("z1", "z3", "bf16-z0", "bf16-z2"):
         _assert_exact(got, tag)
+    _assert_new_betas_apply(got)
     want = got["straight-z3"][5:]
     for c in reshaped:
         rows = got[c["name"]]
@@ -89,3 +113,20 @@ def test_resume_is_exact_and_reshapes(tmp_path):
         for row, ref in zip(rows, want, strict=True):
             for key in ("loss", "grad_norm", "lr"):
                 assert row[key] == pytest.approx(ref[key], rel=RTOL), (c["name"], row["step"], key)
+    _assert_marked(got)
+
+
+def _assert_marked(got: dict) -> None:
+    """Each run's first row says where it started and on which layout (`dsnd plot` and
+    TensorBoard mark resumes and layout changes from it); a default run evaluates at its end."""
+    pp2 = {"pp": 2, "dp": 2, "tp": 1, "cp": 1, "ep": 1, "world": 4}
+    assert got["halves-z3"][0]["run_start"] == {"step": 0, "layout": pp2, "resumed_from": None,
+                                                "saved_layout": None}  # fmt: skip
+    again = got["halves-z3-rest"][0]["run_start"]
+    assert (again["step"], again["layout"], again["saved_layout"]) == (5, pp2, pp2)
+    assert again["resumed_from"].endswith("step_00000005")
+    moved = got["to-pp1-dp4-z1"][0]["run_start"]
+    assert (moved["layout"], moved["saved_layout"]) == ({**pp2, "pp": 1, "dp": 4}, pp2)
+    for rows in (got["halves-z3"], got["halves-z3-rest"]):
+        assert ["run_start" in r for r in rows] == [True] + [False] * 4
+        assert ["eval_loss" in r for r in rows] == [False] * 4 + [True]

@@ -107,10 +107,30 @@ def _set_lr(state: dict, lr: float) -> None:
         group["lr"] = lr
 
 
+def _optimizer_state(state: dict) -> dict:
+    """The optimizer's per-group state of a ZeRO-1/2 or ZeRO-3 optimizer file."""
+    inner = state["optimizer_state_dict"]
+    return (inner.get("base_optimizer_state") or inner["optimizer_state_dict"])["state"]
+
+
+def _nan_moment(state: dict) -> None:
+    _optimizer_state(state)[0]["exp_avg"][0] = float("nan")
+
+
+def _text_step(state: dict) -> None:
+    for entry in _optimizer_state(state).values():
+        entry["step"] = "3"
+
+
+STEP_RULE = "expected a non-negative integer (an int, or a one-element tensor holding one)"
+
+
 def _refuses_numbers_dsnd_cannot_resume(tmp_path, capsys) -> None:
     """Numbers edited in the files DeepSpeed saved: a NaN learning rate (ZeRO-3 and ZeRO-1's
     optimizer files), a step beyond what a step directory's name holds and a scheduler position
-    before its start (model-state files): one line naming the file and key, nothing written."""
+    before its start (model-state files), a NaN Adam moment and a step count "3" (optimizer
+    files, read through DeepSpeed's conversion): one line naming the DeepSpeed file and key,
+    nothing written."""
     bad = {  # name: (source, files, edit, what the refusal names)
         "nan-lr-z3": ("plain-z3", "*_optim_states.pt", lambda s: _set_lr(s, float("nan")),
                       "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
@@ -132,6 +152,17 @@ def _refuses_numbers_dsnd_cannot_resume(tmp_path, capsys) -> None:
                       lambda s: s["lr_scheduler"].update(last_batch_iteration=-10**9),
                       "mp_rank_00_model_states.pt: 'lr_scheduler.last_batch_iteration' is "
                       "-1000000000, expected an integer in [-1, 99999999]"),
+        "nan-moment-z1": ("pipe-z1", "zero_pp_rank_0_mp_rank_00_optim_states.pt", _nan_moment,
+                          "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+                          "base_optimizer_state.state[0].exp_avg' holds NaN or infinite values "
+                          "(DeepSpeed's conversion carried them into parameter "
+                          "1.attn.c_attn.weight's exp_avg); dsnd continues only a finite state"),
+        "text-step-z3": ("plain-z3", "*_optim_states.pt", _text_step,
+                         "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+                         f"optimizer_state_dict.state[0].step' is '3', {STEP_RULE}"),
+        "text-step-z1": ("pipe-z1", "*_optim_states.pt", _text_step,
+                         "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+                         f"base_optimizer_state.state[0].step' is '3', {STEP_RULE}"),
     }  # fmt: skip
     for name, (source, pattern, edit, what) in bad.items():
         tag = _edited(tmp_path / f"ds-{source}", tmp_path / f"bad-{name}", pattern, edit)

@@ -67,6 +67,12 @@ def test_pipeline_run_writes_every_scalar_to_tensorboard(tmp_path):
     assert scalars["perf/samples_per_s"][0] == pytest.approx(16 / scalars["perf/step_time_s"][0])
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "preset: llama-tiny" in text and "pp: 2" in text
+    # where the run started, on which layout; the held-out loss at its end (a default run's)
+    (start,) = events.Tensors("events/text_summary")
+    assert (start.step, start.tensor_proto.string_val[0].decode()) == (
+        0, "started at step 0 on pp=2 dp=1 tp=1 cp=1 ep=1 (world 2)")  # fmt: skip
+    assert [e.step for e in events.Scalars("eval/loss")] == [STEPS]
+    assert events.Scalars("eval/loss")[0].value == pytest.approx(rows[-1]["eval_loss"], rel=1e-6)
     # every rank's own log file, its lines prefixed with its coordinates
     for rank in (0, 1):
         lines = (tmp_path / "tb" / "logs" / f"rank_{rank:05d}.log").read_text().splitlines()

@@ -26,6 +26,8 @@ def test_console_script_trains_from_an_empty_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2]
+    # a default run holds out eval.fraction of the samples and evaluates at its end
+    assert "eval_loss" not in rows[0] and 5.0 < rows[1]["eval_loss"] < 5.7
     resolved = json.loads((tmp_path / "out" / "deepspeed.resolved.json").read_text())
     assert resolved["train_batch_size"] == 16 and resolved["train_micro_batch_size_per_gpu"] == 2
     assert resolved["zero_optimization"]["stage"] == 0
@@ -38,4 +40,5 @@ def test_console_script_trains_from_an_empty_directory(tmp_path):
     precision = said.index("precision: fp32")
     steps = [i for i, text in enumerate(said) if text.startswith("step ")]
     assert first and len(steps) == 2 and first[0] < batch < precision < steps[0], said
-    assert said[-1] == "outputs: metrics out/metrics.jsonl, checkpoints out/checkpoints", said
+    assert said[-1] == ("outputs: metrics out/metrics.jsonl, checkpoint "
+                        "out/checkpoints/step_00000002, TensorBoard out, logs out/logs"), said

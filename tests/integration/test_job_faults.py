@@ -236,6 +236,13 @@ def test_the_rank_whose_disk_filled_is_named_not_its_peer(tmp_path):
     log1 = (log_dir / "logs" / "rank_00001.log").read_text()
     assert "Traceback" in log1 and "No space left on device" in log1
     assert (log_dir / "checkpoints" / "latest").read_text() == "step_00000001\n"
+    # one line from the rank whose disk filled (its peer learnt of it in the save: exit 4), no
+    # traceback on the console, and the unfinished checkpoint removed at once
+    assert "Traceback" not in err, err[-3000:]
+    assert (f"dsnd: error: checkpoint step_00000002 not saved: rank 1: No space left on device "
+            f"({log_dir}/checkpoints/.tmp-step_00000002); step_00000001 stays latest") in err, err
+    assert sorted(n for n in os.listdir(log_dir / "checkpoints") if not n.startswith(".dsnd")) \
+        == ["latest", "step_00000001"]  # fmt: skip
     assert run.leftovers() == []
 
 

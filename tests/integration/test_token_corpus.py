@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from dsnd.data.token_file import write_token_file
+from dsnd.data.token_writer import write_token_file
 from tests.procs import run_cli
 
 

@@ -57,6 +57,9 @@ def test_dropped_rows_add_nothing_and_are_counted():
         x.view(-1, spec.hidden_size), index, weights))  # fmt: skip
     assert cap.take().tolist() == [0.0, float((~keep).sum()), 0.0] and (~keep).sum() > 0
     assert cap.take().tolist() == [0.0, 0.0, 0.0]
+    block.eval()  # an evaluation's forward: capped alike, counted in no training step
+    assert torch.equal(block.mlp.experts(x.view(-1, spec.hidden_size), index, weights), want)
+    assert cap.take().tolist() == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("sets, message", [
@@ -65,6 +68,11 @@ def test_dropped_rows_add_nothing_and_are_counted():
      "experts; set it to null"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=0"],
      "model.moe_capacity_factor=0.0 must be > 0 (null = dropless)"),
+    # past the experts / top-k it grows without changing anything, up to an overflow in a rank
+    (["model.preset=mixtral-tiny", "model.moe_capacity_factor=1e300"],
+     "model.moe_capacity_factor=1e+300 must be in (0, 2] for preset mixtral-tiny (4 experts, "
+     "top-2): at 2 an expert may take every token of a forward and nothing is dropped (null = "
+     "dropless)"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=1.0", "parallel.tp=2",
       "parallel.sequence_parallel=true"],
      "model.moe_capacity_factor=1.0: not with parallel.sequence_parallel=true, which gives "

@@ -17,7 +17,6 @@ import pytest
 
 from dsnd.config import deepspeed_json, strict
 from dsnd.config.batch import Batch, resolve_batch
-from dsnd.config.ds_auto import packaged
 from dsnd.config.load import default_config_path, load, parse_set
 from dsnd.config.resolve import resolve
 from dsnd.config.schema import RunConfig
@@ -250,7 +249,7 @@ def test_ds_set_deep_merges_into_the_json():
     assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 5000000,
                                        "use_multi_rank_bucket_allreduce": False}  # fmt: skip
     assert ds["gradient_clipping"] == 0.5
-    assert ds["optimizer"]["params"]["lr"] == 0.003  # untouched siblings stay
+    assert ds["optimizer"]["params"]["lr"] == "auto"  # untouched siblings stay
 
 
 def test_ds_set_object_value_replaces_the_object():
@@ -268,8 +267,7 @@ def test_ds_set_object_value_replaces_the_object():
 
 def test_ds_set_dotted_key_changes_one_key():
     ds = load(None, ["ds.scheduler.params.warmup_num_steps=7"]).ds
-    assert ds["scheduler"]["params"]["warmup_num_steps"] == 7
-    assert ds["scheduler"]["params"]["warmup_max_lr"] == 0.003
+    assert ds["scheduler"] == {"type": "auto", "params": {"warmup_num_steps": 7}}
 
 
 def test_ds_set_creates_parents():
@@ -284,7 +282,7 @@ def test_ds_set_null_deletes():
     ds = load(None, ["ds.scheduler=null", "ds.optimizer.params.weight_decay=null"]).ds
     assert "scheduler" not in ds
     assert "weight_decay" not in ds["optimizer"]["params"]
-    assert ds["optimizer"]["params"]["lr"] == 0.003
+    assert ds["optimizer"]["params"]["lr"] == "auto"
     node = {"a": 1}
     deepspeed_json.merge_override(node, "missing.key", None)  # deleting nothing creates nothing
     assert node == {"a": 1}
@@ -778,13 +776,13 @@ def test_no_optimizer_or_scheduler_takes_dsnds_default_and_says_so(tmp_path):
     del ds["optimizer"], ds["scheduler"]
     path = write_run(tmp_path, "deepspeed: ds.json\n", ds)
     res = resolve(load(path), 1)
-    assert res.ds["optimizer"] == packaged()["optimizer"]
-    assert res.ds["scheduler"] == packaged()["scheduler"]
+    assert res.ds["optimizer"] == resolve(load(None), 1).ds["optimizer"]  # the packaged "auto"s
+    assert res.ds["scheduler"] == resolve(load(None), 1).ds["scheduler"]
     assert res.ds_notes[:2] == [
-        'optimizer: none in the JSON -> dsnd\'s default AdamW {"lr": 0.003, "betas": [0.9, 0.95], '
-        '"eps": 1e-08, "weight_decay": 0.1, "torch_adam": true}',
-        'scheduler: none in the JSON -> dsnd\'s default WarmupLR {"warmup_min_lr": 0.0003, '
-        '"warmup_max_lr": 0.003, "warmup_num_steps": 5, "warmup_type": "linear"}',
+        'optimizer: none in the JSON -> AdamW {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-08, '
+        '"weight_decay": 0.1, "torch_adam": true} (dsnd\'s default)',
+        'scheduler: none in the JSON -> WarmupLR {"warmup_min_lr": 0.0003, "warmup_max_lr": '
+        '0.003, "warmup_num_steps": 5, "warmup_type": "linear"} (dsnd\'s default)',
     ]
 
 
@@ -901,6 +899,8 @@ def test_pp_tp_dp_layout():
         ("log.every=0", "log.every must be >= 1, got 0"),
         ("eval.every=-1", "eval.every must be >= 0, got -1"),
         ("eval.batches=0", "eval.batches must be >= 1, got 0"),
+        ("log.expert_load_warn=1", "log.expert_load_warn must be > 1 (times the mean expert "
+                                   "load) or 0 (never), got 1.0"),  # fmt: skip
         ("log.dir=", "log.dir must not be empty"),
         (
             "parallel.activation_checkpoint_interval=-1",
@@ -933,7 +933,7 @@ def test_max_position_embeddings_raises_the_longest_seq_len():
 
 # ---- learning-rate scaling -----------------------------------------------------------------------
 
-LR, MIN_LR, MAX_LR = 0.003, 0.0003, 0.003  # zero0.json
+LR, MIN_LR, MAX_LR = 0.003, 0.0003, 0.003  # zero0.json's "auto"s: dsnd's default
 
 
 @pytest.mark.parametrize(
@@ -968,7 +968,7 @@ def test_lr_scaling(scaling, batch, reference, factor):
     assert sched["warmup_num_steps"] == 5 and sched["warmup_type"] == "linear"
     assert (params["eps"], params["weight_decay"], params["betas"]) == (1e-8, 0.1, [0.9, 0.95])
     # the loaded (user's) dict is left as it was
-    assert loaded.ds["optimizer"]["params"]["lr"] == LR
+    assert loaded.ds["optimizer"]["params"]["lr"] == "auto"
 
 
 def test_lr_scaling_covers_every_scheduler_lr():

@@ -186,7 +186,7 @@ def test_json_duplicate_keys_name_both_lines_at_any_level(tmp_path, train):
     [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("1e400", "1e400")],
 )
 def test_json_non_finite_numbers(tmp_path, train, value, shown):
-    text = json.dumps(zero0(), indent=2).replace('"lr": 0.003', f'"lr": {value}')
+    text = json.dumps(zero0(), indent=2).replace('"lr": "auto"', f'"lr": {value}')
     path = run_yaml(tmp_path, ds_text=text)
     line = text[: text.index(f'"lr": {value}')].count("\n") + 1
     assert train("--config", path) == (
@@ -307,10 +307,13 @@ def test_run_keys_out_of_range(train, item, message):
     assert train("--set", item) == message
 
 
-def test_eval_fraction_is_checked_when_eval_is_on(train):
-    assert train("--set", "eval.every=5", "--set", "eval.fraction=1.5") == (
-        "eval.fraction must be in (0, 1), got 1.5"
+def test_eval_fraction_is_checked_and_eval_needs_something_to_evaluate_on(train):
+    # held out by default (evaluated at the end): checked without eval.every
+    assert train("--set", "eval.fraction=1.5") == "eval.fraction must be in [0, 1), got 1.5"
+    assert train("--set", "eval.every=5", "--set", "eval.fraction=0") == (
+        "eval.every=5: nothing to evaluate on (eval.fraction is 0 and data.eval_path is unset)"
     )
+    assert train("--set", "data.eval_path=held.txt") == "data.eval_path: file not found: held.txt"
 
 
 # ---- DeepSpeed values out of range; ZeRO stage; pydantic errors in one line -------------------

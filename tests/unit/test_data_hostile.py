@@ -18,7 +18,9 @@ from dsnd import cli
 from dsnd.config.schema import DataConfig
 from dsnd.data.check import check_data
 from dsnd.data.corpus import load_corpus
-from dsnd.data.token_file import read_token_file, write_token_file
+from dsnd.data.token_file import read_token_file
+from dsnd.data.token_writer import write_token_file
+from dsnd.data.verify import verify_token_file
 from dsnd.errors import UserError
 from tests.procs import rank_env
 
@@ -211,9 +213,12 @@ def test_honest_token_files_pass(tmp_path):
         assert load_corpus(path).tokens.tolist() == (np.arange(3000) % 256).tolist()
 
 
+# --- verify_token_file: the full check, which reads every token (start-up does not) ------------
+
+
 def test_ids_above_the_sidecars_vocabulary(tmp_path):
     path = _token_file(tmp_path, ids=[1, 2, 300, 4], vocab=256)  # honest sha, lying vocab_size
-    assert _error(_check, path, vocab=256) == (
+    assert _error(verify_token_file, path) == (
         f"{path}: largest token id 300 >= vocab_size 256 recorded in {path}.json; the metadata "
         "does not describe these tokens"
     )
@@ -222,7 +227,8 @@ def test_ids_above_the_sidecars_vocabulary(tmp_path):
 def test_negative_ids_of_a_signed_dtype(tmp_path):
     path = _token_file(tmp_path)
     _rewrite_bin(path, np.array([3, -5, 7], dtype=np.int32).tobytes(), dtype="int32", tokens=3)
-    assert _error(_check, path) == f"{path}: smallest token id -5 is negative (int32 tokens)"
+    assert _error(verify_token_file, path) == (f"{path}: smallest token id -5 is negative "
+                                               "(int32 tokens)")  # fmt: skip
 
 
 def test_changed_bytes_fail_the_sha256(tmp_path):
@@ -231,7 +237,7 @@ def test_changed_bytes_fail_the_sha256(tmp_path):
     data[10] ^= 1
     Path(path).write_bytes(bytes(data))
     recorded = json.loads(Path(path + ".json").read_text())["sha256"]
-    assert _error(_check, path) == (
+    assert _error(verify_token_file, path) == (
         f"{path}: SHA-256 {hashlib.sha256(data).hexdigest()[:16]}... does not match "
         f"{recorded[:16]}... recorded in {path}.json; the file changed after "
         "'dsnd data prepare' wrote it"

@@ -235,7 +235,8 @@ def test_packing_needs_document_boundaries(tmp_path):
         with pytest.raises(UserError) as e:
             check_data(DataConfig(path=path, packing="documents", max_bytes=10_000), 256)
         assert str(e.value) == (f"data.packing=documents: data.path={name} records no document "
-                                "boundaries; use JSONL, a Hugging Face dataset or chat data")
+                                "boundaries; use JSONL, a Hugging Face dataset, chat data or a "
+                                "token file prepared with its documents")
 
 
 def test_dsnd_train_refuses_before_start(capsys, tmp_path, monkeypatch):

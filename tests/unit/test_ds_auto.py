@@ -10,6 +10,7 @@ import pytest
 from dsnd import cli
 from dsnd.config.ds_auto import HF_BUCKETS, fill_auto, packaged, remaining_autos
 from dsnd.config.load import load
+from dsnd.config.lr_schedule import DSND
 from dsnd.config.resolve import resolve
 from dsnd.errors import UserError, UserErrors
 
@@ -49,11 +50,10 @@ def test_hf_zero3_auto_config_resolves_as_the_trainer_would(tmp_path):
     assert ds["train_batch_size"] == 2 * ds["train_micro_batch_size_per_gpu"]  # dp = 2
     params = ds["optimizer"]["params"]
     assert [params[k] for k in ("lr", "betas", "eps", "weight_decay")] == [
-        defaults["optimizer"]["params"][k] for k in ("lr", "betas", "eps", "weight_decay")
-    ]
+        DSND.lr, *(DSND.optimizer[k] for k in ("betas", "eps", "weight_decay"))]
     sched = ds["scheduler"]["params"]
     assert sched["total_num_steps"] == 7  # train.steps
-    assert sched["warmup_max_lr"] == defaults["scheduler"]["params"]["warmup_max_lr"]
+    assert (sched["warmup_min_lr"], sched["warmup_max_lr"]) == (DSND.min_lr, DSND.lr)
     assert ds["gradient_clipping"] == 1.0
     hidden = res.model.hidden_size
     zero = ds["zero_optimization"]
@@ -75,10 +75,7 @@ def test_fill_auto_leaves_numbers_alone_and_fills_only_what_it_knows():
           "zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}}  # fmt: skip
     filled, notes = fill_auto(ds, hidden=64, steps=10)
     assert filled["train_batch_size"] == 32 and filled["optimizer"]["params"] == {"lr": 1e-4}
-    assert (
-        filled["scheduler"]["params"]["warmup_num_steps"]
-        == (packaged()["scheduler"]["params"]["warmup_num_steps"])
-    )
+    assert filled["scheduler"]["params"]["warmup_num_steps"] == DSND.warmup_steps
     assert remaining_autos(filled) == []
     assert filled["zero_optimization"]["allgather_bucket_size"] == 500_000_000  # DeepSpeed's
     assert ds["scheduler"]["params"]["warmup_num_steps"] == "auto"  # the input is not changed

@@ -82,17 +82,21 @@ def test_compare_refuses_another_model_and_another_runs_seed_and_data(tmp_path):
         compare_with_checkpoint(run, ds, other_eps, manifest, "S", explicit=True)
     run.train.seed, run.data.max_bytes = 99, 1000
     with pytest.raises(CheckpointError, match=r"other settings \(train.seed 1234 -> 99, "
-                                              r"data.max_bytes 4000000 -> 1000\)"):  # fmt: skip
+                                              r"data.max_bytes None -> 1000\)"):  # fmt: skip
         compare_with_checkpoint(run, ds, MODEL, manifest, "S", explicit=False)
     # named by path: allowed, said as warnings, with the DeepSpeed changes that alter the math
     warnings = compare_with_checkpoint(run, {"gradient_clipping": 0.5}, MODEL, manifest, "S",
                                        explicit=True)  # fmt: skip
-    assert warnings == ["train.seed 1234 -> 99", "data.max_bytes 4000000 -> 1000",
+    assert warnings == ["train.seed 1234 -> 99", "data.max_bytes None -> 1000",
                         "ds.gradient_clipping 1.0 -> 0.5"]  # fmt: skip
     layout = copy.deepcopy(run)
     layout.parallel.pp, layout.train.steps = 4, 500  # layout and length are free to change
     assert compare_with_checkpoint(layout, {"gradient_clipping": 0.5}, MODEL, manifest, "S",
                                    explicit=True) == warnings  # fmt: skip
+    layout.eval.fraction = 0.05  # another held-out share: other samples train
+    assert compare_with_checkpoint(layout, {"gradient_clipping": 0.5}, MODEL, manifest, "S",
+                                   explicit=True) == [*warnings[:2], "eval.fraction 0.02 -> 0.05",
+                                                      warnings[2]]  # fmt: skip
 
 
 def test_compare_refuses_continuing_one_optimizers_state_with_another(tmp_path):
@@ -106,14 +110,19 @@ def test_compare_refuses_continuing_one_optimizers_state_with_another(tmp_path):
         compare_with_checkpoint(run, {"optimizer": {"type": "AdamW"}}, MODEL, manifest, "S",
                                 explicit=True)  # fmt: skip
     assert compare_with_checkpoint(run, {"optimizer": {"type": "sgd"}}, MODEL, manifest, "S",
-                                   explicit=True) == ["ds.optimizer {'type': 'SGD'} -> "
-                                                      "{'type': 'sgd'}"]  # fmt: skip
+                                   explicit=True) == ["ds.optimizer.type 'SGD' -> 'sgd'"]
     adam = {"model": MODEL.manifest(), "optim_keys": ["exp_avg", "exp_avg_sq"],
             "config": {"run": dataclasses.asdict(run),
                        "deepspeed": {"optimizer": {"type": "Adam"}}}}  # fmt: skip
     assert compare_with_checkpoint(run, {"optimizer": {"type": "AdamW"}}, MODEL, adam, "S",
-                                   explicit=True) == ["ds.optimizer {'type': 'Adam'} -> "
-                                                      "{'type': 'AdamW'}"]  # fmt: skip
+                                   explicit=True) == ["ds.optimizer.type 'Adam' -> 'AdamW'"]
+    # each changed hyper-parameter by its key (the resumed run applies them)
+    adam["config"]["deepspeed"]["optimizer"]["params"] = {"lr": 0.003, "betas": [0.9, 0.95]}
+    now = {"optimizer": {"type": "Adam", "params": {"lr": 0.003, "betas": [0.9, 0.99],
+                                                    "eps": 1e-6}}}  # fmt: skip
+    assert compare_with_checkpoint(run, now, MODEL, adam, "S", explicit=True) == [
+        "ds.optimizer.params.betas [0.9, 0.95] -> [0.9, 0.99]",
+        "ds.optimizer.params.eps None -> 1e-06"]  # fmt: skip
 
 
 @pytest.mark.parametrize("preset", sorted(LEGACY_MODEL))

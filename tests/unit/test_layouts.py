@@ -4,8 +4,6 @@ iteration times; and the accounting against what dsnd's blocks really save."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from torch import nn
@@ -13,7 +11,7 @@ from torch import nn
 from dsnd.engine.deepspeed_api import estimate_model_states
 from dsnd.layouts import memory as mem
 from dsnd.layouts import selene
-from dsnd.layouts.hardware import DEVICES, SELENE_EFFICIENCY
+from dsnd.layouts.hardware import DEVICES
 from dsnd.layouts.search import Problem, plan
 from dsnd.layouts.shape import from_model, gpt
 from dsnd.layouts.source import stage_split
@@ -102,22 +100,6 @@ def test_deepspeed_estimate_is_deepspeeds_own_and_differs_by_its_fp32_gradients(
     assert z3.pp == 1 and z3.memory_bytes["params"] == pytest.approx(2 * psi / 16)
 
 
-def _efficiency_matching(run, mode):
-    lo, hi = 0.1, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        dev = replace(DEVICES["a100"], efficiency=mid)
-        lo, hi = (
-            (mid, hi) if selene.predict(run, mode, dev) > selene.measured(run, mode) else (lo, mid)
-        )
-    return (lo + hi) / 2
-
-
-def test_selene_efficiency_is_calibrated_on_gpt3_175b_full_recompute():
-    run = next(r for r in selene.RUNS if r.name == "175B")
-    assert _efficiency_matching(run, "full") == pytest.approx(SELENE_EFFICIENCY, abs=5e-4)
-
-
 @pytest.mark.parametrize("run", selene.RUNS, ids=lambda r: r.name)
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_selene_iteration_times_within_10_percent(run, mode):
@@ -162,12 +144,12 @@ def test_moe_layouts_keep_experts_whole_and_count_active_flops():
 def test_published_moe_runs():
     """Megatron-Core's Mixtral 8x7B (468 TFLOP/s per H100, TP1 EP8 PP4 VP8 on 64) and
     Megatron-Bridge's Qwen3-30B-A3B (16 H100, PP2 VP24 EP8; `dsnd.layouts.moe_runs` cites
-    both). Mixtral: the step time within 15% (the planner is 12% optimistic), and the layout
-    fits 80 GB only with its experts split: at ep=1 each rank would hold all 8 experts' weights
-    and gradients (+36.8 GiB). Qwen3-30B-A3B (128 experts of width 768, top-8): the planner is
-    optimistic, 1.29x against the 25.09 token-drop figure and 2.57x against the 25.11 dropless
-    one: it models neither fine-grained experts' small GEMMs nor the permutations around the
-    all-to-alls (recorded, not hidden: docs/planning.md)."""
+    both), neither fitted: measured ÷ predicted 0.92 and 0.94 (the 25.09 token-drop figure),
+    inside the 0.79-1.12 the dense H100 runs span; the 25.11 dropless FP8 figure is 1.87x slower
+    than predicted (the planner models neither fine-grained experts' small GEMMs nor the
+    permutations around the all-to-alls: docs/planning.md). Mixtral fits 80 GB only with its
+    experts split: at ep=1 each rank would hold all 8 experts' weights and gradients
+    (+36.8 GiB)."""
     from dsnd.layouts import moe_runs
     from dsnd.layouts.search import Layout, evaluate
     from dsnd.layouts.timing import uniform_stages
@@ -176,7 +158,7 @@ def test_published_moe_runs():
     assert moe_runs.flops_per_token(mixtral) == pytest.approx(82.93e9, rel=1e-4)
     pr, lay = moe_runs.layout(mixtral)
     (published,) = moe_runs.published_step_s(mixtral)
-    assert published / lay.step_time_s == pytest.approx(1.121, abs=0.005)
+    assert published / lay.step_time_s == pytest.approx(0.916, abs=0.005)
     assert lay.fits
     whole = Layout(lay.pp, 1, lay.dp, 1, 1, lay.micro_batch, False, lay.schedule,
                    lay.virtual_stages, lay.micro_batches, ep=1)  # fmt: skip
@@ -189,8 +171,8 @@ def test_published_moe_runs():
     assert extra == pytest.approx(8 * 8 * 3 * 4096 * 14336 * 7 / 8 * 4, rel=1e-6)
     _, lay = moe_runs.layout(qwen)
     drop, dropless = moe_runs.published_step_s(qwen)
-    assert drop / lay.step_time_s == pytest.approx(1.293, abs=0.005)
-    assert dropless / lay.step_time_s == pytest.approx(2.572, abs=0.005)
+    assert drop / lay.step_time_s == pytest.approx(0.941, abs=0.005)
+    assert dropless / lay.step_time_s == pytest.approx(1.873, abs=0.005)
 
 
 def test_plan_layouts_are_valid_and_ranked():

@@ -46,13 +46,14 @@ def test_the_plain_loop_trains_as_the_reference_loop(tmp_path):
     """The bench's baseline computes what the suite's reference computes (same weights, data,
     optimizer, clipping and schedule): its losses are dsnd's target."""
     from dsnd.bench.overhead_rank import PlainLoop, overhead_config
-    from dsnd.data import SampleSet, load_corpus
+    from dsnd.data import load_corpus
+    from dsnd.data.held_out import split_samples
     from tests.reference import reference_rows
 
     res = overhead_config(str(tmp_path), ["train.steps=3", "ds.train_batch_size=4"])
     assert (res.topology.world_size, res.topology.pp, res.plan.zero_stage) == (1, 1, 0)
     data = res.run.data
     corpus = load_corpus(data.path, data.format, data.text_field, data.max_bytes)
-    plain = PlainLoop(res, SampleSet(corpus.tokens, res.run.model.seq_len))
+    plain = PlainLoop(res, split_samples(res.run, corpus).train)
     losses = [plain.step(step) for step in range(3)]
     assert losses == pytest.approx([row["loss"] for row in reference_rows(res)], rel=1e-6)

@@ -4,6 +4,7 @@ takes as is, and one-line refusals."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -26,10 +27,15 @@ def test_table_header_and_explanation(capsys):
     assert "precision: bf16 mixed precision, Adam (K = 12" in out
     assert "batch: 16 sequences of 64 tokens per step" in out
     assert out.count("\n  ") >= 5  # five layouts ranked
+    assert "accuracy: on 72 published h100 runs the measured MFU was 0.79-1.12x" in out
+    assert "MFU (range)" in out and any(" + optim " in line and line.endswith(" GiB")
+                                        for line in out.splitlines())  # memory in words
     best = next(line for line in out.splitlines() if line.startswith("best: "))
-    assert "s/step" in best and "GiB per device" in best
+    assert "s/step" in best and "GiB per device" in best and "going by published runs" in best
+    reasons = (" because ", " ties with ", ", narrowly: ")  # a tie is not given as a reason
     for knob in ("pp=", "zero=", "micro-batch=", "checkpointing=", "schedule="):
-        assert any(line.startswith(knob) and " because " in line for line in out.splitlines())
+        assert any(line.startswith(knob) and any(r in line for r in reasons)
+                   for line in out.splitlines())  # fmt: skip
 
 
 def test_json_has_every_field_the_issue_names(capsys):
@@ -92,3 +98,22 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, _, err = run(capsys, "plan", "--world", "4", *argv)
     assert code == 2
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_out_refuses_a_directory_that_holds_anything(capsys, tmp_path):
+    """The user's own run.yaml and ds_config.json in --out are not overwritten: a directory
+    holding anything (or a file in its place) is one line and exit 2, and stays as it was."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "run.yaml").write_text("my: run\n")
+    (mine / "notes.txt").write_text("keep\n")
+    code, _, err = run(capsys, *BASE, "--out", str(mine))
+    assert code == 2 and err == (f"dsnd: error: --out {mine}: holds notes.txt, run.yaml; dsnd "
+                                 "plan writes run.yaml and ds_config.json into a new or empty "
+                                 "directory only (nothing is overwritten): name another one, or "
+                                 "remove what is there\n")  # fmt: skip
+    assert sorted(os.listdir(mine)) == ["notes.txt", "run.yaml"]
+    assert (mine / "run.yaml").read_text() == "my: run\n"
+    code, _, err = run(capsys, *BASE, "--out", str(mine / "notes.txt"))
+    assert code == 2 and err == (f"dsnd: error: --out {mine}/notes.txt: exists and is not a "
+                                 "directory\n")

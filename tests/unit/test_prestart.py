@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from dsnd import cli
-from dsnd.data.token_file import write_token_file
+from dsnd.data.token_writer import write_token_file
 from tests.unit.test_checkpoint_layout import save
 
 

@@ -49,3 +49,21 @@ def test_checkpoint_at_end_false_saves_only_on_every():
     assert [_should_save(default, s) for s in (3, 6)] == [False, True]
     quiet = load(None, ["train.steps=6", "checkpoint.at_end=false", "checkpoint.every=4"]).run
     assert [_should_save(quiet, s) for s in (4, 6)] == [True, False]
+
+
+def test_a_second_ctrl_c_waits_for_the_save_under_way():
+    """Inside `saving` a second SIGINT is held (an interrupted save would leave half a
+    checkpoint) and interrupts once the save is done; a save that fails keeps its own error."""
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt), stop.saving():
+            os.kill(os.getpid(), signal.SIGINT)
+            done = True  # the save went on
+        assert done
+        with pytest.raises(OSError), stop.saving():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError(28, "No space left on device")
+        with stop.saving():  # nothing held over from before
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # outside a save: at once, as before

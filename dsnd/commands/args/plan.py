@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help='one object: {"layouts", "validation"}')
     p.add_argument("--all", action="store_true", help="every layout, those that do not fit too")
     p.add_argument("--top", type=int, default=TOP, help=f"layouts shown (default {TOP})")
-    p.add_argument("--out", help="write the best layout's run.yaml and ds_config.json here")
+    p.add_argument("--out", help="write the best layout's run.yaml and ds_config.json into "
+                   "this new or empty directory")
     p.add_argument("--validate", type=int, nargs="?", const=3, default=None, metavar="N",
                    help="run the top N layouts (default 3) here and print predicted / "
                    "measured")  # fmt: skip
