@@ -38,7 +38,7 @@ import numpy as np
 
 from dsnd.data.doc_starts import DocumentStarts
 from dsnd.data.hf_dataset import is_dataset
-from dsnd.data.token_extras import map_mask, map_starts
+from dsnd.data.token_extras import map_mask, map_starts, recorded_count
 from dsnd.data.token_file import check_file, read_token_file
 from dsnd.errors import UserError
 
@@ -77,6 +77,7 @@ class Corpus:
     documents: np.ndarray | DocumentStarts | None = None
     tokenizer: str = "byte"  # what made the ids: "byte" or a tokenizer directory
     notes: tuple[str, ...] = ()  # lines to say at start (a data.max_bytes cap)
+    counted: int | None = None  # the tokens `targets` counts, where the sidecar records it
 
     def manifest(self) -> dict:
         """What a checkpoint records of the corpus."""
@@ -148,16 +149,18 @@ def token_corpus(path: str, max_bytes: int | None = None) -> Corpus:
     A `max_bytes` cap keeps the first ``max_bytes // itemsize`` tokens."""
     tokens, meta = read_token_file(path, None)
     starts, mask = map_starts(path, meta), map_mask(path, meta)
-    digest, notes = meta["sha256"], ()
+    digest, notes, counted = meta["sha256"], (), recorded_count(path, meta)
     if max_bytes is not None:
         notes = (cap_note(max_bytes, path, tokens.nbytes),)
         keep = max_bytes // tokens.dtype.itemsize
         if keep < len(tokens):  # another corpus than the file's: its own fingerprint
             digest = hashlib.sha256(f"{digest}[:{keep}]".encode()).hexdigest()
             tokens, mask = tokens[:keep], None if mask is None else mask[:keep]
+            counted = None  # the file's count is not the cut's
     return Corpus(tokens=tokens, name=path, fingerprint=digest, vocab_size=meta["vocab_size"],
                   targets=mask, documents=None if starts is None else DocumentStarts(starts),
-                  tokenizer=str(meta.get("tokenizer") or "byte"), notes=notes)  # fmt: skip
+                  tokenizer=str(meta.get("tokenizer") or "byte"), notes=notes,
+                  counted=counted)  # fmt: skip
 
 
 def _read(path: str, read: Callable[[], _T]) -> _T:

@@ -10,9 +10,10 @@ line at start: ``data: N of M tokens counted in the loss (x%)``.
 
 Both read the mask in chunks (a token file's stays memory-mapped); the sample check stops at
 the first chunk holding a counted label, so it costs a whole pass only when it refuses. A token
-file's mask of more than `READ_AT_START` tokens is not read at start (every rank would read it
-whole, on a shared filesystem): ``dsnd data prepare`` refused chat data with nothing counted
-when it wrote the file, and the line is left out.
+file's mask is not counted at start where its sidecar records the count (``dsnd data prepare``
+writes it); one without that record and of more than `READ_AT_START` tokens is not read at start
+(every rank would read it whole, on a shared filesystem): the prepare refused chat data with
+nothing counted when it wrote the file, and the line is left out.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def counted_line(corpus: Corpus, samples: SampleSet, packing: str) -> str | None
     when nothing of it would count in the loss. `samples`: the ones the run trains on."""
     if corpus.targets is None:
         return None
-    if isinstance(corpus.targets, np.memmap) and len(corpus.targets) > READ_AT_START:
+    large = isinstance(corpus.targets, np.memmap) and len(corpus.targets) > READ_AT_START
+    if large and corpus.counted is None:
         return None
-    total, counted = len(corpus.tokens), counted_tokens(corpus.targets)
+    total = len(corpus.tokens)
+    counted = corpus.counted if corpus.counted is not None else counted_tokens(corpus.targets)
     if not counted:
         raise UserError(f"data.path={corpus.name}: none of its {total:,} tokens counts in the "
                         "loss (chat data: no conversation has an assistant turn); training on "

@@ -6,6 +6,7 @@ starts — so a run's start costs the same for a file of any size:
                    first token of each document: the first 0, strictly increasing, all below
                    "tokens"), for ``data.packing: documents``
     OUT.bin.mask   with "targets": true: one uint8 per token, 1 where it counts in the loss
+                   (and "counted": how many do, so a run's start need not read the mask)
 
 What needs every entry read (starts strictly increasing throughout, mask values 0 or 1) is
 `dsnd.data.check.verify_token_file`'s, with the SHA-256 and the id range of the tokens.
@@ -50,6 +51,18 @@ def map_mask(path: str, meta: dict) -> np.ndarray | None:
     if not meta.get("targets"):
         return None
     return _map(path + MASK_SUFFIX, MASK_DTYPE, meta["tokens"], f"{meta['tokens']} tokens", path)
+
+
+def recorded_count(path: str, meta: dict) -> int | None:
+    """The counted tokens the sidecar records beside a mask ("counted", written by
+    ``dsnd data prepare``; None for a file written without it)."""
+    counted = meta.get("counted")
+    if counted is None or not meta.get("targets"):
+        return None
+    if type(counted) is not int or not 0 <= counted <= meta["tokens"]:
+        raise UserError(f"{meta_path(path)}: counted must be an integer from 0 to its "
+                        f"{meta['tokens']} tokens, got {str(counted)[:80]}")  # fmt: skip
+    return counted
 
 
 def _map(where: str, dtype: np.dtype, count: int, says: str, path: str) -> np.ndarray:

@@ -105,6 +105,7 @@ class TokenWriter:
             meta["documents"] = self.documents
         if self.path + MASK_SUFFIX in self._files:
             meta["targets"] = True
+            meta["counted"] = self.counted  # so a run says its share without reading the mask
         where = meta_path(self.path)
         temporary = f"{where}.tmp{os.getpid()}"
         try:

@@ -11,7 +11,7 @@ import hashlib
 
 import numpy as np
 
-from dsnd.data.token_extras import map_mask, map_starts
+from dsnd.data.token_extras import map_mask, map_starts, recorded_count
 from dsnd.data.token_file import advise, meta_path, read_token_file
 from dsnd.data.token_writer import DOCS_SUFFIX, MASK_SUFFIX
 from dsnd.errors import UserError
@@ -46,7 +46,16 @@ def verify_token_file(path: str) -> dict:
         if top > 1:
             raise UserError(f"{path + MASK_SUFFIX}: holds {top}; a loss mask is 0 or 1 per "
                             "token")  # fmt: skip
+        _verify_counted(mask, recorded_count(path, meta), path)
     return meta
+
+
+def _verify_counted(mask: np.ndarray, recorded: int | None, path: str) -> None:
+    """The count a run's start line takes from the sidecar is the mask's."""
+    counted = sum(int(np.count_nonzero(mask[i : i + _CHUNK])) for i in range(0, len(mask), _CHUNK))
+    if recorded is not None and recorded != counted:
+        raise UserError(f"{path + MASK_SUFFIX}: counts {counted} tokens, {meta_path(path)} "
+                        f"records counted {recorded}")  # fmt: skip
 
 
 def _verify_starts(starts: np.ndarray, where: str) -> None:

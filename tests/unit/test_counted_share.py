@@ -62,3 +62,52 @@ def test_the_share_of_chat_data_that_counts_is_said(tmp_path):
         f"({100 * counted / total:.1f}%)")
     plain = Corpus(corpus.tokens, "p", "x")  # no targets: every token counts, nothing said
     assert counted_line(plain, sample_sets(plain, 16, "stream")[0], "stream") is None
+
+
+def test_a_token_files_share_comes_from_its_sidecar_without_reading_the_mask(tmp_path,
+                                                                             monkeypatch):
+    """`dsnd data prepare` records how many tokens its mask counts; a run takes that number (a
+    mask of any size is not read at start), and a sidecar's count that cannot be is refused."""
+    import json
+
+    from dsnd.data import counted as counted_module
+    from dsnd.data.corpus import token_corpus
+    from dsnd.data.token_writer import TokenWriter
+
+    path = str(tmp_path / "chat.bin")
+    writer = TokenWriter(path, np.dtype(np.uint16), targets=True)
+    for lo in range(0, 200, 20):
+        writer.begin_document()
+        writer.add(np.arange(lo, lo + 20) % 256, (np.arange(20) >= 12).astype(np.uint8))
+    meta = writer.finish(256, "byte", "t", None)
+    assert meta["counted"] == 80
+    monkeypatch.setattr(counted_module, "READ_AT_START", 10)  # as if the mask were huge
+    corpus = token_corpus(path)
+    samples, _ = sample_sets(corpus, 9, "stream")
+    assert counted_line(corpus, samples, "stream") == ("data: 80 of 200 tokens counted in the "
+                                                       "loss (40.0%)")  # fmt: skip
+    meta["counted"] = 201
+    (tmp_path / "chat.bin.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError) as e:
+        token_corpus(path)
+    assert str(e.value) == (f"{path}.json: counted must be an integer from 0 to its 200 tokens, "
+                            "got 201")
+
+
+def test_the_full_check_compares_the_recorded_count_with_the_mask(tmp_path):
+    import json
+
+    from dsnd.data.token_writer import TokenWriter
+    from dsnd.data.verify import verify_token_file
+
+    path = str(tmp_path / "m.bin")
+    writer = TokenWriter(path, np.dtype(np.uint16), targets=True)
+    writer.begin_document()
+    writer.add(np.arange(30), (np.arange(30) % 3 == 0).astype(np.uint8))
+    meta = writer.finish(256, "byte", "t", None)
+    assert verify_token_file(path)["counted"] == 10
+    meta["counted"] = 11
+    (tmp_path / "m.bin.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError) as e:
+        verify_token_file(path)
+    assert str(e.value) == f"{path}.mask: counts 10 tokens, {path}.json records counted 11"
