@@ -19,6 +19,7 @@ from dsnd.data.chat import check_template
 from dsnd.data.corpus import corpus_format
 from dsnd.data.prepare import Progress, Spec, prepare
 from dsnd.data.prepare_preview import preview as show_preview
+from dsnd.data.verify import verify_token_file
 from dsnd.data.token_file import meta_path
 from dsnd.data.token_writer import DOCS_SUFFIX, MASK_SUFFIX
 from dsnd.data.tokenizer import BYTE, load_tokenizer
@@ -86,7 +87,19 @@ def run_prepare(source: str, out: str | None, fmt: str = "auto", text_field: str
     return 0
 
 
+def run_verify(path: str) -> int:
+    """``dsnd data verify PATH``: the check that reads every byte (training's start reads none)."""
+    start = time.monotonic()
+    meta = verify_token_file(path)
+    print(f"{path}: verified {meta['tokens']} tokens ({meta['dtype']}, vocabulary "
+          f"{meta['vocab_size']}): SHA-256, ids, document starts and mask as the sidecar "
+          f"records, {time.monotonic() - start:.1f} s")  # fmt: skip
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    """``dsnd data prepare``, the one data command."""
+    """``dsnd data prepare`` and ``dsnd data verify``."""
+    if args.data_command == "verify":
+        return run_verify(args.path)
     return run_prepare(args.source, args.out, args.format, args.text_field, args.tokenizer,
                        args.split, args.workers, args.preview)  # fmt: skip

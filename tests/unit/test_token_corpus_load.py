@@ -158,6 +158,19 @@ def test_the_full_check_reads_what_start_does_not(tmp_path):
                                                "per token")
 
 
+def test_dsnd_data_verify_runs_the_full_check(tmp_path, capsys):
+    from dsnd.cli import main
+
+    path = write_tokens(tmp_path / "t.bin", np.arange(100), starts=[0, 40, 90])
+    assert main(["data", "verify", path]) == 0
+    assert capsys.readouterr().out.startswith(f"{path}: verified 100 tokens (uint16, vocabulary "
+                                              "256): SHA-256, ids, document starts and mask")
+    np.arange(1, 101, dtype="<u2").tofile(path)  # same size, other tokens: start cannot tell
+    load_corpus(path)
+    assert main(["data", "verify", path]) == 2
+    assert "does not match" in capsys.readouterr().err
+
+
 def test_a_masked_label_never_changes_an_input():
     targets = np.ones(100, dtype=bool)
     targets[5] = False

@@ -1,4 +1,4 @@
-"""``dsnd data prepare INPUT OUT``."""
+"""``dsnd data prepare INPUT OUT`` and ``dsnd data verify PATH``."""
 
 from __future__ import annotations
 
@@ -56,3 +56,12 @@ def add_arguments(data: argparse.ArgumentParser) -> None:
         help="print the first N documents as they would be written, the tokens not counted in "
         "the loss in [[...]], and write nothing (OUT may be left out)",
     )
+    verify = data_what.add_parser(
+        "verify",
+        help="read a token file whole and check it against its sidecar",
+        description="Read every byte of a token file and its .docs/.mask: the SHA-256 its "
+        "sidecar records, every id below its vocabulary, document starts strictly increasing, "
+        "mask values 0 or 1 and their count. Training's start reads none of this (it takes the "
+        "sidecar's word); run it after copying a corpus. See docs/data.md.",
+    )
+    verify.add_argument("path", metavar="PATH", help="the token file (e.g. train.bin)")
