@@ -19,10 +19,10 @@ from dsnd.data.chat import check_template
 from dsnd.data.corpus import corpus_format
 from dsnd.data.prepare import Progress, Spec, prepare
 from dsnd.data.prepare_preview import preview as show_preview
-from dsnd.data.verify import verify_token_file
 from dsnd.data.token_file import meta_path
 from dsnd.data.token_writer import DOCS_SUFFIX, MASK_SUFFIX
 from dsnd.data.tokenizer import BYTE, load_tokenizer
+from dsnd.data.verify import verify_token_file
 from dsnd.errors import EXIT_INTERRUPTED, UserError
 
 MAX_WORKERS = 8
