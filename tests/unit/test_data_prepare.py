@@ -76,6 +76,21 @@ def test_text_documents_are_written_as_training_reads_them(tmp_path, docs, capsy
     assert starts.tolist() == _starts(read.documents)
 
 
+def test_a_hugging_face_dataset_is_written_as_training_reads_it(tmp_path, capsys):
+    import datasets
+
+    tok_dir = word_tokenizer(tmp_path / "tok")
+    path = tmp_path / "ds"
+    rows = {"body": TEXTS, "n": list(range(len(TEXTS)))}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(path)
+    out = tmp_path / "ds.bin"
+    _prepare(capsys, path, out, "--tokenizer", tok_dir, "--text-field", "body")
+    meta, tokens, starts, _ = _written(out)
+    read = load_data(DataConfig(path=str(path), text_field="body"), ModelConfig(init_from=tok_dir))
+    assert tokens.tolist() == read.tokens.tolist() and meta["documents"] == len(TEXTS)
+    assert starts.tolist() == _starts(read.documents)
+
+
 def test_a_text_file_is_one_document_read_in_chunks(tmp_path, monkeypatch, capsys):
     tok_dir = word_tokenizer(tmp_path / "tok")
     text = tmp_path / "notes.txt"
