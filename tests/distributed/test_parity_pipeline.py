@@ -58,7 +58,8 @@ def test_bf16_pipeline_trains_close_to_fp32(single, tmp_path):
 
 
 @pytest.mark.dist
-def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, chat_sets, tmp_path):
+def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, chat_sets, blend_sets,
+                                                             tmp_path):  # fmt: skip
     got = run_cases(tmp_path, 4, [
         *(case(f"pp2-dp2-z{stage}", stage, sets=PP2) for stage in range(4)),
         case("pp4-z0", 0, sets=("parallel.pp=4",)),
@@ -73,7 +74,9 @@ def test_two_stages_two_replicas_zero_0_to_3_and_four_stages(single, chat_sets, 
         # the same under tensor and sequence parallelism: the vocabulary-parallel loss weighed
         case("chat-tp2-sp-dp2-z0", 0, sets=(*chat_sets, "parallel.tp=2",
                                             "parallel.sequence_parallel=true")),
+        # two token files blended 3:1, packed by document: both stages read the blend's samples
+        case("blend-pp2-dp2-z1", 1, sets=(*PP2, *blend_sets)),
     ])  # fmt: skip
     for name, rows in got.items():
-        ref = "ref-chat" if name.startswith("chat") else "ref-llama"
+        ref = {"chat": "ref-chat", "blen": "ref-blend"}.get(name[:4], "ref-llama")
         assert_same(rows, single["ref-gpt2" if name.startswith("gpt2") else ref], name)
