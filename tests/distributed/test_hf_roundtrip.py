@@ -41,6 +41,9 @@ def _case(name: str, preset: str, zero: int, src, out, steps: int, pp: int, *ext
             *extra]  # fmt: skip
     if src is not None:
         sets.append(f"model.init_from={src}")
+        if steps:  # a fine-tune's default linear decay has no warm-up, which DeepSpeed's
+            # schedulers run as two steps at lr 0 (dsnd.config.lr_schedule): train at a rate
+            sets += ["train.lr=1e-3", "train.lr_decay=constant"]
     return {"name": name, "sets": sets}
 
 
