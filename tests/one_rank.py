@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,3 +20,8 @@ def one_rank_world(folder: str) -> Iterator[dist.ProcessGroup]:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+        # DeepSpeed caches groups of the world it saw (a clone of WORLD for its broadcasts):
+        # a later world in this process would meet them destroyed; its own teardown forgets them
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None:
+            groups._release_process_group_references(group=None)
