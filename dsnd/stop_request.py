@@ -1,11 +1,11 @@
 """A request to stop at the next step boundary (SIGTERM, e.g. preemption, or Ctrl-C).
 
 The signal handler only raises a flag; the training loop carries each rank's flag in the per-step
-all-gather it already makes (`dsnd.telemetry.gather_stats`), so every rank learns of a request
-made on any rank at the same step, saves a checkpoint there and exits 0. A second SIGINT means
-"now": it raises KeyboardInterrupt as Python's default handler would — except while a checkpoint
-is being saved (`saving`), which it would leave half written: then it waits for the save's
-commit and takes effect right after. A rank whose launcher exited asks to stop the same way
+all-gather it already makes (`dsnd.report.telemetry.gather_stats`), so every rank learns of a
+request made on any rank at the same step, saves a checkpoint there and exits 0. A second SIGINT
+means "now": it raises KeyboardInterrupt as Python's default handler would — except while a
+checkpoint is being saved (`saving`), which it would leave half written: then it waits for the
+save's commit and takes effect right after. A rank whose launcher exited asks to stop the same way
 (`dsnd.distributed.launcher_watch`: signalling DeepSpeed's one-host runner reaches neither its
 launch.py nor the ranks).
 """

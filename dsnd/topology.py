@@ -17,10 +17,11 @@ lists into process groups.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dsnd.errors import UserError
+from dsnd.topology_rules import check_degrees
 
 AXES = ("pipe", "data", "context", "model")
 
@@ -37,21 +38,34 @@ class Coord(NamedTuple):
 
 @dataclass(frozen=True)
 class Topology:
-    """A world of ``pp * dp * cp * tp`` ranks."""
+    """A world of ``pp * dp * cp * tp`` ranks, and the degrees carved out of its data axis: `ep`
+    (expert parallelism: runs of ep consecutive data indices split each MoE layer's experts),
+    `dp_shard` (hybrid sharding: ZeRO-3 within runs of dp_shard ranks, replicated across them;
+    0 = over all of dp) and `hpz` (ZeRO++ hpZ: ZeRO-3's secondary parameter partition over runs
+    of hpz ranks; 1 = none). Every rule about degrees is checked when one is built, with the
+    message the user gets; `hpz_from` names the DeepSpeed JSON the hpZ size came from."""
 
     pp: int
     dp: int
     tp: int
     cp: int = 1
+    ep: int = 1
+    dp_shard: int = 0
+    hpz: int = 1
+    hpz_from: str = field(default="the DeepSpeed JSON", compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "cp"):
+        for name in ("pp", "dp", "tp", "cp", "hpz"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == self.dp:  # sharding over all of dp is plain ZeRO-3
+            object.__setattr__(self, "dp_shard", 0)
+        check_degrees(self)
 
     @classmethod
-    def from_world(cls, world_size: int, pp: int, tp: int, cp: int = 1) -> Topology:
-        """The topology whose data-parallel size fills `world_size` ranks."""
+    def from_world(cls, world_size: int, pp: int, tp: int, cp: int = 1, **degrees) -> Topology:
+        """The topology whose data-parallel size fills `world_size` ranks (`degrees`: ep,
+        dp_shard, hpz, hpz_from)."""
         if pp < 1 or tp < 1:
             raise UserError(f"parallel.pp and parallel.tp must be >= 1, got pp={pp} tp={tp}")
         if cp < 1:
@@ -61,7 +75,7 @@ class Topology:
             sizes = f"{pp} * {tp}" + f" * {cp}" * (cp > 1)
             raise UserError(f"world size {world_size} is not divisible by {names} = {sizes} = "
                             f"{pp * tp * cp}")  # fmt: skip
-        return cls(pp=pp, dp=world_size // (pp * tp * cp), tp=tp, cp=cp)
+        return cls(pp=pp, dp=world_size // (pp * tp * cp), tp=tp, cp=cp, **degrees)
 
     @property
     def world_size(self) -> int:
@@ -111,25 +125,37 @@ class Topology:
         shards over and averages gradients over."""
         return self.groups_across(("data", "context"))
 
-    def expert_groups(self, ep: int) -> list[list[int]]:
+    def expert_groups(self) -> list[list[int]]:
         """Expert-parallel groups: each data-parallel group cut into runs of `ep` consecutive
         data indices. Its ranks hold different experts of every MoE layer and exchange tokens
         (all-to-all); they see the same weights otherwise."""
-        return [g[i : i + ep] for g in self._data_groups(ep) for i in range(0, len(g), ep)]
+        ep = self.ep
+        return [g[i : i + ep] for g in self.groups("data") for i in range(0, len(g), ep)]
 
-    def expert_data_groups(self, ep: int) -> list[list[int]]:
+    def expert_data_groups(self) -> list[list[int]]:
         """Expert-data-parallel groups ((dp / ep) x cp ranks each): the ranks of a stage's ZeRO
         group (data x context) at the same place of their expert-parallel groups, which hold
         the same experts; what the experts' gradients are averaged over and their ZeRO shards
         split over (context-parallel peers computed parts of the same sequences)."""
-        self._data_groups(ep)  # checks ep
-        return [[r for r in ranks if self.coord(r).dp % ep == j]
-                for ranks in self.zero_groups() for j in range(ep)]  # fmt: skip
+        return [[r for r in ranks if self.coord(r).dp % self.ep == j]
+                for ranks in self.zero_groups() for j in range(self.ep)]  # fmt: skip
 
-    def _data_groups(self, ep: int) -> list[list[int]]:
-        if ep < 1 or self.dp % ep:
-            raise ValueError(f"expert-parallel size {ep} does not divide dp={self.dp}")
-        return self.groups("data")
+    def runs_of(self, size: int) -> list[list[int]]:
+        """Every stage's ZeRO group cut into runs of `size` consecutive ranks (so with a host's
+        ranks in a row a run stays inside a host)."""
+        return [ranks[i : i + size] for ranks in self.zero_groups()
+                for i in range(0, len(ranks), size)]  # fmt: skip
+
+    def shard_groups(self) -> list[list[int]]:
+        """Hybrid sharding's shard groups (runs of `dp_shard` ranks: what ZeRO-3 partitions
+        over); the ZeRO groups themselves without hybrid sharding."""
+        return self.runs_of(self.dp_shard) if self.dp_shard else self.zero_groups()
+
+    def replicate_groups(self) -> list[list[int]]:
+        """Hybrid sharding's replica groups: the ranks at the same place of a stage's shard
+        groups, over which gradients are averaged (empty without hybrid sharding)."""
+        size = self.dp_shard
+        return [ranks[i::size] for ranks in self.zero_groups() for i in range(size)] if size else []
 
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ranks that share every coordinate with `rank` except `axis`."""
@@ -146,9 +172,3 @@ class Topology:
         parameters are summed over it.
         """
         return self.groups_across(("pipe", "model"))
-
-    def to_deepspeed(self):  # -> DeepSpeed's PipeModelDataParallelTopology
-        """The equivalent DeepSpeed topology object (imports DeepSpeed lazily)."""
-        from dsnd.engine.deepspeed_api import pipe_topology
-
-        return pipe_topology(self.pp, self.tp, self.dp)

@@ -33,27 +33,26 @@ from dsnd.config.ds_effect import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
 from dsnd.config.summary import batch_line, precision, precision_line
 from dsnd.data import SampleSet, batch_for_step
+from dsnd.data.batch_extras import batch_extras
 from dsnd.data.corpus import Corpus
 from dsnd.data.counted import counted_line
 from dsnd.data.held_out import load_eval_corpus, split_samples
-from dsnd.data.layout import step_layout
 from dsnd.data.sources import load_data
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.loss_scale import current_scale, scale_numbers
 from dsnd.engine.public import comms_log_summary
 from dsnd.errors import Diverged, WriteFailed
-from dsnd.flops import flops_per_token, mfu_peak
 from dsnd.model.count import layer_table
 from dsnd.model.export_dir import ExportOrigin
 from dsnd.model.hf_export import export_hf
-from dsnd.model.router_aux import wants_router_aux
-from dsnd.model.router_load import RouterLoad
+from dsnd.moe.router_aux import wants_router_aux
+from dsnd.moe.router_load import RouterLoad
 from dsnd.pipeline.runner import StageRunner
-from dsnd.progress import RankLogFile
-from dsnd.report import Reporter, layout_of, saved_layout, start_mark, step_row
-from dsnd.stop_request import StopRequest
-from dsnd.telemetry import (
+from dsnd.report.flops import flops_per_token, mfu_peak
+from dsnd.report.progress import RankLogFile
+from dsnd.report.reporter import Reporter, layout_of, saved_layout, start_mark, step_row
+from dsnd.report.telemetry import (
     check_skips_agree,
     expert_load,
     gather_stats,
@@ -61,6 +60,7 @@ from dsnd.telemetry import (
     step_numbers,
     stop_agreed,
 )
+from dsnd.stop_request import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _evaluate(runner: StageRunner, res: Resolved, groups: ProcessGroups, held_ou
         where = (run.train.seed, k, res.batch.train, groups.coord.dp, res.topology.dp,
                  res.batch.micro)  # fmt: skip
         losses.append(runner.evaluate(batch_for_step(held_out, *where),
-                                      step_layout(held_out, *where)))  # fmt: skip
+                                      batch_extras(held_out, *where)))  # fmt: skip
     return sum(losses) / len(losses)
 
 
@@ -171,9 +171,9 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
              list(engine.module.global_indices),
              f"{res.plan.stage_parameters(res.model)[groups.coord.pp]:,}",
              f"{total:,}", res.plan.zero_stage, res.topology.dp, res.topology.cp,
-             res.topology.tp, res.run.parallel.ep)  # fmt: skip
+             res.topology.tp, res.topology.ep)  # fmt: skip
     start, saved = (0, None) if resume is None else _resume(engine, res, resume, corpus)
-    mark = start_mark(start, layout_of(res.topology, res.run.parallel.ep), resume, saved)
+    mark = start_mark(start, layout_of(res.topology), resume, saved)
     own_tokens = groups.coord.tp == 0 or res.run.parallel.sequence_parallel  # see RouterLoad
     load = RouterLoad(engine.module, res.model.config, res.model.num_layers, own_tokens) \
         if res.model.family.moe else None  # fmt: skip
@@ -217,7 +217,7 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     t0 = time.perf_counter()
     where = (run.train.seed, step, res.batch.train, groups.coord.dp, res.topology.dp,
              res.batch.micro)  # fmt: skip
-    result = st.runner.run(batch_for_step(st.samples, *where), step_layout(st.samples, *where))
+    result = st.runner.run(batch_for_step(st.samples, *where), batch_extras(st.samples, *where))
     loss, norm = st.runner.report(result)
     scaling = scale_numbers(engine, scale)
     if scaling.get("skipped"):  # overflowed at this scale: skipped by design, not diverged
@@ -238,7 +238,7 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
         if wants_router_aux(res.model.config):  # part of `loss`, as transformers reports it
             row["moe_aux_loss"] = st.runner.aux_loss(result)
             numbers["moe/aux_loss"] = row["moe_aux_loss"]
-        if res.run.parallel.ep > 1:  # (token, choice) rows each layer's all-to-all sent off-rank
+        if res.topology.ep > 1:  # (token, choice) rows each layer's all-to-all sent off-rank
             row["moe_rows_sent"] = {b: int(sent[int(b)]) for b in counts}
         if st.runner.capacity is not None:  # rows over their expert's capacity, all ranks
             dropped = st.runner.capacity.take().to(engine.device)

@@ -17,14 +17,14 @@ from torch.nn import functional as F
 
 from dsnd.config.resolve import Resolved
 from dsnd.data import batch_for_step
+from dsnd.data.batch_extras import batch_extras
 from dsnd.data.held_out import split_samples
-from dsnd.data.layout import step_layout
 from dsnd.data.sampler import IGNORE_INDEX
 from dsnd.data.sources import load_data
 from dsnd.model import build_model, param_groups
-from dsnd.model.capacity import Capacity
 from dsnd.model.documents import Documents
-from dsnd.model.router_aux import RouterAux, wants_router_aux
+from dsnd.moe.capacity import Capacity
+from dsnd.moe.router_aux import RouterAux, wants_router_aux
 
 
 def reference_rows(res: Resolved, change: tuple[int, dict] | None = None) -> list[dict]:
@@ -55,7 +55,7 @@ def reference_rows(res: Resolved, change: tuple[int, dict] | None = None) -> lis
         lr = opt.param_groups[0]["lr"]
         where = (run.train.seed, step, res.batch.train, 0, 1, res.batch.micro)
         micro = batch_for_step(samples, *where)
-        layout = step_layout(samples, *where)
+        layout = batch_extras(samples, *where)
         counted = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
         total = aux_total = 0.0
         for k, (x, y) in enumerate(micro):

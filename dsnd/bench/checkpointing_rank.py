@@ -24,7 +24,7 @@ from typing import Any
 from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.distributed.groups import build_groups
+from dsnd.distributed.groups import run_groups
 from dsnd.pipeline.runner import StageRunner
 
 CHECKPOINTING_WORLD = 1
@@ -53,7 +53,7 @@ def _step(runner: StageRunner, micro) -> dict[str, Any]:
 
 def bench(runs: dict[str, Resolved], steps: int, warmup: int) -> list[dict[str, Any]]:
     first = runs["off"]
-    groups = build_groups(first.topology)
+    groups = run_groups(*runs.values())
     samples = rank.sample_set(first)
     with ExitStack() as built:
         runners = {side: built.enter_context(rank.stage_runner(res, groups))

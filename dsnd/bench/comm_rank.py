@@ -43,7 +43,7 @@ from dsnd.bench.comm_count import CommCounter, summarize
 from dsnd.bench.comm_results import WORLDS
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.distributed.groups import ProcessGroups, build_groups
+from dsnd.distributed.groups import ProcessGroups, run_groups
 from dsnd.engine.memory import state_bytes
 from dsnd.pipeline.runner import StageRunner
 from dsnd.pipeline.stage import zero3_dtype
@@ -156,7 +156,7 @@ def stage_param_bytes(runner: StageRunner) -> int:
 def measure(res: Resolved, steps: int, warmup: int, labelled: bool) -> dict[str, Any]:
     """One run: its stage's parameter bytes, each counted step's summary, the model-state bytes
     after the last step and every step's loss."""
-    groups = build_groups(res.topology)
+    groups = run_groups(res)
     samples = rank.sample_set(res)
     with rank.stage_runner(res, groups) as runner:
         kinds = group_kinds(groups)

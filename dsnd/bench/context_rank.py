@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.distributed.groups import build_groups
+from dsnd.distributed.groups import run_groups
 from dsnd.pipeline.runner import StageRunner
 
 CONTEXT_WORLD = 4
@@ -74,7 +74,7 @@ def _timed_step(runner: StageRunner, res: Resolved, samples, groups, step: int) 
 
 def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
     """One layout: its activation peak (first step) and step seconds (timed steps)."""
-    groups = build_groups(res.topology)
+    groups = run_groups(res)
     samples = rank.sample_set(res)
     with rank.stage_runner(res, groups) as runner:
         seconds, peak, losses = [], None, []

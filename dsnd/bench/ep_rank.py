@@ -27,9 +27,9 @@ from dsnd.bench.memory_results import peak_point
 from dsnd.bench.zero_memory_rank import StateProbe
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.distributed.groups import build_groups
-from dsnd.ep import moe_experts
-from dsnd.model.moe import num_experts
+from dsnd.distributed.groups import run_groups
+from dsnd.model.moe_config import num_experts
+from dsnd.moe import moe_experts
 from dsnd.pipeline.runner import StageRunner
 
 EP_WORLD = 4
@@ -64,7 +64,7 @@ def layout(res: Resolved, runner: StageRunner) -> dict[str, Any]:
     cfg = res.model.config
     moe_layers = sum(moe_experts(layer) is not None
                      for layer in runner.engine.module.layers.values())  # fmt: skip
-    return {"ep": res.run.parallel.ep, "dp": res.topology.dp, "micro": res.batch.micro,
+    return {"ep": res.topology.ep, "dp": res.topology.dp, "micro": res.batch.micro,
             "params": res.plan.stage_parameters(res.model)[0],
             "expert_params": res.plan.stage_experts(res.model)[0],
             "zero_stage": res.plan.zero_stage, "state_per_param": 8,  # AdamW's two fp32 moments
@@ -93,8 +93,8 @@ def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any
     samples = rank.sample_set(first)
     runners = {}
     for name, res in runs.items():
-        runners[name] = StageRunner(res, build_groups(res.topology), load_hf=False)
-    groups = build_groups(first.topology)
+        runners[name] = StageRunner(res, run_groups(res), load_hf=False)
+    groups = run_groups(first)
     losses: dict[str, list[float]] = {name: [] for name in runs}
 
     def step(name: str, micro) -> dict[str, Any]:

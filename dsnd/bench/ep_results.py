@@ -1,7 +1,7 @@
 """The pure half of ``dsnd bench moe``'s expert-parallel part: theory and rows from the raw JSON
 of `dsnd.bench.ep_rank`.
 
-All-to-all traffic (`dsnd.ep.experts`). Per MoE layer and micro-batch a rank of an
+All-to-all traffic (`dsnd.moe.experts`). Per MoE layer and micro-batch a rank of an
 expert-parallel group sends, as the inputs of its all-to-alls (`dsnd.bench.comm_count`'s
 payload): the E per-expert counts (int64), its own T·k (token, choice) rows of H elements
 (dispatch), the R rows it received back to their senders (combine); in backward the reverse of

@@ -5,7 +5,7 @@ no CUDA device.
 - GPT-2-medium in bf16 at ZeRO 0, 1 and 3, each with and without activation checkpointing:
   tokens/s, MFU, and the peak memory the allocator saw ÷ `dsnd plan`'s prediction.
 - World-1 MFU in bf16 and in fp16 of GPT-2-medium and a Llama-3.2-1B-shaped preset at seq 2048
-  (ZeRO-1), each against the product's dense peak in that precision (`dsnd.flops.PEAKS`).
+  (ZeRO-1), each against the product's dense peak in that precision (`dsnd.report.flops.PEAKS`).
 - A ZeRO-1 step with the optimizer offloaded to the CPU (DeepSpeed's CPU Adam): tokens/s ÷ the
   same layout without offload.
 - The MoE experts as one grouped matmul ÷ a per-expert loop (`dsnd bench moe`'s rows, on CUDA).
@@ -15,8 +15,8 @@ no CUDA device.
 Each training configuration is a real ``dsnd train`` of one rank (DeepSpeed's CUDA accelerator
 and engine, nccl), written by the planner's `emit` as ``dsnd plan --out`` would, for a few
 steps; medians after two warm-up steps. MFU counts model FLOPs (6N + 12Lhs per token,
-`dsnd.flops`) against the device's dense peak in the run's precision, the product matched
-exactly (`dsnd.flops.DEVICE_NAMES`); peak memory is each step's own (the allocator's peak
+`dsnd.report.flops`) against the device's dense peak in the run's precision, the product matched
+exactly (`dsnd.report.flops.DEVICE_NAMES`); peak memory is each step's own (the allocator's peak
 statistics are reset as a step starts).
 """
 
@@ -42,7 +42,7 @@ OFFLOAD = ("ds.zero_optimization.offload_optimizer.device=cpu",)
 def _device():
     import torch
 
-    from dsnd.layouts.hardware import DEVICES, named_device
+    from dsnd.layout_search.hardware import DEVICES, named_device
 
     name = torch.cuda.get_device_name(0)
     found = named_device(name)
@@ -57,9 +57,9 @@ def gpu(args: argparse.Namespace, tmp: str) -> list[Row]:
 
     if not torch.cuda.is_available():
         raise Skipped("torch sees no CUDA device")
-    from dsnd.layouts.search import Problem, plan
-    from dsnd.layouts.source import load
-    from dsnd.layouts.validate import median_step, run_layout
+    from dsnd.layout_search.search import Problem, plan
+    from dsnd.layout_search.source import load
+    from dsnd.layout_search.validate import median_step, run_layout
 
     device, name = _device()
     _, shape, split = load(MODEL)
@@ -93,8 +93,8 @@ def gpu(args: argparse.Namespace, tmp: str) -> list[Row]:
 def _layout(model: str, device, seq: int, micro: int, zero: int):
     """The planner's world-1 layout of `model` at ZeRO `zero` without activation
     checkpointing, and its problem."""
-    from dsnd.layouts.search import Problem, plan
-    from dsnd.layouts.source import load
+    from dsnd.layout_search.search import Problem, plan
+    from dsnd.layout_search.source import load
 
     _, shape, split = load(model)
     pr = Problem(shape, split, 1, device, seq, micro, bf16=True)
@@ -105,7 +105,7 @@ def _layout(model: str, device, seq: int, micro: int, zero: int):
 
 
 def _mfu_rows(device, name: str, steps: int, tmp: str) -> list[Row]:
-    from dsnd.layouts.validate import median_step, run_layout
+    from dsnd.layout_search.validate import median_step, run_layout
 
     rows = []
     for model in MFU_MODELS:
@@ -120,7 +120,7 @@ def _mfu_rows(device, name: str, steps: int, tmp: str) -> list[Row]:
 
 
 def _offload_rows(device, name: str, steps: int, tmp: str) -> list[Row]:
-    from dsnd.layouts.validate import median_step, run_layout
+    from dsnd.layout_search.validate import median_step, run_layout
 
     pr, lay = _layout(MODEL, device, SEQ, MICRO_BATCH, 1)
     speed = {}

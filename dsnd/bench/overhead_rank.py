@@ -30,10 +30,10 @@ from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.data import SampleSet, batch_for_step
-from dsnd.distributed.groups import build_groups
+from dsnd.distributed.groups import run_groups
 from dsnd.engine.deepspeed_api import lr_schedules
-from dsnd.flops import flops_per_token
 from dsnd.model import build_model, lm_loss, param_groups
+from dsnd.report.flops import flops_per_token
 from dsnd.trainer import _setup, _step
 
 OVERHEAD_WORLD = 1
@@ -86,7 +86,7 @@ class PlainLoop:
 
 
 def bench(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any]]:
-    groups = build_groups(res.topology)
+    groups = run_groups(res)
     stage = _setup(res, groups, None)
     flops = (flops_per_token(res.model, res.run.model.seq_len), None)  # no MFU: no peak FLOP/s
     plain = PlainLoop(res, stage.samples)

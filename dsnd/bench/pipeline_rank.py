@@ -46,7 +46,8 @@ from dsnd.bench.rows import median
 from dsnd.bench.schedule_results import BASELINE
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.distributed.groups import ProcessGroups, build_groups
+from dsnd.distributed.groups import ProcessGroups, run_groups
+from dsnd.engine.deepspeed_api import pipe_topology
 from dsnd.engine.pipe import pipeline_engine, pipeline_module
 from dsnd.model import init_layer, layer_specs, lm_loss, param_groups
 from dsnd.pipeline.executor import Batches
@@ -126,7 +127,7 @@ def deepspeed_pipeline(res: Resolved):
     module = pipeline_module(
         layer_specs(res.model),
         num_stages=res.topology.pp,
-        topology=res.topology.to_deepspeed(),
+        topology=pipe_topology(res.topology.pp, res.topology.tp, res.topology.dp),
         loss_fn=lm_loss,
         partition_method=res.run.parallel.partition,
     )
@@ -176,7 +177,7 @@ def message_latency(groups: ProcessGroups, shape: Any, device: torch.device,
 def bench_pipeline(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
     """This rank's records of `steps` timed repetitions (after `warmup` untimed ones), and the
     one-way latency of a message between stages 0 and 1 (`message_latency`, after them)."""
-    groups = build_groups(res.topology)
+    groups = run_groups(res)
     samples = rank.sample_set(res)
     ours = DsndPipeline(res, groups)
     theirs = deepspeed_pipeline(res)
@@ -205,7 +206,7 @@ def bench_schedules(runs: dict[str, Resolved], steps: int, warmup: int) -> list[
     schedule in `runs`, one `StageRunner` each, all in these processes: repetition r runs step
     r's batches on each, starting from schedule r mod k, each timed from a common barrier."""
     first = next(iter(runs.values()))
-    groups = build_groups(first.topology)
+    groups = run_groups(*runs.values())
     samples = rank.sample_set(first)
     pipelines: dict[str, DsndPipeline] = {}
     try:

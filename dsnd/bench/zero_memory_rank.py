@@ -28,7 +28,7 @@ import torch.distributed as dist
 from dsnd.bench import rank
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.distributed.groups import build_groups
+from dsnd.distributed.groups import run_groups
 from dsnd.engine.memory import state_bytes
 from dsnd.engine.optimizers import state_bytes as optimizer_state_bytes
 
@@ -77,7 +77,7 @@ class StateProbe:
 def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
     """This rank's stage, its parameters and data-parallel size, and the model-state bytes at
     every probed point of the measured steps."""
-    groups = build_groups(res.topology)
+    groups = run_groups(res)
     samples = rank.sample_set(res)
     with rank.stage_runner(res, groups) as runner:
         probe = StateProbe(runner.executor.engine)
@@ -92,10 +92,8 @@ def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
 def zero_ranks(res: Resolved) -> int:
     """The ranks ZeRO partitions a stage's states over: the stage's data x context ranks, or
     at ZeRO-3 with ``parallel.dp_shard`` its shard group (as ``dsnd ds-config explain``)."""
-    t, dp_shard = res.topology, res.run.parallel.dp_shard
-    if res.plan.zero_stage == 3 and dp_shard and dp_shard != t.dp:
-        return dp_shard
-    return t.dp * t.cp
+    t = res.topology
+    return t.dp_shard or t.dp * t.cp  # (dp_shard: 0 without hybrid sharding, which is ZeRO-3)
 
 
 def layout(res: Resolved) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 
-from dsnd.checkpoint.layout import (
+from dsnd.checkpoint.files import (
     LATEST,
     MANIFEST,
     MANIFEST_SUM,
@@ -31,7 +31,7 @@ from dsnd.checkpoint.layout import (
     latest,
     sha256_file,
 )
-from dsnd.model.export_dir import fsync
+from dsnd.fs import fsync
 
 
 def write_atomic(path: str, data: bytes) -> None:

@@ -16,7 +16,7 @@ import os
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dsnd.checkpoint.layout import MANIFEST, optim_file_of
+from dsnd.checkpoint.files import MANIFEST, optim_file_of
 from dsnd.checkpoint.members import Problem, member, raise_problem
 from dsnd.checkpoint.safetensors_header import FLOAT_DTYPES, HeaderError, read_header
 from dsnd.checkpoint.schema import expected_dtype

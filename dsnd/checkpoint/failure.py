@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from dsnd.checkpoint.layout import CheckpointError, latest
+from dsnd.checkpoint.files import CheckpointError, latest
 from dsnd.errors import EXIT_PEER_FAILED, WriteFailed
 
 _T = TypeVar("_T")

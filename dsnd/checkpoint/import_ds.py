@@ -44,8 +44,8 @@ from safetensors.torch import save as safetensors_bytes
 
 from dsnd.checkpoint.commit import publish, temporary_dir, write_atomic, write_manifest
 from dsnd.checkpoint.ds_names import Shapes, dsnd_names, layer_indices, naming
+from dsnd.checkpoint.files import FORMAT, model_file, optim_file, step_dir_name
 from dsnd.checkpoint.import_blame import check_finite, checked_step
-from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, step_dir_name
 from dsnd.checkpoint.save import software_versions
 from dsnd.checkpoint.schema import BETAS, COUNT, LR, POSITION, STEP, Rule, value_problem
 from dsnd.checkpoint.verify import check_intact

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from dsnd.checkpoint import rng
 from dsnd.checkpoint.contents import expected_tensors, tensor_file
-from dsnd.checkpoint.layout import CheckpointError, optim_file, rng_file
+from dsnd.checkpoint.files import CheckpointError, optim_file, rng_file
 from dsnd.checkpoint.members import member
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved

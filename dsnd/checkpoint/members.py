@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from dsnd.checkpoint.layout import MANIFEST, CheckpointError
+from dsnd.checkpoint.files import MANIFEST, CheckpointError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from dsnd.checkpoint.layout import CheckpointError, committed, resolve_step_dir
+from dsnd.checkpoint.files import CheckpointError, committed, resolve_step_dir
 from dsnd.checkpoint.verify import check_intact, newest_intact, read_manifest, verify
 from dsnd.config.schema import RunConfig
 from dsnd.model.source import ModelSpec, from_manifest

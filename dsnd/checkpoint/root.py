@@ -21,7 +21,7 @@ import socket
 import time
 import uuid
 
-from dsnd.checkpoint.layout import CheckpointError
+from dsnd.checkpoint.files import CheckpointError
 
 LOCK_FILE = ".dsnd.lock"
 

@@ -24,7 +24,7 @@ from dsnd import __version__
 from dsnd.checkpoint import rng
 from dsnd.checkpoint.commit import prune, publish, temporary_dir, write_atomic, write_manifest
 from dsnd.checkpoint.failure import agree, attempt
-from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
+from dsnd.checkpoint.files import FORMAT, model_file, optim_file, rng_file, step_dir_name
 from dsnd.config.resolve import Resolved
 from dsnd.data.blend import BlendedCorpus
 from dsnd.data.corpus import Corpus

@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Callable
 
-from dsnd.checkpoint.layout import MAX_STEP, STEP_DIGITS
+from dsnd.checkpoint.files import MAX_STEP, STEP_DIGITS
 from dsnd.checkpoint.safetensors_header import DTYPE_BYTES
 
 Rule = tuple[str, Callable[[object], bool]]  # (what the value must be, the test)

@@ -11,7 +11,7 @@ import json
 import os
 
 from dsnd.checkpoint.contents import tensor_problems
-from dsnd.checkpoint.layout import (
+from dsnd.checkpoint.files import (
     FORMAT,
     MANIFEST,
     MANIFEST_SUM,

@@ -2,7 +2,7 @@
 ``dsnd ckpt import DS_CHECKPOINT_DIR OUT``: make one from a checkpoint DeepSpeed's engine saved.
 
 DIR is a checkpoint root (the step directory its `latest` names) or one step directory (see
-`dsnd.checkpoint.layout`). No process group starts, and nothing is unpickled: JSON and
+`dsnd.checkpoint.files`). No process group starts, and nothing is unpickled: JSON and
 safetensors only.
 
 - inspect: what the manifest says (step, samples, layout, model, versions, layer -> stage map)
@@ -36,8 +36,8 @@ import os
 import sys
 from itertools import pairwise
 
-from dsnd.checkpoint import layout
-from dsnd.checkpoint.layout import MANIFEST, MANIFEST_SUM, MODEL_SUFFIX, CheckpointError
+from dsnd.checkpoint import files
+from dsnd.checkpoint.files import MANIFEST, MANIFEST_SUM, MODEL_SUFFIX, CheckpointError
 from dsnd.checkpoint.members import Problem, member_problem, printable
 from dsnd.checkpoint.verify import check_intact, read_manifest, verify
 
@@ -48,7 +48,7 @@ def step_dir_of(path: str) -> str:
     """The step directory DIR means; CheckpointError (exit 2) when there is none."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    return layout.resolve_step_dir(path)
+    return files.resolve_step_dir(path)
 
 
 def _manifest_as_is(step_dir: str) -> dict:
@@ -89,7 +89,7 @@ def _experts(step_dir: str, files: list[dict]) -> list[dict]:
     the safetensors header of an intact file): what a reshape across expert layouts works on."""
     from safetensors import safe_open
 
-    from dsnd.model.moe import EXPERT_WEIGHTS
+    from dsnd.model.moe_config import EXPERT_WEIGHTS
 
     out = []
     for row in files:

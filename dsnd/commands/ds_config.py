@@ -87,9 +87,8 @@ def explain_lines(res: Resolved) -> list[str]:
     offloaded = stage > 0 and offload["offload_optimizer"] in ("cpu", "nvme")
     optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
     ranks, shards = "data-parallel ranks", t.dp * t.cp
-    dp_shard = res.run.parallel.dp_shard
-    if stage == 3 and dp_shard and dp_shard != t.dp:  # HSDP: ZeRO-3 within groups of dp_shard
-        ranks, shards = f"data-parallel ranks in groups of {dp_shard} (parallel.dp_shard)", dp_shard
+    if t.dp_shard:  # HSDP: ZeRO-3 within groups of dp_shard (0: no hybrid sharding)
+        ranks, shards = f"data-parallel ranks in groups of {t.dp_shard} (parallel.dp_shard)", t.dp_shard
     elif t.cp > 1:
         ranks = f"data x context-parallel ranks ({t.dp} x {t.cp})"
     lines = [
@@ -102,7 +101,7 @@ def explain_lines(res: Resolved) -> list[str]:
         "model-state bytes per rank (formula: parameters, gradients, fp32 master, optimizer "
         "state; activations and buffers not included):",
     ]
-    ep = res.run.parallel.ep
+    ep = t.ep
     if ep > 1:
         lines.append(f"  (expert parallel over {ep} ranks: a rank holds 1/{ep} of the routed "
                      f"experts, sharded over the {shards // ep} ranks holding the same ones)")

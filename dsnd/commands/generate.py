@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dsnd.checkpoint.layout import resolve_step_dir
+from dsnd.checkpoint.files import resolve_step_dir
 from dsnd.checkpoint.load import read_full_model
 from dsnd.checkpoint.verify import check_intact, read_manifest
 from dsnd.data.tokenizer import ByteTokenizer, has_tokenizer, load_tokenizer

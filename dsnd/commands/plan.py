@@ -1,6 +1,6 @@
 """``dsnd plan``: every layout a world admits for a model on a device, predicted and ranked
-(`dsnd.layouts`); the best explained; ``--out`` writes it as a run YAML and DeepSpeed JSON that
-``dsnd launch`` takes as is; ``--validate`` runs the top layouts on this machine."""
+(`dsnd.layout_search`); the best explained; ``--out`` writes it as a run YAML and DeepSpeed JSON
+that ``dsnd launch`` takes as is; ``--validate`` runs the top layouts on this machine."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 
 def _device(args: argparse.Namespace):
-    from dsnd.layouts import hardware
+    from dsnd.layout_search import hardware
 
     if args.gpu is not None and args.gpu.lower() == "cpu":
         return hardware.this_cpu(args.world)
@@ -91,8 +91,8 @@ def _device(args: argparse.Namespace):
 
 def problem(args: argparse.Namespace):
     """(the model, the planning problem) the arguments describe; UserError for bad ones."""
-    from dsnd.layouts.search import Problem
-    from dsnd.layouts.source import load
+    from dsnd.layout_search.search import Problem
+    from dsnd.layout_search.source import load
 
     check_numbers(args)
     device = _device(args)
@@ -107,7 +107,7 @@ def problem(args: argparse.Namespace):
 
 
 def header(pr, count: int, fitting: int) -> list[str]:
-    from dsnd.layouts.render import device_lines
+    from dsnd.layout_search.render import device_lines
 
     d = pr.device
     precision = ("bf16 mixed precision, Adam (K = 12: fp32 master and two moments)" if pr.bf16
@@ -124,15 +124,15 @@ def header(pr, count: int, fitting: int) -> list[str]:
 
 
 def table(layouts) -> list[str]:
-    from dsnd.layouts.render import table as render
+    from dsnd.layout_search.render import table as render
 
     return render(layouts)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from dsnd.layouts import emit
-    from dsnd.layouts.search import explain, plan
-    from dsnd.layouts.zero_sizes import sized_hidden
+    from dsnd.layout_search import emit
+    from dsnd.layout_search.search import explain, plan
+    from dsnd.layout_search.zero_sizes import sized_hidden
 
     if args.out:
         check_out(args.out)
@@ -149,7 +149,7 @@ def run_plan(args: argparse.Namespace) -> int:
     shown = layouts if args.all else fitting[: args.top]
     validation = []
     if args.validate is not None:
-        from dsnd.layouts.validate import validate
+        from dsnd.layout_search.validate import validate
 
         validation = validate(args.model, pr, fitting[: args.validate], args.steps)
     if args.out and fitting:

@@ -3,7 +3,7 @@ norm of runs side by side, and the expert load of mixture-of-experts runs.
 
 Each LOG_DIR is a run's `log.dir` (its metrics.jsonl); a curve is labelled with the directory's
 name, so comparing layouts is one command. Throughput is drawn as the progress line showed it
-(tokens/s over the last steps, `dsnd.progress.smoothed_rates`: one step's own figure swings
+(tokens/s over the last steps, `dsnd.report.progress.smoothed_rates`: one step's own figure swings
 widely on a shared machine), each step's own figure faint behind it. Where a run resumed, and
 where it resumed on another layout, a dashed vertical line in the run's colour marks every
 panel (metrics.jsonl's "run_start"); an expert-load alert (`log.expert_load_warn`) marks the
@@ -18,8 +18,8 @@ import json
 import os
 
 from dsnd.errors import UserError
-from dsnd.progress import WINDOW, smoothed_rates
-from dsnd.report import mark_label
+from dsnd.report.progress import WINDOW, smoothed_rates
+from dsnd.report.reporter import mark_label
 
 
 def read_metrics(log_dir: str) -> list[dict]:

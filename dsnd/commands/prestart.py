@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from dsnd.checkpoint.layout import check_root
+from dsnd.checkpoint.files import check_root
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_checkpoint
 from dsnd.checkpoint.root import check_writable
 from dsnd.checkpoint.space import check_space

@@ -43,7 +43,7 @@ from dsnd.errors import (
     UserError,
     WriteFailed,
 )
-from dsnd.progress import rank_log_path, rank_prefix, use_console_prefix
+from dsnd.report.progress import rank_log_path, rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
 
 # how torch.distributed reports a peer that died or stopped answering (gloo raises a plain
@@ -103,7 +103,7 @@ def _train_in_world(res, info, resume, stop, job_id, share_id: bool) -> int:
     """Train; the exit code says how it ended (the trainer has put any traceback into the
     rank's log file)."""
     logfile = rank_log_path(res.run.log.dir, info.rank)
-    from dsnd.distributed.groups import build_groups
+    from dsnd.distributed.groups import run_groups
     from dsnd.trainer import train
 
     try:
@@ -112,7 +112,7 @@ def _train_in_world(res, info, resume, stop, job_id, share_id: bool) -> int:
             ids = [job_id]
             dist.broadcast_object_list(ids, src=0)
             job_id = ids[0]
-        train(res, build_groups(res.topology), resume, stop, job_id)
+        train(res, run_groups(res), resume, stop, job_id)
         return 0
     except UserError as e:  # input found bad only after the start (a file changed meanwhile)
         print(f"dsnd: error: {e}", file=sys.stderr, flush=True)

@@ -137,19 +137,16 @@ ZERO_OFF = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False,
 """The values at which ZeRO++'s switches turn nothing on: accepted."""
 
 
-def check_hpz(ds: dict[str, Any], dp: int, where: str) -> None:
+def check_hpz(ds: dict[str, Any], where: str) -> None:
     """ZeRO++ hpZ (`zero_hpz_partition_size`): ZeRO-3 keeps a secondary copy of the parameters
     partitioned over groups of that many consecutive ranks of each stage's data-parallel group
-    (`dsnd.distributed.groups.hpz_group`); a size past dp is dp, as DeepSpeed caps it at its
-    world. DeepSpeed's ZeRO 1/2 ignore it."""
+    (`dsnd.topology.Topology.runs_of`, which also checks that it divides dp); a size past dp is
+    dp, as DeepSpeed caps it at its world. DeepSpeed's ZeRO 1/2 ignore it."""
     zero = ds.get("zero_optimization") or {}
     size = zero.get("zero_hpz_partition_size") or 1
     if size > 1 and zero.get("stage") != 3:
         raise UserError(f"{where}: zero_optimization.zero_hpz_partition_size={size} needs "
                         f"zero_optimization.stage 3, got {zero.get('stage', 0)}")  # fmt: skip
-    if size > 1 and dp % min(size, dp):
-        raise UserError(f"{where}: zero_optimization.zero_hpz_partition_size={size} must divide "
-                        f"each stage's data-parallel size dp={dp}")  # fmt: skip
 
 
 def load_json(path: str) -> dict[str, Any]:

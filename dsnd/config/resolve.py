@@ -7,7 +7,7 @@ import copy
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,9 +28,9 @@ from dsnd.config.schema import ModelConfig, ParallelConfig, RunConfig
 from dsnd.config.summary import precision
 from dsnd.cp.slices import IMPLS, divisor
 from dsnd.errors import UserError
-from dsnd.model.moe import expert_layers, num_experts
-from dsnd.model.router_aux import wants_router_aux
+from dsnd.model.moe_config import expert_layers, num_experts
 from dsnd.model.source import DEFAULT_PRESET, ModelSpec, check_model, load_model, presets
+from dsnd.moe.router_aux import wants_router_aux
 from dsnd.plan.plan import Plan, make_plan
 from dsnd.plan.profile import DTYPES, profile_partition, target_device
 from dsnd.topology import Topology
@@ -216,7 +216,7 @@ def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
         ratio = batch.train / run.train.lr_reference_batch
         scale_lr(ds, ratio if run.train.lr_scaling == "linear" else math.sqrt(ratio))
     check_with_deepspeed(ds, where)
-    check_hpz(ds, dp, where)
+    check_hpz(ds, where)
     return ds, batch, notes, monitors
 
 
@@ -254,18 +254,16 @@ def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str,
         sequence_parallel=par.sequence_parallel,
         balance_profile=balance_profile,
         sub_group_size=(ds.get("zero_optimization") or {}).get("sub_group_size"),
-        expert_parallel=par.ep,
+        expert_parallel=topology.ep,
     )
 
 
-def check_ep(model: ModelSpec, par: ParallelConfig, dp: int) -> None:
+def check_ep(model: ModelSpec, ep: int) -> None:
     """Expert parallelism splits each MoE layer's experts over `parallel.ep` data-parallel
-    ranks: the model needs experts, and ep must divide them and dp."""
-    ep = par.ep
-    if ep == 1:
+    ranks: the model needs experts, and ep must divide them (that it divides dp, and meets no
+    other degree that regroups ZeRO, is the topology's rule: `dsnd.topology_rules`)."""
+    if ep <= 1:
         return
-    if ep < 1:
-        raise UserError(f"parallel.ep={ep} must be >= 1")
     if not model.family.moe:
         raise UserError(f"parallel.ep={ep}: {model.source} is a dense model "
                         f"({model.family.name}), with no experts to split; use parallel.ep=1")
@@ -280,14 +278,11 @@ def check_ep(model: ModelSpec, par: ParallelConfig, dp: int) -> None:
     if experts % ep:
         raise UserError(f"parallel.ep={ep} must divide the {experts} experts per layer of "
                         f"{model.source}")  # fmt: skip
-    if dp % ep:
-        raise UserError(f"parallel.ep={ep} must divide the data-parallel size dp={dp} "
-                        f"(world / (pp * tp * cp))")  # fmt: skip
 
 
 def check_router_aux(model: ModelSpec, par: ParallelConfig) -> None:
     """`output_router_logits: true` adds the routers' load-balancing loss, which pools every
-    MoE layer's routing over all tokens of a forward (`dsnd.model.router_aux`); context
+    MoE layer's routing over all tokens of a forward (`dsnd.moe.router_aux`); context
     parallelism would give each rank a slice of every sequence, with its own loss scaling."""
     if model.family.moe and wants_router_aux(model.config) and par.cp > 1:
         raise UserError(
@@ -300,7 +295,7 @@ def check_router_aux(model: ModelSpec, par: ParallelConfig) -> None:
 
 def check_capacity(run: RunConfig, model: ModelSpec) -> None:
     """`model.moe_capacity_factor` caps each expert's rows of a rank's forward
-    (`dsnd.model.capacity`): a mixture of experts with every token of a sequence on the rank."""
+    (`dsnd.moe.capacity`): a mixture of experts with every token of a sequence on the rank."""
     factor, par = run.model.moe_capacity_factor, run.parallel
     if factor is None:
         return
@@ -322,56 +317,31 @@ def check_capacity(run: RunConfig, model: ModelSpec) -> None:
                         "micro-batch)")  # fmt: skip
 
 
-def check_dp_shard(par: Any, ds: dict[str, Any], dp: int, ds_path: str) -> None:
-    """Hybrid sharding (`parallel.dp_shard`, `dsnd.engine.hsdp`): ZeRO-3 over groups of dp_shard
-    data-parallel ranks, replicated across them. null, 0 or dp = plain ZeRO-3."""
-    size = par.dp_shard
-    if size is None or size == 0 or size == dp:
-        return
-    if size < 0 or dp % size:
-        raise UserError(f"parallel.dp_shard={size} must divide the data-parallel size dp={dp} "
-                        "(or be null or 0: shard over all of dp)")  # fmt: skip
-    zero = ds.get("zero_optimization") or {}
-    if zero_stage(ds) != 3:
-        raise UserError(f"parallel.dp_shard={size} needs ZeRO stage 3 (shards parameters within "
-                        f"groups of {size} ranks); {ds_path} sets zero_optimization.stage="
-                        f"{zero_stage(ds)}")  # fmt: skip
-    if (zero.get("zero_hpz_partition_size") or 1) > 1:
-        raise UserError(f"parallel.dp_shard={size} and zero_optimization.zero_hpz_partition_"
-                        f"size={zero['zero_hpz_partition_size']} ({ds_path}) both choose where "
-                        "ZeRO-3 gathers parameters from; set one of them")  # fmt: skip
-    if par.cp > 1:
-        raise UserError(f"parallel.dp_shard={size} with parallel.cp={par.cp} is not supported: "
-                        "hybrid sharding runs without context parallelism")  # fmt: skip
+def check_zero_degrees(topology: Topology, ds: dict[str, Any], ds_path: str) -> None:
+    """What the degrees need of the DeepSpeed JSON's ZeRO (how the degrees compose is the
+    topology's: `dsnd.topology_rules`).
 
-
-def check_ep_zero(par: Any, ds: dict[str, Any], ds_path: str) -> None:
-    """With `parallel.ep` > 1 ZeRO keeps the experts in groups of their own, sharded over the
-    ranks holding the same experts (`dsnd.engine.experts`). DeepSpeed's ZeRO 1-2 do that only
-    with reduce-scatter and contiguous gradients: without them ZeRO-2 asserts, and ZeRO-1 warns
-    "experimental" and trains wrong (measured: Mixtral-tiny dp=4 ep=2, loss 5.5017 at step 2
-    where one process has 5.4989). Hybrid
-    sharding and ZeRO++ hpZ choose other groups for every parameter, experts included: not
-    built together with expert parallelism."""
-    if par.ep == 1:
-        return
+    Hybrid sharding (`parallel.dp_shard`, `dsnd.engine.hsdp`) is ZeRO-3 over groups of dp_shard
+    data-parallel ranks, replicated across them. With `parallel.ep` > 1 ZeRO keeps the experts
+    in groups of their own, sharded over the ranks holding the same experts
+    (`dsnd.engine.experts`). DeepSpeed's ZeRO 1-2 do that only with reduce-scatter and
+    contiguous gradients: without them ZeRO-2 asserts, and ZeRO-1 warns "experimental" and
+    trains wrong (measured: Mixtral-tiny dp=4 ep=2, loss 5.5017 at step 2 where one process has
+    5.4989)."""
     zero, stage = ds.get("zero_optimization") or {}, zero_stage(ds)
-    where = f"parallel.ep={par.ep} at ZeRO stage {stage} ({ds_path})"
-    if stage in (1, 2) and zero.get("reduce_scatter") is False:
+    if topology.dp_shard and stage != 3:
+        raise UserError(f"parallel.dp_shard={topology.dp_shard} needs ZeRO stage 3 (shards "
+                        f"parameters within groups of {topology.dp_shard} ranks); {ds_path} sets "
+                        f"zero_optimization.stage={stage}")  # fmt: skip
+    if topology.ep == 1 or stage not in (1, 2):
+        return
+    where = f"parallel.ep={topology.ep} at ZeRO stage {stage} ({ds_path})"
+    if zero.get("reduce_scatter") is False:
         raise UserError(f"{where} needs zero_optimization.reduce_scatter=true (DeepSpeed reduces "
                         "expert gradients over their own ranks only with it); it is false")
-    if stage in (1, 2) and zero.get("contiguous_gradients") is False:
+    if zero.get("contiguous_gradients") is False:
         raise UserError(f"{where} needs zero_optimization.contiguous_gradients=true (DeepSpeed's "
                         "ZeRO 1-2 keep expert gradients apart only with it); it is false")
-    if par.dp_shard not in (None, 0):
-        raise UserError(f"parallel.ep={par.ep} with parallel.dp_shard={par.dp_shard} is not "
-                        "supported: the experts are sharded over the ranks holding the same "
-                        "experts, hybrid sharding would cut those groups again; set one of them")
-    if (zero.get("zero_hpz_partition_size") or 1) > 1:
-        raise UserError(f"{where} with zero_optimization.zero_hpz_partition_size="
-                        f"{zero['zero_hpz_partition_size']} is not supported: hpZ's secondary "
-                        "partition is cut from all data-parallel ranks, the experts' from the "
-                        "ranks holding the same experts; set one of them")
 
 
 def check_reshard(par: Any, ds: dict[str, Any], ds_path: str) -> None:
@@ -396,7 +366,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     model = run_model(run)
     check_tp(model, par.tp, run.model.seq_len, par.sequence_parallel)
     check_cp(model, par, run.model.seq_len)
-    check_ep(model, par, topology.dp)
+    check_ep(model, par.ep)
     check_router_aux(model, par)
     check_capacity(run, model)
     if run.data.packing == "documents" and par.cp > 1:
@@ -421,9 +391,12 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         lambda d, where: derive_ds(d, where, run, topology.dp, model.hidden_size), file,
         loaded.ds_path, sets,
     )  # fmt: skip
+    # every degree, the ones carved out of dp included, checked together (`dsnd.topology_rules`)
+    hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1
+    topology = replace(topology, ep=par.ep, dp_shard=par.dp_shard or 0, hpz=hpz,
+                       hpz_from=loaded.ds_path)  # fmt: skip
+    check_zero_degrees(topology, ds, loaded.ds_path)
     plan = run_plan(run, model, topology, ds, batch)
-    check_dp_shard(par, ds, topology.dp, loaded.ds_path)
-    check_ep_zero(par, ds, loaded.ds_path)
     check_reshard(par, ds, loaded.ds_path)
     return Resolved(
         run=run,

@@ -12,10 +12,10 @@ Each failure is one `UserError` naming the file and the numbers.
 from __future__ import annotations
 
 from dsnd.config.schema import DataConfig, ModelConfig
+from dsnd.data.batch_extras import sample_sets
 from dsnd.data.blend_files import load_blend
 from dsnd.data.corpus import Corpus, corpus_format, token_corpus
 from dsnd.data.counted import counted_line
-from dsnd.data.layout import sample_sets
 from dsnd.data.sampler import SampleSet
 from dsnd.data.sources import data_tokenizer, load_data
 from dsnd.data.token_file import check_vocab, meta_path

@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass
 
 from dsnd.config.schema import DataConfig, RunConfig
+from dsnd.data.batch_extras import fewest_samples, sample_sets
 from dsnd.data.blend import BlendedCorpus
 from dsnd.data.corpus import Corpus
-from dsnd.data.layout import fewest_samples, sample_sets
 from dsnd.data.sampler import Samples
 from dsnd.data.sources import load_data
 

@@ -6,32 +6,54 @@ so each axis's full list of groups is created everywhere and each rank keeps its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
+from dsnd.config.resolve import Resolved
 from dsnd.topology import Coord, Topology
+
+
+Channel = tuple[int, int, str]  # (from stage, to stage, "act" or "grad"): `pipe_channels`
 
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """This rank's place in the topology and its groups along each axis."""
+    """This rank's place in the topology and every group it belongs to (None: that degree is 1
+    or that group is not needed)."""
 
     topology: Topology
     rank: int
     coord: Coord
     pipe: dist.ProcessGroup  # the stages of one pipeline (same dp, cp, tp)
-    # every rank holding the same parameters as this one (same pp, tp; all dp x cp): ZeRO
-    # shards over it and averages gradients over it (context-parallel peers computed parts of
-    # the same sequences' gradients, so they reduce together, as Megatron does)
+    # every rank holding the same parameters as this one (same pp, tp; all dp x cp): gradients
+    # are averaged over it and the loss is (context-parallel peers computed parts of the same
+    # sequences' gradients, so they reduce together, as Megatron does)
     data: dist.ProcessGroup
     tensor: dist.ProcessGroup  # the tensor-parallel peers of this rank (same pp, dp, cp)
     context: dist.ProcessGroup  # the ranks holding slices of the same sequences (same pp, dp, tp)
     replica: dist.ProcessGroup  # one full model replica: every pp x tp rank of this dp, cp
+    # what ZeRO shards over: `data`, or with parallel.dp_shard this rank's run of dp_shard
+    # ranks of it, and the replicas across those runs (`dsnd.engine.hsdp`)
+    shard: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None = None
+    # parallel.ep > 1: the ranks splitting the MoE layers' experts, and those holding the same
+    # experts (over which ZeRO shards and averages them)
+    expert: dist.ProcessGroup | None = None
+    expert_data: dist.ProcessGroup | None = None
+    hpz: dist.ProcessGroup | None = None  # ZeRO++ hpZ: ZeRO-3's secondary partition
+    channels: dict[Channel, dist.ProcessGroup] = field(default_factory=dict)  # `channel_groups`
+    pairs: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)  # tied weights
 
     @property
     def is_last_stage(self) -> bool:
         return self.coord.pp == self.topology.pp - 1
+
+    def for_zero(self) -> ProcessGroups:
+        """These groups as ZeRO sees them: `data` cut to the shard group (the same groups
+        without hybrid sharding)."""
+        return self if self.shard is self.data else replace(self, data=self.shard)
 
 
 def _own_group(groups: list[list[int]], rank: int) -> dist.ProcessGroup:
@@ -44,61 +66,44 @@ def _own_group(groups: list[list[int]], rank: int) -> dist.ProcessGroup:
     return mine
 
 
-def build_groups(topology: Topology) -> ProcessGroups:
-    """Create every group of `topology`; needs an initialised default process group."""
+def build_groups(topology: Topology, ring: bool = False,
+                 ties: Sequence[tuple[int, int]] = ()) -> ProcessGroups:  # fmt: skip
+    """Create every group of `topology`, once, in the same order on every rank (as
+    `torch.distributed.new_group` requires); needs an initialised default process group. `ring`
+    and `ties` are what the run's pipeline needs besides its neighbours: the last stage to the
+    first (interleaved schedules) and the stage pairs sharing a tied weight."""
     rank = dist.get_rank()
     if dist.get_world_size() != topology.world_size:
         raise ValueError(f"world size {dist.get_world_size()} != topology {topology}")
+    t = topology
+    data = _own_group(t.zero_groups(), rank)
     return ProcessGroups(
-        topology=topology,
+        topology=t,
         rank=rank,
-        coord=topology.coord(rank),
-        pipe=_own_group(topology.groups("pipe"), rank),
-        data=_own_group(topology.zero_groups(), rank),
-        tensor=_own_group(topology.groups("model"), rank),
-        context=_own_group(topology.groups("context"), rank),
-        replica=_own_group(topology.model_parallel_groups(), rank),
+        coord=t.coord(rank),
+        pipe=_own_group(t.groups("pipe"), rank),
+        data=data,
+        tensor=_own_group(t.groups("model"), rank),
+        context=_own_group(t.groups("context"), rank),
+        replica=_own_group(t.model_parallel_groups(), rank),
+        shard=_own_group(t.shard_groups(), rank) if t.dp_shard else data,
+        replicate=_own_group(t.replicate_groups(), rank) if t.dp_shard else None,
+        expert=_own_group(t.expert_groups(), rank) if t.ep > 1 else None,
+        expert_data=_own_group(t.expert_data_groups(), rank) if t.ep > 1 else None,
+        hpz=_own_group(t.runs_of(t.hpz), rank) if t.hpz > 1 else None,
+        channels=channel_groups(t, rank, ring),
+        pairs={(a, b): _pair_group(t, rank, a, b) for a, b in sorted(set(ties))},
     )
 
 
-def hpz_group(topology: Topology, rank: int, size: int) -> dist.ProcessGroup:
-    """ZeRO++ hpZ (`zero_hpz_partition_size`): this rank's group for ZeRO-3's secondary
-    parameter partition, `size` consecutive ranks of its stage's data-parallel group (DeepSpeed
-    would cut its own from the whole world, across stages). Every rank creates every group."""
-    return _own_group(_consecutive(topology, size), rank)
-
-
-def expert_groups(topology: Topology, rank: int, ep: int
-                  ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:  # fmt: skip
-    """Expert parallelism (`parallel.ep`): this rank's group of `ep` consecutive data-parallel
-    ranks of its stage (`Topology.expert_groups`), which split the MoE layers' experts, and its
-    expert-data-parallel group (`Topology.expert_data_groups`: the ranks holding the same
-    experts, over which ZeRO shards and averages them). Every rank creates every group."""
-    return (_own_group(topology.expert_groups(ep), rank),
-            _own_group(topology.expert_data_groups(ep), rank))  # fmt: skip
-
-
-def _consecutive(topology: Topology, size: int) -> list[list[int]]:
-    """Every stage's ZeRO group cut into runs of `size` consecutive ranks."""
-    return [ranks[i : i + size] for ranks in topology.zero_groups()
-            for i in range(0, len(ranks), size)]  # fmt: skip
-
-
-def dp_shard_groups(groups: ProcessGroups, size: int | None
-                    ) -> tuple[ProcessGroups, dist.ProcessGroup | None]:  # fmt: skip
-    """Hybrid sharding (`parallel.dp_shard`): `groups` with `data` cut to this rank's shard
-    group — `size` consecutive ranks of its stage's data-parallel group, what ZeRO-3 partitions
-    over — and the replica group: the ranks at the same place in the stage's other shard groups,
-    over which gradients are averaged (`dsnd.engine.hsdp`). Consecutive ranks, so with a host's
-    ranks in a row the shard groups stay inside hosts. `coord` and the topology stay the whole
-    layout's (the batch and the data still count dp). Every rank creates every group. A size of
-    None, 0 or the whole data group: (`groups`, None), nothing created."""
-    data = groups.topology.zero_groups()
-    if not size or size == len(data[0]):
-        return groups, None
-    replicas = [ranks[i::size] for ranks in data for i in range(size)]
-    shard = _own_group(_consecutive(groups.topology, size), groups.rank)
-    return replace(groups, data=shard), _own_group(replicas, groups.rank)
+def run_groups(*runs: Resolved) -> ProcessGroups:
+    """Every group runs of one topology need (their plans' pipeline channels and tied pairs
+    too): one run's, or those of several runs that share the groups (`dsnd bench`)."""
+    topology = runs[0].topology
+    if any(res.topology != topology for res in runs):
+        raise ValueError(f"runs of different topologies share no groups: {runs}")
+    ties = [(tie.owner, tie.borrower) for res in runs for tie in res.plan.ties]
+    return build_groups(topology, ring=any(res.plan.chunks > 1 for res in runs), ties=ties)
 
 
 def pipe_channels(stages: int, ring: bool) -> list[tuple[int, int, str]]:
@@ -133,7 +138,7 @@ def channel_groups(topology: Topology, rank: int, ring: bool
     return mine
 
 
-def pair_group(topology: Topology, rank: int, a: int, b: int) -> dist.ProcessGroup | None:
+def _pair_group(topology: Topology, rank: int, a: int, b: int) -> dist.ProcessGroup | None:
     """This rank's two-rank group of stages `a` and `b` of its pipeline (the tied-weight
     exchange, `dsnd.pipeline.tied`), or None where this rank is neither. Every rank creates
     every pipeline's group."""

@@ -40,7 +40,7 @@ def replica_grad_norm(module: nn.Module, group: dist.ProcessGroup, tp_rank: int)
     accumulation boundary, before the optimizer step, as ZeRO 1-3 report it (pre-clipping).
     As in DeepSpeed, a parameter not split by tensor parallelism (identical on every
     tensor-parallel rank) is counted on tensor-parallel rank 0 only. A rank holds only its
-    experts (`dsnd.ep`): theirs are first summed over the expert-parallel group.
+    experts (`dsnd.moe`): theirs are first summed over the expert-parallel group.
     """
     device = next(module.parameters()).device
     dense = torch.zeros((), dtype=torch.float64, device=device)

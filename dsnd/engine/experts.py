@@ -1,7 +1,7 @@
 """Expert parameters under ZeRO: sharded and averaged over the expert-data-parallel group.
 
 With expert parallelism (`parallel.ep` > 1) a rank holds only its experts of each MoE layer
-(`dsnd.ep`: parameters carrying their ``expert_parallel`` groups). The ranks holding the same
+(`dsnd.moe`: parameters carrying their ``expert_parallel`` groups). The ranks holding the same
 experts are the expert-data-parallel group (dp / ep ranks of the stage, times cp); the other
 ranks of the stage hold other experts. So ZeRO must keep those parameters apart from the dense
 ones: shard their model states over that group, reduce their gradients over it, and divide by
@@ -57,7 +57,7 @@ from dsnd.engine.build import replica_grad_norm
 
 
 def expert_params(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of `module` that hold part of the experts (`dsnd.ep`)."""
+    """The parameters of `module` that hold part of the experts (`dsnd.moe`)."""
     return [p for p in module.parameters() if getattr(p, "expert_parallel", None) is not None]
 
 

@@ -13,7 +13,7 @@ has been removed; 'zero_optimization.mics_shard_size' is no longer supported.").
 it from plain ZeRO-3, as MiCS was built:
 
 - each stage's engine and its `deepspeed.zero.Init` are handed the shard group as their
-  data-parallel group (`dsnd.distributed.groups.dp_shard_groups`); the mpu still answers the
+  data-parallel group (`dsnd.distributed.groups.ProcessGroups.shard`); the mpu still answers the
   full dp for the batch arithmetic;
 - ZeRO-3 reduce-scatters each gradient bucket over the shard group (averaging over it) and
   hands the partitions to `partition_grads` (its one place for every bucket, contiguous or not,

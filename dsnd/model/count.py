@@ -10,7 +10,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dsnd.model.layer_spec import TiedLayerSpec
-from dsnd.model.moe import EXPERT_WEIGHTS, active_share
+from dsnd.model.moe_config import EXPERT_WEIGHTS, active_share
 from dsnd.model.source import ModelSpec
 from dsnd.model.stack import layer_specs
 
@@ -53,7 +53,7 @@ def layer_table(model: ModelSpec) -> list[tuple[int, str, int]]:
 
 def expert_table(model: ModelSpec) -> dict[int, int]:
     """Global layer index -> the parameters of its routed experts (the fused (E, ., .) weights
-    that expert parallelism splits; `dsnd.model.moe.EXPERT_WEIGHTS`); empty for a dense
+    that expert parallelism splits; `dsnd.model.moe_config.EXPERT_WEIGHTS`); empty for a dense
     model."""
     if not model.family.moe:
         return {}

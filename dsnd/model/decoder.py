@@ -23,7 +23,7 @@ from dsnd.cp.context import ContextParallel, attention_config
 from dsnd.model.checks import rotary_checks
 from dsnd.model.documents import Documents, active
 from dsnd.model.family import ExpertFiles, Family, HFNames, TPPlan
-from dsnd.model.moe import moe_checks
+from dsnd.model.moe_config import moe_checks
 from dsnd.model.parallelize import parallelize
 from dsnd.tp import VocabParallelEmbedding, VocabParallelHead
 from dsnd.tp.context import TensorParallel

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsnd.errors import UserError
+from dsnd.fs import fsync, umask
 
 log = logging.getLogger(__name__)
 
@@ -158,28 +159,3 @@ def _remove_leftovers(parent: str, name: str) -> None:
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
             log.warning("removed %s, left by an export that did not finish",
                         os.path.join(parent, entry))  # fmt: skip
-
-
-def fsync(path: str) -> None:
-    """Flush a file or a directory (its entries: a rename in it) to disk; the checkpoint
-    commit's too."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def umask() -> int:
-    """This process's umask, read without changing it (os.umask can only swap it, which would
-    race with any other thread creating a file meanwhile)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:  # no /proc (not Linux)
-        pass
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask

@@ -40,7 +40,8 @@ from torch import nn
 
 from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.engine.public import gathered_parameters
-from dsnd.model.export_dir import ExportOrigin, replacing, umask, write_whole
+from dsnd.fs import umask
+from dsnd.model.export_dir import ExportOrigin, replacing, write_whole
 from dsnd.model.hf_files import file_shapes, split
 from dsnd.model.hf_io import WEIGHTS, WEIGHTS_METADATA, copy_tokenizer, write_config
 from dsnd.model.hf_weights import to_hf_names
@@ -84,7 +85,7 @@ def stage_layers(stack: nn.Module) -> Iterator[tuple[int, str, nn.Module]]:
 
 def _replicas(param: nn.Parameter, data_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The ranks of a stage holding the same part of `param`: its data-parallel group, or for
-    an expert parameter (`dsnd.ep`) its expert-data-parallel group."""
+    an expert parameter (`dsnd.moe`) its expert-data-parallel group."""
     experts = getattr(param, "expert_parallel", None)
     return experts.data if experts is not None else data_group
 

@@ -35,11 +35,12 @@ from torch import nn
 
 from dsnd.engine.public import gathered_parameters
 from dsnd.errors import UserError
+from dsnd.fs import umask
 from dsnd.model.count import full_shapes
-from dsnd.model.export_dir import ExportOrigin, umask, write_whole
+from dsnd.model.export_dir import ExportOrigin, write_whole
 from dsnd.model.hf_files import file_names, file_shapes, join, split
 from dsnd.model.hf_weights import from_hf_name, to_hf_names
-from dsnd.model.moe import num_experts
+from dsnd.model.moe_config import num_experts
 from dsnd.model.source import ModelSpec, load_model, tokenizer_files
 from dsnd.model.stack import LayerStack
 from dsnd.tp.shard import read_part
@@ -151,7 +152,7 @@ def _read_param(files: dict[str, str], hf_name: str, param: torch.Tensor, path: 
     if names == [hf_name]:
         return _read(files[hf_name], hf_name, param, path)
     shard = getattr(param, "tp_shard", None)
-    if shard is not None:  # this expert-parallel rank's experts (`dsnd.ep`: dim 0)
+    if shard is not None:  # this expert-parallel rank's experts (`dsnd.moe`: dim 0)
         ((start, end),) = shard.ranges()
         per_expert = len(names) // shard.full_len
         names = names[start * per_expert : end * per_expert]

@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsnd.data.layout import StepLayout
+from dsnd.data.batch_extras import BatchExtras
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import lm_loss
 from dsnd.model.documents import Documents
-from dsnd.model.router_aux import RouterAux
-from dsnd.phases import PHASES
+from dsnd.moe.router_aux import RouterAux
 from dsnd.pipeline.activations import ActivationMeter
 from dsnd.pipeline.clock import StepClock, phase_times
 from dsnd.pipeline.p2p import StageLinks
+from dsnd.pipeline.phases import PHASES
 from dsnd.pipeline.tied import TiedWeights
 from dsnd.plan import schedule as S
 from dsnd.plan.schedule import Instr, StageRole
@@ -86,7 +86,7 @@ class StageMath:
 
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     sync_grads: Callable[[], None] | None = None  # the sp_sum instruction
-    # a mixture of experts' router load-balancing loss (`dsnd.model.router_aux.RouterAux`):
+    # a mixture of experts' router load-balancing loss (`dsnd.moe.router_aux.RouterAux`):
     # each forward's share is added to the sums the activations carry (`StageShape.extra`),
     # and the last stage adds the loss of the whole forward's sums to the micro-batch's loss
     aux: RouterAux | None = None
@@ -96,7 +96,7 @@ class StageMath:
 class StepResult:
     loss: torch.Tensor | None  # mean over this rank's micro-batches (last stage only)
     grad_norm: float | None  # ZeRO-0 only: DeepSpeed keeps no norm there
-    # seconds per phase (`dsnd.phases`: disjoint, the bubble is pipeline_wait)
+    # seconds per phase (`dsnd.pipeline.phases`: disjoint, the bubble is pipeline_wait)
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     # seconds per compute instruction kind (F, B, I, W), summed over the step: with the
     # program, what `dsnd.plan.schedule.timeline` needs to predict this stage's bubble
@@ -120,7 +120,7 @@ class _Step:
     """What one step's instructions hand each other, keyed by (micro, chunk)."""
 
     batches: Batches
-    layout: StepLayout | None = None  # loss weights and document ids (`dsnd.data.layout`)
+    layout: BatchExtras | None = None  # loss weights and document ids (`dsnd.data.batch_extras`)
     inputs: dict = field(default_factory=dict)  # received activations (their .grad goes back)
     outputs: dict = field(default_factory=dict)  # stage outputs, or the loss on the last stage
     grads: dict = field(default_factory=dict)  # received output gradients
@@ -169,7 +169,7 @@ class Executor:
                 *(self.tied.borrowed_leaves() if self.tied else [])]  # fmt: skip
 
     def step(self, program: list[Instr], batches: Batches,
-             layout: StepLayout | None = None) -> StepResult:  # fmt: skip
+             layout: BatchExtras | None = None) -> StepResult:  # fmt: skip
         """Execute `program` (one optimizer step of this stage) on this rank's micro-batches
         (with `layout`, their loss weights and documents)."""
         state = _Step(batches, layout)
@@ -227,7 +227,7 @@ class Executor:
     def _loss(self, logits: torch.Tensor, x: Instr, state: _Step,
               sums: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         """Micro-batch x.micro's loss: its mean, times its weight in the global batch's mean over
-        counted labels (`dsnd.data.layout`; exactly 1 where every label counts), plus the
+        counted labels (`dsnd.data.batch_extras`; exactly 1 where every label counts), plus the
         routers' load-balancing loss of the forward's `sums`, where the model has one."""
         weight = 1.0 if state.layout is None else state.layout.weights[x.micro]
         if weight == 0.0:  # no label counts: no mean (0/0); zero gradients all the same
@@ -303,7 +303,7 @@ class Executor:
     # ---- forward only --------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, batches: Batches, layout: StepLayout | None = None) -> torch.Tensor | None:
+    def evaluate(self, batches: Batches, layout: BatchExtras | None = None) -> torch.Tensor | None:
         """Forward only: the mean loss over `batches` on the last stage (None elsewhere), with
         the schedule's forwards in GPipe order (micro-batch by micro-batch through every
         chunk)."""

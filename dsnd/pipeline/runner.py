@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
 from dsnd.cp.loss import context_parallel_loss
-from dsnd.data.layout import StepLayout
-from dsnd.distributed.groups import ProcessGroups, channel_groups, dp_shard_groups
+from dsnd.data.batch_extras import BatchExtras
+from dsnd.distributed.groups import ProcessGroups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.engine.compat import scope_zero3_trace_checks
@@ -24,10 +24,10 @@ from dsnd.engine.hsdp import replicate_gradients
 from dsnd.engine.public import accelerator_device
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
-from dsnd.model.capacity import Capacity
 from dsnd.model.documents import Documents
 from dsnd.model.hf_io import load_hf_stage
-from dsnd.model.router_aux import RouterAux, wants_router_aux
+from dsnd.moe.capacity import Capacity
+from dsnd.moe.router_aux import RouterAux, wants_router_aux
 from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, StepResult
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.stage import build_stage, context_parallel, expert_parallel, tensor_parallel
@@ -61,11 +61,11 @@ class StageRunner:
         _check_same_plan(plan)
         if plan.pp > 1:
             scope_zero3_trace_checks(groups.data, accelerator_device())
-        # ZeRO's groups: the data group, or with parallel.dp_shard its shard (dsnd.engine.hsdp)
-        zero_groups, replicas = dp_shard_groups(groups, res.run.parallel.dp_shard)
+        # ZeRO's groups: the data group, or with hybrid sharding its shard (dsnd.engine.hsdp)
+        zero_groups = groups.for_zero()
         # the document layout every block reads (data.packing: documents), set per micro-batch
         self.documents = Documents() if res.run.data.packing == "documents" else None
-        ep = expert_parallel(res, groups)
+        ep = expert_parallel(groups)
         stack = build_stage(res, zero_groups, self.documents, ep)
         # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
         self.tied = TiedWeights(stack, plan.ties, groups)
@@ -75,11 +75,10 @@ class StageRunner:
         prepare_experts(stack, plan.zero_stage, *ep_groups)
         self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(zero_groups))
         after_build(self.engine, ep_groups[0])
-        if replicas is not None:
-            replicate_gradients(self.engine.optimizer, replicas)
+        if groups.replicate is not None:
+            replicate_gradients(self.engine.optimizer, groups.replicate)
         self.program = list(plan.programs[stage])
-        channels = channel_groups(groups.topology, groups.rank, ring=plan.chunks > 1)
-        self.links = StageLinks(channels, dist.get_process_group_ranks(groups.pipe),
+        self.links = StageLinks(groups.channels, dist.get_process_group_ranks(groups.pipe),
                                 self.engine.device)  # fmt: skip
         dtype = (torch.bfloat16 if self.engine.bfloat16_enabled()
                  else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
@@ -109,12 +108,12 @@ class StageRunner:
         self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
                                  self.tied, self.documents)  # fmt: skip
 
-    def run(self, micro_batches: Batches, layout: StepLayout | None = None) -> StepResult:
+    def run(self, micro_batches: Batches, layout: BatchExtras | None = None) -> StepResult:
         """This stage's share of one optimizer step (no collective beyond the step's own);
-        `layout` gives the micro-batches' loss weights and documents (`dsnd.data.layout`)."""
+        `layout` gives the micro-batches' loss weights and documents (`dsnd.data.batch_extras`)."""
         return self.executor.step(self.program, self._slices(micro_batches), layout)
 
-    def evaluate(self, micro_batches: Batches, layout: StepLayout | None = None) -> float:
+    def evaluate(self, micro_batches: Batches, layout: BatchExtras | None = None) -> float:
         """Mean loss of the model as it is over the global batch `micro_batches` (forward only),
         on every rank."""
         return self._global_loss(self.executor.evaluate(self._slices(micro_batches), layout))

@@ -9,13 +9,13 @@ import torch.distributed as dist
 
 from dsnd.config.resolve import Resolved
 from dsnd.cp import ContextParallel
-from dsnd.distributed.groups import ProcessGroups, expert_groups, hpz_group
+from dsnd.distributed.groups import ProcessGroups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.compat import nvme_param_swapper, use_hpz_group
 from dsnd.engine.public import zero_init
-from dsnd.ep import ExpertParallel, moe_experts, parallelize_experts
 from dsnd.model import LayerStack, layer_specs
 from dsnd.model.documents import Documents
+from dsnd.moe import ExpertParallel, moe_experts, parallelize_experts
 from dsnd.tp.context import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,9 @@ def context_parallel(res: Resolved, groups: ProcessGroups) -> ContextParallel:
     return ContextParallel(groups.context, res.run.parallel.cp_impl)
 
 
-def expert_parallel(res: Resolved, groups: ProcessGroups) -> ExpertParallel | None:
-    """This rank's expert-parallel group (`parallel.ep` > 1), else None."""
-    ep = res.run.parallel.ep
-    return ExpertParallel(*expert_groups(res.topology, groups.rank, ep)) if ep > 1 else None
+def expert_parallel(groups: ProcessGroups) -> ExpertParallel | None:
+    """This rank's expert-parallel groups (ep > 1), else None."""
+    return None if groups.expert is None else ExpertParallel(groups.expert, groups.expert_data)
 
 
 def zero3_dtype(ds: dict) -> torch.dtype:
@@ -55,22 +54,21 @@ def build_stage(res: Resolved, groups: ProcessGroups, documents: Documents | Non
     Each layer is built on the meta device and given memory for this rank's shards only. With
     ZeRO-3 it is then handed to `deepspeed.zero.Init(module=...)` over the stage's
     data-parallel group, one layer at a time, so no rank ever holds its whole stage, let alone
-    the model. With `parallel.ep` > 1 (`ep`, made here when not given) each MoE block keeps
-    only this rank's experts, computed over its expert-parallel group (`dsnd.ep`); ZeRO-3
+    the model. With ep > 1 (`ep`, made here when not given) each MoE block keeps
+    only this rank's experts, computed over its expert-parallel group (`dsnd.moe`); ZeRO-3
     partitions them over the expert-data-parallel group (`dsnd.engine.experts`). `documents`
     is what the layers read the micro-batch's documents from (`data.packing: documents`).
     """
     plan, stage = res.plan, groups.coord.pp
     zero3 = plan.zero_stage == 3
     swapper = None  # NVMe parameter offload: the stage's one swapper (see below)
-    hpz = (res.ds.get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1
-    hpz_ranks = hpz_group(res.topology, groups.rank, hpz) if zero3 and hpz > 1 else None
+    hpz_ranks = groups.hpz  # (the topology's hpz > 1 only at ZeRO-3)
     use_hpz_group(hpz_ranks)
     if hpz_ranks is not None:
         log.info("ZeRO++ hpZ: parameters' secondary partition over ranks %s",
                  dist.get_process_group_ranks(hpz_ranks))  # fmt: skip
 
-    ep = ep or expert_parallel(res, groups)
+    ep = ep or expert_parallel(groups)
 
     def prepare(layer: torch.nn.Module) -> None:
         if ep is not None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsnd.distributed.groups import ProcessGroups, pair_group
+from dsnd.distributed.groups import ProcessGroups
 from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.engine.public import gathered_parameters
 from dsnd.model import LayerStack
@@ -56,7 +56,7 @@ def _strip_parameters(module: nn.Module) -> None:
 class _Tie:
     owner: bool
     peer: int  # global rank of the other stage's rank with the same (dp, tp)
-    group: dist.ProcessGroup  # the two ranks' own group (`pair_group`)
+    group: dist.ProcessGroup  # the two ranks' own group (`ProcessGroups.pairs`)
     holder: nn.Module  # the submodule whose attribute is the tied weight
     name: str
     shape: torch.Size
@@ -74,8 +74,8 @@ class TiedWeights:
         for tie in ties:
             # the owner and the borrower exchange on a group of their own: on NCCL the pipe
             # group's messages between two ranks share one in-order stream with its loss
-            # broadcast (eager mode), which the exchange then depends on. Every rank creates it.
-            group = pair_group(groups.topology, groups.rank, tie.owner, tie.borrower)
+            # broadcast (eager mode), which the exchange then depends on (`build_groups`)
+            group = groups.pairs[tie.owner, tie.borrower]
             if me not in (tie.owner, tie.borrower):
                 continue
             module = stack.tied_modules[tie.key]

@@ -18,7 +18,7 @@ from dsnd.errors import UserError
 from dsnd.model import layer_specs, param_groups
 from dsnd.model.count import expert_table, layer_table
 from dsnd.model.layer_spec import TiedLayerSpec
-from dsnd.model.moe import EXPERT_WEIGHTS
+from dsnd.model.moe_config import EXPERT_WEIGHTS
 from dsnd.model.source import ModelSpec
 from dsnd.plan.partition import PartitionMethod, partition
 from dsnd.plan.schedule import (

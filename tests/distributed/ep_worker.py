@@ -5,7 +5,7 @@ Usage (every rank): python tests/distributed/ep_worker.py OUT.json
 Every rank builds the same seeded MoE block of each family (Mixtral: top-2 of 4 renormalised;
 Qwen3-MoE: top-2 of 8; Qwen2-MoE: top-4 of 8 with a shared expert) and its own tokens; the
 reference runs the whole block on every rank's tokens at once. With the experts split
-(`dsnd.ep`), each rank records the largest differences of its output, its input gradient, its
+(`dsnd.moe`), each rank records the largest differences of its output, its input gradient, its
 local experts' gradients (every rank's tokens' contributions) and its router gradient (its own
 tokens' share, summed over the group) against the reference, each relative to the reference's
 largest magnitude (1 + max |ref|), and how many experts it computes and holds.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch.distributed as dist  # noqa: E402
 
-from dsnd.ep import ExpertParallel, parallelize_experts  # noqa: E402
+from dsnd.moe import ExpertParallel, parallelize_experts  # noqa: E402
 from tests.distributed.worker import everyone, this_rank, world, write_json  # noqa: E402
 from tests.models import spec_of  # noqa: E402
 

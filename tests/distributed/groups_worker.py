@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dsnd.distributed.groups import build_groups  # noqa: E402
 from dsnd.distributed.mpu import Mpu  # noqa: E402
+from dsnd.engine.deepspeed_api import pipe_topology  # noqa: E402
 from dsnd.topology import Topology  # noqa: E402
 from tests.distributed.worker import everyone, this_rank, world, write_json  # noqa: E402
 
@@ -35,7 +36,7 @@ def check_layout(pp: int, tp: int) -> dict:
 
     topo = Topology.from_world(dist.get_world_size(), pp, tp)
     groups = build_groups(topo)
-    grid = PipelineParallelGrid(topology=topo.to_deepspeed())
+    grid = PipelineParallelGrid(topology=pipe_topology(topo.pp, topo.tp, topo.dp))
     mpu = Mpu(groups)
 
     # one real collective over dsnd's data group: each member contributes its global rank

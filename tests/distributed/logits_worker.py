@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
-from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.groups import run_groups  # noqa: E402
 from dsnd.model.hf_io import load_hf_stage  # noqa: E402
 from dsnd.pipeline.stage import build_stage  # noqa: E402
 from dsnd.tp import gather_from_tp  # noqa: E402
@@ -61,7 +61,7 @@ def main(out_path: str, cases_path: str) -> None:
     results = {}
     with world(info, timeout_s=120):
         for case, res in zip(cases, resolved, strict=True):
-            out = logits(res, build_groups(res.topology))
+            out = logits(res, run_groups(res))
             if out is not None:
                 results[case["name"]] = out.tolist()
     last = resolved[0].topology.rank(resolved[0].topology.pp - 1, 0, 0)

@@ -10,7 +10,7 @@ One 4-rank job:
   norm, summed from fp16 gradients, within 1e-2 (measured: 2.1e-3).
 - The initial scale 2^18: the first steps overflow and are skipped, the scale falls (after
   DeepSpeed's hysteresis of 2), then steps apply; every rank of both stages skips the same
-  steps (the trainer raises otherwise: `dsnd.telemetry.check_skips_agree`). 5 steps + save +
+  steps (the trainer raises otherwise: `dsnd.report.telemetry.check_skips_agree`). 5 steps + save +
   resume 5 equal 10 straight bit for bit, the scale and the count of skipped steps included
   (the scaler's state is in the checkpoint; a fresh scaler would start again at 2^18 and skip
   again). Where the overflows fall depends on the data-parallel layout (each rank checks its

@@ -9,9 +9,9 @@ import math
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dsnd.flops import flops_per_token
-from dsnd.phases import PHASES
-from dsnd.telemetry import MEMORY
+from dsnd.pipeline.phases import PHASES
+from dsnd.report.flops import flops_per_token
+from dsnd.report.telemetry import MEMORY
 from tests.distributed.parity import case, run_cases
 from tests.models import spec_of
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from dsnd.checkpoint.resume import choose_resume  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
-from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.groups import run_groups  # noqa: E402
 from dsnd.trainer import train  # noqa: E402
 from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 
@@ -35,7 +35,7 @@ def main(out_path: str, cases_path: str) -> None:
                 results[case["name"]] = reference_rows(res)
             else:  # checkpoint.resume decides, as in `dsnd train` (auto: the newest valid one)
                 resume = choose_resume(res.run)
-                results[case["name"]] = train(res, build_groups(res.topology), resume)
+                results[case["name"]] = train(res, run_groups(res), resume)
     write_json(out_path, results, info.rank)
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import dsnd.model.stack as specs_module  # noqa: E402
 from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
-from dsnd.distributed.groups import build_groups  # noqa: E402
+from dsnd.distributed.groups import run_groups  # noqa: E402
 from dsnd.pipeline.stage import build_stage  # noqa: E402
 from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 
@@ -52,7 +52,7 @@ def main(out_path: str) -> None:
     specs_module.init_layer = measured_init_layer
     try:
         with world(info, timeout_s=60):
-            stack = build_stage(res, build_groups(res.topology))
+            stack = build_stage(res, run_groups(res))
             params = list(stack.parameters())
             result = {
                 "stage_bytes": sum(p.ds_numel * p.element_size() for p in params),

@@ -253,7 +253,7 @@ from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.data import load_corpus
 from dsnd.distributed.discover import discover
-from dsnd.distributed.groups import build_groups
+from dsnd.distributed.groups import run_groups
 from dsnd.distributed.init import init_world, shutdown
 from dsnd.errors import Diverged
 from dsnd.pipeline.runner import StageRunner
@@ -261,7 +261,7 @@ from dsnd.pipeline.runner import StageRunner
 root = sys.argv[1]
 res = resolve(load(None, [f"checkpoint.dir={root}"]), 1)
 init_world(discover({}), 60)
-groups = build_groups(res.topology)
+groups = run_groups(res)
 engine = StageRunner(res, groups).engine
 corpus = load_corpus(None)
 print(save_checkpoint(engine, res, groups, 1, root, corpus, "j"))

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from dsnd.checkpoint.layout import CheckpointError
+from dsnd.checkpoint.files import CheckpointError
 from dsnd.checkpoint.resume import compare_with_checkpoint
 from dsnd.commands.launch import absolute_path_sets
 from dsnd.config.load import load
 from dsnd.config.schema import DataConfig, ModelConfig, RunConfig
 from dsnd.data import SampleSet, batch_for_step
+from dsnd.data.batch_extras import batch_extras, sample_sets
 from dsnd.data.blend import PERIOD, BlendedSamples, schedule
 from dsnd.data.check import check_data
-from dsnd.data.layout import sample_sets, step_layout
 from dsnd.data.sources import load_data
 from dsnd.errors import UserError
 from tests.models import spec_of
@@ -90,7 +90,7 @@ def test_a_blend_of_token_files_trains_and_is_recorded(tmp_path):
     corpus = load_data(data, ModelConfig())
     assert corpus.weights == (0.75, 0.25)
     train, held = sample_sets(corpus, 8, "documents", 0.1)
-    layout = step_layout(train, 0, 0, 8, 0, 2, 2)
+    layout = batch_extras(train, 0, 0, 8, 0, 2, 2)
     assert len(layout.weights) == 2 and layout.documents[0].shape == (2, 8)
     assert len(held) == 10 + 5 and isinstance(held, BlendedSamples)
     files = corpus.manifest()["blend"]

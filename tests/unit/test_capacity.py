@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dsnd.model.capacity import Capacity, keep_mask
+from dsnd.moe.capacity import Capacity, keep_mask
 from tests.config_errors import resolve_error
 from tests.models import spec_of
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from dsnd import cli
 from dsnd.checkpoint.commit import write_manifest
 from dsnd.checkpoint.contents import expected_tensors, tensor_file
-from dsnd.checkpoint.layout import (
+from dsnd.checkpoint.files import (
     MANIFEST,
     MANIFEST_SUM,
     MAX_STEP,

@@ -1,4 +1,4 @@
-"""dsnd/checkpoint/layout.py and commit.py on real files: commit, keep-N, leftovers, choosing
+"""dsnd/checkpoint/files.py and commit.py on real files: commit, keep-N, leftovers, choosing
 the checkpoint to resume from, the root checked before a run (no processes; a one-tensor model
 stands in for a real one)."""
 
@@ -18,7 +18,7 @@ from dsnd.checkpoint.commit import (
     write_atomic,
     write_manifest,
 )
-from dsnd.checkpoint.layout import (
+from dsnd.checkpoint.files import (
     FORMAT,
     CheckpointError,
     check_root,

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from dsnd import cli
 from dsnd.checkpoint.commit import write_manifest
-from dsnd.checkpoint.layout import FORMAT, model_file, optim_file, rng_file, step_dir_name
+from dsnd.checkpoint.files import FORMAT, model_file, optim_file, rng_file, step_dir_name
 from dsnd.model.export_dir import EXPORT_MARKER
 from dsnd.model.stack import build_model
 from tests.models import spec_of

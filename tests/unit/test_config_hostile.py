@@ -454,7 +454,7 @@ def test_refusal_names_the_run_key_to_use(train, key, names):
 
 
 def test_saved_configs_rerun_the_same_run(tmp_path, monkeypatch):
-    from dsnd.report import save_resolved_configs
+    from dsnd.report.reporter import save_resolved_configs
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "conf").mkdir()
@@ -481,7 +481,7 @@ def test_saved_configs_rerun_the_same_run(tmp_path, monkeypatch):
 
 
 def test_saved_configs_of_the_packaged_default_rerun(tmp_path):
-    from dsnd.report import save_resolved_configs
+    from dsnd.report.reporter import save_resolved_configs
 
     res = resolve(load(None, ["train.lr_scaling=sqrt", "ds.train_batch_size=64"]), 2)
     save_resolved_configs(res, str(tmp_path))

@@ -27,7 +27,7 @@ MEASURE = textwrap.dedent(f"""
     from dsnd.data import batch_for_step
     from dsnd.data.check import check_data
     from dsnd.data.held_out import split_samples
-    from dsnd.data.layout import step_layout
+    from dsnd.data.batch_extras import batch_extras
     from dsnd.data.sources import load_data
 
     def status(key):  # bytes
@@ -47,7 +47,7 @@ MEASURE = textwrap.dedent(f"""
         mapped = status("VmHWM:")
         for step in range(3):
             where = (run.train.seed, step, 64, 1, 2, 8)
-            batch_for_step(train, *where), step_layout(train, *where)
+            batch_for_step(train, *where), batch_extras(train, *where)
         return {{"seconds": time.perf_counter() - t0, "before": before, "mapped": mapped,
                  "peak": status("VmHWM:"), "samples": len(train)}}
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from dsnd.config.schema import DataConfig, ModelConfig
+from dsnd.data.batch_extras import sample_sets
 from dsnd.data.check import check_data
 from dsnd.data.corpus import Corpus
 from dsnd.data.counted import counted_line
-from dsnd.data.layout import sample_sets
 from dsnd.data.sources import load_data
 from dsnd.errors import UserError
 from tests.chat_data import chat_jsonl, conversations, word_tokenizer

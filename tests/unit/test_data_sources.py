@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from dsnd.config.schema import DataConfig, ModelConfig
 from dsnd.data import batch_for_step
+from dsnd.data.batch_extras import batch_extras, sample_sets
 from dsnd.data.check import check_data
-from dsnd.data.layout import sample_sets, step_layout
 from dsnd.data.sampler import global_batch_indices
 from dsnd.data.sources import load_data
 from dsnd.errors import UserError
@@ -211,7 +211,7 @@ def test_loss_weights_give_the_global_mean_on_every_layout(tmp_path, tok_dir):
             got = 0.0  # dsnd's: weighted micro-batch means, averaged over micro-batches and ranks
             for rank in range(dp):
                 where = (0, step, 8, rank, dp, micro)
-                weights = step_layout(samples, *where).weights
+                weights = batch_extras(samples, *where).weights
                 mine = indices[rank * 8 // dp : (rank + 1) * 8 // dp]
                 for k, ((_, y_m), w) in enumerate(zip(batch_for_step(samples, *where), weights,
                                                       strict=True)):  # fmt: skip
@@ -225,7 +225,7 @@ def test_unmasked_data_keeps_the_plain_mean():
     from dsnd.data.corpus import load_corpus
 
     samples, _ = sample_sets(load_corpus(None, max_bytes=20_000), 16, "stream")
-    assert step_layout(samples, 0, 0, 8, 0, 2, 2) is None  # the executor's path of before
+    assert batch_extras(samples, 0, 0, 8, 0, 2, 2) is None  # the executor's path of before
 
 
 def test_packing_needs_document_boundaries(tmp_path):

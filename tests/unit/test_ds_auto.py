@@ -253,7 +253,7 @@ def test_ds_config_check_reports_every_problem_and_exits_2(tmp_path, capsys):
 
 
 def test_deepspeed_monitors_are_written_by_dsnd_where_deepspeed_would(tmp_path):
-    from dsnd.report import Reporter
+    from dsnd.report.reporter import Reporter
 
     tb, csv = tmp_path / "tb", tmp_path / "csv"
     sets = [f"log.dir={tmp_path / 'run'}", "log.tensorboard=false",
@@ -290,7 +290,7 @@ def test_the_wandb_monitor_is_written_by_dsnd_offline(tmp_path, monkeypatch):
     """DeepSpeed's wandb section: dsnd's steps and scalars, in the project the section names,
     run files under log.dir. wandb 0.31 has no Python reader of its run file (its core is a Go
     service), so the test looks for the scalar, the project and the values in its bytes."""
-    from dsnd.report import Reporter
+    from dsnd.report.reporter import Reporter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

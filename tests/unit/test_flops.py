@@ -1,4 +1,4 @@
-"""FLOPs per token (dsnd/flops.py) against torch's own FlopCounterMode on the real model."""
+"""FLOPs per token (dsnd/report/flops.py) against torch's own FlopCounterMode on the real model."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dsnd.config.summary import precision
-from dsnd.flops import DEVICE_NAMES, flops_per_token, mfu_peak, peak_flops
-from dsnd.layouts.hardware import DEVICES, named_device
+from dsnd.layout_search.hardware import DEVICES, named_device
 from dsnd.model import build_model, lm_loss
 from dsnd.model.count import matmul_params
+from dsnd.report.flops import DEVICE_NAMES, flops_per_token, mfu_peak, peak_flops
 from tests.models import spec_of
 
 

@@ -19,13 +19,13 @@ import pytest
 import torch.distributed as dist
 
 from dsnd import cli
-from dsnd.checkpoint.layout import latest
+from dsnd.checkpoint.files import latest
 from dsnd.checkpoint.save import SIGINT_ENV, save_checkpoint
 from dsnd.checkpoint.verify import verify
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.data.corpus import load_corpus
-from dsnd.distributed.groups import build_groups
+from dsnd.distributed.groups import run_groups
 from dsnd.errors import WriteFailed
 from dsnd.pipeline.runner import StageRunner
 from tests.chat_data import chat_jsonl, conversations, word_tokenizer
@@ -79,7 +79,7 @@ def test_a_save_on_a_full_disk_keeps_the_previous_checkpoint(one_process, tiny_f
     res = resolve(load(None, ["log.tensorboard=false", f"checkpoint.dir={tiny_fs}"]), 1)
     corpus = load_corpus(None, max_bytes=10_000)
     with one_rank_world(str(tmp_path)):
-        groups = build_groups(res.topology)
+        groups = run_groups(res)
         engine = StageRunner(res, groups).engine  # no step yet: the weights alone, 0.9 MiB
         first = save_checkpoint(engine, res, groups, 1, str(tiny_fs), corpus, "j")
         free = os.statvfs(tiny_fs)

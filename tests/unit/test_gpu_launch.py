@@ -59,9 +59,9 @@ def test_local_ranks_run_on_the_cpu_with_no_gpu_visible_even_on_a_gpu_machine(mo
 @pytest.fixture(scope="module")
 def gpu_layouts():
     from dsnd.bench import gpu
-    from dsnd.layouts.hardware import DEVICES
-    from dsnd.layouts.search import Problem, plan
-    from dsnd.layouts.source import load
+    from dsnd.layout_search.hardware import DEVICES
+    from dsnd.layout_search.search import Problem, plan
+    from dsnd.layout_search.source import load
 
     _, shape, split = load(gpu.MODEL)
     pr = Problem(shape, split, 1, DEVICES["h200"], gpu.SEQ, gpu.MICRO_BATCH, bf16=True)
@@ -71,8 +71,8 @@ def gpu_layouts():
 def test_validate_names_gloo_and_the_cpu_and_bench_gpu_asks_for_cuda(monkeypatch, tmp_path,
                                                                      gpu_layouts):  # fmt: skip
     from dsnd.bench import gpu
-    from dsnd.layouts import validate
-    from dsnd.layouts.hardware import DEVICES
+    from dsnd.layout_search import validate
+    from dsnd.layout_search.hardware import DEVICES
 
     pr, layouts = gpu_layouts
     started = []

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dsnd.cp.loss import context_parallel_loss
-from dsnd.ep import ExpertParallel, ParallelExperts, expert_counts
-from dsnd.model.capacity import keep_mask
+from dsnd.moe import ExpertParallel, ParallelExperts, expert_counts
+from dsnd.moe.capacity import keep_mask
 from dsnd.tp import vocab_parallel_cross_entropy
 from tests.host_syncs import host_syncs
 from tests.models import spec_of

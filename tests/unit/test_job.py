@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from dsnd.checkpoint.commit import publish, temporary_dir, write_manifest
-from dsnd.checkpoint.layout import CheckpointError, step_dir_name
+from dsnd.checkpoint.files import CheckpointError, step_dir_name
 from dsnd.checkpoint.resume import checkpoint_root, choose_resume, compare_with_checkpoint
 from dsnd.checkpoint.root import RootLock, check_writable, probe_lock, run_dirs
 from dsnd.commands.launch import absolute_path_sets, with_restarts

@@ -11,10 +11,9 @@ import sys
 import dsnd
 
 LAYERS = [
-    "errors", "engine", "extensions", "secrets", "topology", "tp", "ep", "cp", "model", "plan",
-    "config", "data", "distributed", "flops", "phases", "pipeline", "progress", "stop_request",
-    "metrics", "telemetry", "report", "checkpoint", "trainer", "launcher", "layouts", "bench",
-    "commands", "cli", "__main__",
+    "errors", "fs", "engine", "extensions", "secrets", "topology_rules", "topology", "tp", "cp", "model", "moe",
+    "plan", "config", "data", "distributed", "pipeline", "stop_request", "report", "checkpoint",
+    "trainer", "launcher", "layout_search", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent
 
@@ -137,3 +136,51 @@ def test_the_plan_config_model_and_topology_import_without_deepspeed():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          cwd=ROOT.parent, timeout=120)  # fmt: skip
     assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr[-2000:]
+
+
+DEGREES = {"pp", "dp", "tp", "cp", "ep", "dp_shard"}
+
+
+def degree_reads(path: pathlib.Path) -> list[str]:
+    """Where `path` reads a parallel degree from the run config: ``<x>.parallel.<degree>``, a
+    degree of a name bound to ``<x>.parallel``, ``getattr(<x>.parallel, "<degree>")``, or hpZ's
+    size (``zero_hpz_partition_size``) from the DeepSpeed JSON."""
+    tree = ast.parse(path.read_text())
+    where = path.relative_to(ROOT) if ROOT in path.parents else path.name
+    bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+             and isinstance(n.value, ast.Attribute) and n.value.attr == "parallel"
+             for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+
+    def is_parallel(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "parallel") or (
+            isinstance(node, ast.Name) and node.id in bound)
+
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr in DEGREES and is_parallel(n.value):
+            found.append(f"{where}:{n.lineno} .{n.attr}")
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr"
+              and n.args and is_parallel(n.args[0])):  # fmt: skip
+            found.append(f"{where}:{n.lineno} getattr")
+        elif isinstance(n, ast.Constant) and n.value == "zero_hpz_partition_size":
+            found.append(f"{where}:{n.lineno} zero_hpz_partition_size")
+    return found
+
+
+def test_no_degree_is_read_from_the_run_config_outside_config():
+    """Every parallel degree is read once, into `Topology` (dsnd/config/resolve.py); everything
+    else asks the topology (`res.topology.ep`) or its groups (`groups.expert`)."""
+    found = [hit for path in sorted(ROOT.rglob("*.py")) if _part(path) != "config"
+             for hit in degree_reads(path)]  # fmt: skip
+    assert found == []
+
+
+def test_the_degree_scan_finds_each_way_of_reading_one(tmp_path):
+    """The scan above is not vacuous: each form it looks for is found."""
+    src = tmp_path / "probe.py"
+    src.write_text("par = res.run.parallel\na = par.ep\nb = res.run.parallel.dp_shard\n"
+                   "c = getattr(run.parallel, 'tp')\nd = zero['zero_hpz_partition_size']\n"
+                   "e = res.topology.ep\nf = run.parallel.schedule\n")  # fmt: skip
+    hits = degree_reads(src)
+    assert [h.split(" ", 1)[1] for h in hits] == [".ep", ".dp_shard", "getattr",
+                                                  "zero_hpz_partition_size"]  # fmt: skip

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from dsnd.engine.deepspeed_api import estimate_model_states
-from dsnd.layouts import memory as mem
-from dsnd.layouts import selene
-from dsnd.layouts.hardware import DEVICES
-from dsnd.layouts.search import Problem, plan
-from dsnd.layouts.shape import from_model, gpt
-from dsnd.layouts.source import stage_split
-from dsnd.layouts.timing import in_flight, schedule_bubble
+from dsnd.layout_search import memory as mem
+from dsnd.layout_search import selene
+from dsnd.layout_search.hardware import DEVICES
+from dsnd.layout_search.search import Problem, plan
+from dsnd.layout_search.shape import from_model, gpt
+from dsnd.layout_search.source import stage_split
+from dsnd.layout_search.timing import in_flight, schedule_bubble
 from dsnd.model.source import load_model
 from dsnd.plan.schedule import StageRole, bubble, compute_order, max_in_flight, program, timeline
 
@@ -143,16 +143,16 @@ def test_moe_layouts_keep_experts_whole_and_count_active_flops():
 
 def test_published_moe_runs():
     """Megatron-Core's Mixtral 8x7B (468 TFLOP/s per H100, TP1 EP8 PP4 VP8 on 64) and
-    Megatron-Bridge's Qwen3-30B-A3B (16 H100, PP2 VP24 EP8; `dsnd.layouts.moe_runs` cites
+    Megatron-Bridge's Qwen3-30B-A3B (16 H100, PP2 VP24 EP8; `dsnd.layout_search.moe_runs` cites
     both), neither fitted: measured ÷ predicted 0.92 and 0.94 (the 25.09 token-drop figure),
     inside the 0.79-1.12 the dense H100 runs span; the 25.11 dropless FP8 figure is 1.87x slower
     than predicted (the planner models neither fine-grained experts' small GEMMs nor the
     permutations around the all-to-alls: docs/planning.md). Mixtral fits 80 GB only with its
     experts split: at ep=1 each rank would hold all 8 experts' weights and gradients
     (+36.8 GiB)."""
-    from dsnd.layouts import moe_runs
-    from dsnd.layouts.search import Layout, evaluate
-    from dsnd.layouts.timing import uniform_stages
+    from dsnd.layout_search import moe_runs
+    from dsnd.layout_search.search import Layout, evaluate
+    from dsnd.layout_search.timing import uniform_stages
 
     mixtral, qwen = moe_runs.RUNS
     assert moe_runs.flops_per_token(mixtral) == pytest.approx(82.93e9, rel=1e-4)

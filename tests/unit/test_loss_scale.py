@@ -9,7 +9,7 @@ import torch
 
 from dsnd.config.load import load
 from dsnd.errors import UserError, problems_of
-from dsnd.telemetry import STATS, check_skips_agree
+from dsnd.report.telemetry import STATS, check_skips_agree
 
 
 def _stats(skipped: list[bool]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dsnd.model import (
 from dsnd.model.hf_io import write_hf_dir
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
 from dsnd.model.layer_spec import TiedLayerSpec
-from dsnd.model.router_aux import RouterAux
+from dsnd.moe.router_aux import RouterAux
 from tests.models import spec_of
 
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsnd import cli
-from dsnd.checkpoint.layout import CheckpointError, step_dir_name
+from dsnd.checkpoint.files import CheckpointError, step_dir_name
 from dsnd.checkpoint.root import RootLock
 from dsnd.errors import UserError
 from tests.models import spec_of

@@ -9,12 +9,12 @@ from dataclasses import fields
 
 import pytest
 
-from dsnd.layouts import calibration, dense_runs, render
-from dsnd.layouts.hardware import ACCURACY, DEVICES, FITTED, GENERATIONS
-from dsnd.layouts.search import Layout, Problem, evaluate, explain
-from dsnd.layouts.shape import from_model
-from dsnd.layouts.source import load
-from dsnd.layouts.timing import _collective_link
+from dsnd.layout_search import calibration, dense_runs, render
+from dsnd.layout_search.hardware import ACCURACY, DEVICES, FITTED, GENERATIONS
+from dsnd.layout_search.search import Layout, Problem, evaluate, explain
+from dsnd.layout_search.shape import from_model
+from dsnd.layout_search.source import load
+from dsnd.layout_search.timing import _collective_link
 
 
 def test_fitted_efficiencies_are_the_fit_of_the_published_runs():
@@ -129,7 +129,7 @@ def test_memory_in_words_and_the_mfu_range_in_the_table():
 
 
 def test_run_yaml_comment_carries_the_prediction_and_its_range():
-    from dsnd.layouts.emit import comment
+    from dsnd.layout_search.emit import comment
 
     lay = _lay(1, 6.94, 40)
     lay.mfu, lay.mfu_range = 0.491, (0.388, 0.550)

@@ -8,9 +8,9 @@ from matplotlib import image
 
 from dsnd import cli
 from dsnd.commands.plot import plot_runs
-from dsnd.metrics import MetricsWriter
-from dsnd.progress import Progress
-from dsnd.report import start_mark
+from dsnd.report.metrics import MetricsWriter
+from dsnd.report.progress import Progress
+from dsnd.report.reporter import start_mark
 
 
 def write_run(log_dir, scale: float, steps: int = 6, resumed_at: int | None = None) -> None:

@@ -8,8 +8,8 @@ import logging
 
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
-from dsnd.progress import Progress, rank_prefix
-from dsnd.report import Reporter
+from dsnd.report.progress import Progress, rank_prefix
+from dsnd.report.reporter import Reporter
 from dsnd.topology import Topology
 
 
@@ -36,7 +36,7 @@ def test_live_line_on_a_terminal_with_eta():
 
 def test_plain_lines_every_n_steps_off_a_terminal_and_eta_after_resume(caplog):
     progress = Progress(total=15, every=2, stream=io.StringIO())
-    with caplog.at_level(logging.INFO, logger="dsnd.progress"):
+    with caplog.at_level(logging.INFO, logger="dsnd.report.progress"):
         for step in range(11, 16):
             progress.update(row(step, step_time=60.0))
     lines = [r.getMessage() for r in caplog.records]
@@ -62,7 +62,7 @@ def test_tokens_per_s_and_eta_are_a_moving_average_but_metrics_keep_each_step(tm
     res = resolve(load(None, [f"log.dir={log_dir}", "log.tensorboard=false",
                               "train.steps=100"]), 1)  # fmt: skip
     reporter = Reporter(res)
-    with caplog.at_level(logging.INFO, logger="dsnd.progress"):
+    with caplog.at_level(logging.INFO, logger="dsnd.report.progress"):
         for step in range(1, 31):
             reporter.write(jumpy(step), {})
     reporter.close()

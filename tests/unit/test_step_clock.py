@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsnd.phases import PHASES
 from dsnd.pipeline.clock import StepClock, phase_times
+from dsnd.pipeline.phases import PHASES
 from tests.unit.test_schedule import parse
 
 PROGRAM = parse("recv_act0 F0 send_act0 recv_grad0 B0 send_grad0 reduce step")

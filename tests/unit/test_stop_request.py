@@ -9,8 +9,8 @@ import signal
 import pytest
 import torch
 
+from dsnd.report.telemetry import STATS, stop_agreed
 from dsnd.stop_request import StopRequest
-from dsnd.telemetry import STATS, stop_agreed
 
 
 def test_sigterm_sets_the_flag_and_handlers_are_restored():

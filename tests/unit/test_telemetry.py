@@ -6,7 +6,7 @@ import pytest
 
 
 def test_expert_load_tags_each_moe_layer_and_skips_dense_blocks():
-    from dsnd.telemetry import expert_load
+    from dsnd.report.telemetry import expert_load
 
     tags, counts = expert_load([[0.0, 0.0, 0.0, 0.0], [8.0, 4.0, 2.0, 2.0], [4.0, 4.0, 4.0, 4.0]])
     assert counts == {"1": [8, 4, 2, 2], "2": [4, 4, 4, 4]}  # block 0 is dense
@@ -17,7 +17,7 @@ def test_expert_load_tags_each_moe_layer_and_skips_dense_blocks():
 
 
 def test_expert_parallel_runs_tag_the_share_of_rows_sent_off_rank():
-    from dsnd.telemetry import expert_load
+    from dsnd.report.telemetry import expert_load
 
     load = [[0.0, 0.0], [6.0, 2.0], [4.0, 4.0]]
     tags, _ = expert_load(load, [0.0, 2.0, 6.0])
@@ -52,7 +52,7 @@ def test_a_cuda_step_starts_by_resetting_the_peak_and_reports_reserved_bytes():
     the reported peak is the step's own; reserved bytes are reported beside it."""
     import torch
 
-    from dsnd.telemetry import rank_memory, start_step_memory
+    from dsnd.report.telemetry import rank_memory, start_step_memory
 
     cuda, gpu = _FakeCuda(), torch.device("cuda", 0)  # a device object needs no GPU
     start_step_memory(gpu, cuda)
@@ -71,8 +71,8 @@ def test_reserved_bytes_are_tagged_where_measured_and_absent_on_cpu():
 
     import torch
 
-    from dsnd.report import step_row
-    from dsnd.telemetry import STATS, step_numbers
+    from dsnd.report.reporter import step_row
+    from dsnd.report.telemetry import STATS, step_numbers
     from dsnd.topology import Topology
 
     topology = Topology(pp=2, dp=1, tp=1)
@@ -111,7 +111,7 @@ def test_the_trainer_resets_the_peak_before_the_step_runs(monkeypatch):
     monkeypatch.setattr(trainer, "start_step_memory", lambda d: events.append(f"reset {d}"))
     monkeypatch.setattr(trainer, "current_scale", lambda engine: 1.0)
     monkeypatch.setattr(trainer, "batch_for_step", lambda *a: [])
-    monkeypatch.setattr(trainer, "step_layout", lambda *a: None)
+    monkeypatch.setattr(trainer, "batch_extras", lambda *a: None)
     res = NS(run=NS(train=NS(seed=0)), batch=NS(train=4, micro=1), topology=NS(dp=1))
     st = NS(runner=NS(engine=engine, run=run), samples=None)
     with pytest.raises(Stop):

@@ -14,9 +14,9 @@ import yaml
 from dsnd.config.load import default_config_path
 from dsnd.config.schema import DataConfig, ModelConfig
 from dsnd.data import batch_for_step
+from dsnd.data.batch_extras import batch_extras, sample_sets
 from dsnd.data.check import check_data
 from dsnd.data.corpus import STDLIB_BYTES, Corpus, load_corpus
-from dsnd.data.layout import sample_sets, step_layout
 from dsnd.data.sampler import IGNORE_INDEX, global_batch_indices
 from dsnd.data.shuffle import TABLE_SAMPLES, epoch_samples, feistel
 from dsnd.data.sources import load_data
@@ -98,7 +98,7 @@ def test_document_starts_and_mask_of_a_token_file(tmp_path):
         assert np.array_equal((y == IGNORE_INDEX).numpy(), ~counted | crossing)
         tokens = ids[first * 17 : (first + len(samples)) * 17].reshape(-1, 17)
         assert np.array_equal(x.numpy(), tokens[:, :-1])
-    layout = step_layout(train, 0, 1, 8, 1, 2, 2)
+    layout = batch_extras(train, 0, 1, 8, 1, 2, 2)
     assert len(layout.weights) == 2 and layout.documents[0].shape == (2, 16)
 
 

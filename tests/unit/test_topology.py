@@ -141,19 +141,59 @@ def test_expert_groups_are_carved_out_of_data_parallel():
     """pp=2 x dp=4 x tp=1, ep=2: each stage's data group [0..3] / [4..7] splits into runs of
     two (the ranks that exchange tokens) and the ranks at the same place of each run (which
     hold the same experts)."""
-    topo = Topology(pp=2, dp=4, tp=1)
-    assert topo.expert_groups(2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert topo.expert_data_groups(2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert topo.expert_groups(4) == topo.groups("data")
-    assert topo.expert_data_groups(1) == topo.groups("data")
-    with_tp = Topology(pp=1, dp=2, tp=2)  # tensor-parallel peers are neighbours: 0,1 | 2,3
-    assert with_tp.expert_groups(2) == [[0, 2], [1, 3]]
+    topo = Topology(pp=2, dp=4, tp=1, ep=2)
+    assert topo.expert_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.expert_data_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert Topology(pp=2, dp=4, tp=1, ep=4).expert_groups() == topo.groups("data")
+    assert Topology(pp=2, dp=4, tp=1).expert_data_groups() == topo.groups("data")
+    with_tp = Topology(pp=1, dp=2, tp=2, ep=2)  # tensor-parallel peers are neighbours: 0,1 | 2,3
+    assert with_tp.expert_groups() == [[0, 2], [1, 3]]
     # with context parallelism the experts' ZeRO group takes the context-parallel peers too
-    with_cp = Topology(pp=1, dp=2, tp=1, cp=2)
-    ep_groups, edp = with_cp.expert_groups(2), with_cp.expert_data_groups(2)
+    with_cp = Topology(pp=1, dp=2, tp=1, cp=2, ep=2)
+    ep_groups, edp = with_cp.expert_groups(), with_cp.expert_data_groups()
     assert all({with_cp.coord(r).cp for r in g} == {with_cp.coord(g[0]).cp} for g in ep_groups)
     assert sorted(len(g) for g in edp) == [2, 2]
     assert all({with_cp.coord(r).dp for r in g} == {with_cp.coord(g[0]).dp} for g in edp)
     assert sorted(r for g in edp for r in g) == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="expert-parallel size 3 does not divide dp=4"):
-        topo.expert_groups(3)
+    with pytest.raises(UserError, match=r"parallel.ep=3 must divide the data-parallel size dp=4"):
+        Topology(pp=2, dp=4, tp=1, ep=3)
+
+
+def test_hybrid_sharding_and_hpz_groups_are_runs_of_each_stages_zero_group():
+    """dp_shard=2 at pp=2 x dp=4: ZeRO-3 shards over runs of two consecutive ranks of each
+    stage's data group and gradients are averaged across the runs; hpZ's secondary partition
+    is cut the same way. dp_shard = dp is plain ZeRO-3 (no groups of its own)."""
+    hsdp = Topology(pp=2, dp=4, tp=1, dp_shard=2)
+    assert hsdp.shard_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert hsdp.replicate_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    plain = Topology(pp=2, dp=4, tp=1, dp_shard=4)
+    assert plain == Topology(pp=2, dp=4, tp=1) and plain.dp_shard == 0
+    assert plain.shard_groups() == plain.zero_groups() and plain.replicate_groups() == []
+    assert Topology(pp=2, dp=4, tp=1, hpz=2).runs_of(2) == hsdp.shard_groups()
+
+
+@pytest.mark.parametrize(
+    "degrees, message",
+    [
+        ({"dp": 4, "ep": 0}, "parallel.ep=0 must be >= 1"),
+        ({"dp": 4, "dp_shard": 3}, "parallel.dp_shard=3 must divide the data-parallel size dp=4 "
+         "(or be null or 0: shard over all of dp)"),
+        ({"dp": 4, "dp_shard": -2}, "parallel.dp_shard=-2 must divide"),
+        ({"dp": 4, "hpz": 3, "hpz_from": "z3.json"},
+         "z3.json: zero_optimization.zero_hpz_partition_size=3 must divide each stage's "
+         "data-parallel size dp=4"),
+        ({"dp": 4, "dp_shard": 2, "hpz": 2, "hpz_from": "z3.json"},
+         "parallel.dp_shard=2 and zero_optimization.zero_hpz_partition_size=2 (z3.json) both "
+         "choose where ZeRO-3 gathers parameters from; set one of them"),
+        ({"dp": 4, "cp": 2, "dp_shard": 2}, "parallel.dp_shard=2 with parallel.cp=2 is not "
+         "supported"),
+        ({"dp": 4, "ep": 2, "dp_shard": 2}, "parallel.ep=2 with parallel.dp_shard=2 is not "
+         "supported"),
+        ({"dp": 4, "ep": 2, "hpz": 2, "hpz_from": "z3.json"}, "parallel.ep=2 at ZeRO stage 3 "
+         "(z3.json) with zero_optimization.zero_hpz_partition_size=2 is not supported"),
+    ],
+)  # fmt: skip
+def test_every_rule_about_degrees_is_checked_when_a_topology_is_built(degrees, message):
+    with pytest.raises(UserError) as e:
+        Topology(pp=1, tp=1, **degrees)
+    assert message in str(e.value)

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
-from dsnd.report import Reporter, start_mark
+from dsnd.report.reporter import Reporter, start_mark
 
 DP2 = {"pp": 1, "dp": 2, "tp": 1, "cp": 1, "ep": 1, "world": 2}
 PP2 = {**DP2, "pp": 2, "dp": 1}

@@ -11,7 +11,7 @@ import pytest
 
 from dsnd import cli
 from dsnd.config.packaged import packaged_json
-from dsnd.layouts.zero_sizes import (
+from dsnd.layout_search.zero_sizes import (
     TEST_BUCKET,
     drop_torch_adam_beside_offload,
     one_sub_group_per_stage,

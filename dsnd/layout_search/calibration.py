@@ -1,5 +1,5 @@
-"""The time model's efficiencies fitted to published runs (`dsnd.layouts.dense_runs`), and how far
-those runs fall from the fitted model (`dsnd.layouts.hardware.FITTED`, `ACCURACY`).
+"""The time model's efficiencies fitted to published runs (`dsnd.layout_search.dense_runs`), and
+how far those runs fall from the fitted model (`dsnd.layout_search.hardware.FITTED`, `ACCURACY`).
 
 A run's predicted step is its work by kind at the device's peaks (`timing.StepCost`), each kind
 divided by its efficiency. Six numbers are fitted: the GEMM and the attention-core efficiency of
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dsnd.layouts import dense_runs
-from dsnd.layouts.dense_runs import DenseRun
-from dsnd.layouts.hardware import DEVICES, GENERATIONS, Accuracy, Efficiency
+from dsnd.layout_search import dense_runs
+from dsnd.layout_search.dense_runs import DenseRun
+from dsnd.layout_search.hardware import DEVICES, GENERATIONS, Accuracy, Efficiency
 
 GENS = ("ampere", "hopper")
 
@@ -126,7 +126,7 @@ def accuracy() -> dict[str, Accuracy]:
 
 def report() -> list[str]:
     """Every published run: its MFU as published and as predicted, measured ÷ predicted, and
-    whether it was fitted (`python -m dsnd.layouts.calibration` prints it)."""
+    whether it was fitted (`python -m dsnd.layout_search.calibration` prints it)."""
     lines = ["measured/predicted  published MFU  predicted MFU  run"]
     for run, ratio in ratios():
         got = dense_runs.mfu(run, dense_runs.published_s(run))

@@ -1,6 +1,7 @@
 """A chosen layout as the two files a run reads: a run YAML and its DeepSpeed JSON (dsnd's
 packaged ZeRO JSON of the layout's stage, with the layout's batch sizes and precision; for a
-GPU its ZeRO buffers sized to the model and DeepSpeed's own Adam, `dsnd.layouts.zero_sizes`)."""
+GPU its ZeRO buffers sized to the model and DeepSpeed's own Adam,
+`dsnd.layout_search.zero_sizes`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any
 import yaml
 
 from dsnd.config.packaged import packaged_json
-from dsnd.layouts.search import Layout
-from dsnd.layouts.source import PARTITION
-from dsnd.layouts.zero_sizes import (
+from dsnd.layout_search.search import Layout
+from dsnd.layout_search.source import PARTITION
+from dsnd.layout_search.zero_sizes import (
     drop_torch_adam_beside_offload,
     gpu_sized,
     one_sub_group_per_stage,
@@ -57,7 +58,7 @@ def run_yaml(lay: Layout, model: str, preset: bool, seq: int) -> dict[str, Any]:
 
 def comment(lay: Layout) -> str:
     """The plan's prediction for the layout, as the run YAML's leading comment lines."""
-    from dsnd.layouts.render import memory_words
+    from dsnd.layout_search.render import memory_words
 
     spread = "" if lay.mfu_range is None else (
         " (published runs: {:.1%}-{:.1%})".format(*lay.mfu_range).replace("%-", "-"))

@@ -14,9 +14,9 @@ import yaml
 
 from dsnd.config.ds_monitors import monitor_dir
 from dsnd.config.resolve import Resolved
-from dsnd.metrics import CsvWriter, MetricsWriter, TensorBoardWriter, WandbWriter
-from dsnd.model.moe import active_share
-from dsnd.progress import Progress
+from dsnd.model.moe_config import active_share
+from dsnd.report.metrics import CsvWriter, MetricsWriter, TensorBoardWriter, WandbWriter
+from dsnd.report.progress import Progress
 from dsnd.secrets import mask_config
 from dsnd.topology import Topology
 
@@ -61,10 +61,10 @@ def step_row(step: int, loss: float, lr: float, norm: float | None, elapsed: flo
     }
 
 
-def layout_of(topology: Topology, ep: int) -> dict[str, int]:
+def layout_of(topology: Topology) -> dict[str, int]:
     """A run's parallel layout, as metrics.jsonl's "run_start" records it."""
     return {"pp": topology.pp, "dp": topology.dp, "tp": topology.tp, "cp": topology.cp,
-            "ep": ep, "world": topology.world_size}  # fmt: skip
+            "ep": topology.ep, "world": topology.world_size}  # fmt: skip
 
 
 def saved_layout(manifest: dict) -> dict[str, int]:

@@ -73,7 +73,7 @@ class ModelShape:
 
 def from_model(model: ModelSpec, name: str) -> ModelShape:
     from dsnd.model.count import expert_table, layer_table, matmul_params
-    from dsnd.model.moe import num_experts, token_ffn
+    from dsnd.model.moe_config import num_experts, token_ffn
 
     table = layer_table(model)
     per_block = (matmul_params(model) - model.vocab_size * model.hidden_size) // model.num_layers

@@ -3,8 +3,8 @@ shape and its split into stages as `parallel.partition: parameters` splits it.""
 
 from __future__ import annotations
 
-from dsnd.layouts.search import Split
-from dsnd.layouts.shape import ModelShape, from_model
+from dsnd.layout_search.search import Split
+from dsnd.layout_search.shape import ModelShape, from_model
 from dsnd.model.source import ModelSpec, load_model
 from dsnd.plan.partition import partition
 

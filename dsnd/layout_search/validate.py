@@ -1,13 +1,13 @@
 """``dsnd plan --validate``: run layouts here and compare the plan's predictions with what they
 measure.
 
-Each layout runs as the files ``--out`` would write (`dsnd.layouts.emit`), through ``dsnd train``
-on this machine's ranks (gloo, one thread each), for a few steps. Measured memory is the busiest
-stage's model-state bytes plus the activations autograd saved (what dsnd's telemetry reports on a
-CPU, which keeps no allocator statistics), sampled at the step's end; predicted, the same parts:
-parameters, optimizer states, activations and, at ZeRO-3, the gradient partition DeepSpeed keeps
-between steps (ZeRO 0-2 free their gradients at each step's end, so neither side has them there;
-`dsnd bench zero-memory` checks gradients after a backward). Communication buffers are on
+Each layout runs as the files ``--out`` would write (`dsnd.layout_search.emit`), through ``dsnd
+train`` on this machine's ranks (gloo, one thread each), for a few steps. Measured memory is the
+busiest stage's model-state bytes plus the activations autograd saved (what dsnd's telemetry reports
+on a CPU, which keeps no allocator statistics), sampled at the step's end; predicted, the same
+parts: parameters, optimizer states, activations and, at ZeRO-3, the gradient partition DeepSpeed
+keeps between steps (ZeRO 0-2 free their gradients at each step's end, so neither side has them
+there; `dsnd bench zero-memory` checks gradients after a backward). Communication buffers are on
 neither side. Measured time is the median step after the first two.
 
 Predicted time: a CPU has no datasheet, so each layer's forward and backward at the layout's
@@ -27,9 +27,9 @@ import tempfile
 from dataclasses import replace
 from typing import Any
 
-from dsnd.layouts import emit
-from dsnd.layouts.hardware import Efficiency
-from dsnd.layouts.search import Layout, Problem, evaluate
+from dsnd.layout_search import emit
+from dsnd.layout_search.hardware import Efficiency
+from dsnd.layout_search.search import Layout, Problem, evaluate
 
 TIMEOUT_S = 600
 WARM_STEPS = 2  # steps left out of the time median (start-up, first allocations)

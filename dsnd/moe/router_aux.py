@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from dsnd.model.checkpointing import in_recompute
-from dsnd.model.moe import moe_router, num_experts
+from dsnd.model.moe_config import moe_router, num_experts
 from dsnd.tp.mappings import reduce_from_tp
 
 

@@ -25,7 +25,7 @@ from dsnd.data.sampler import Samples, SampleSet
 
 
 @dataclass(frozen=True)
-class StepLayout:
+class BatchExtras:
     """One rank's micro-batches of a step: the loss weight w_m of each (module docstring), and
     with document packing the document index of each input token, (micro, seq_len) each."""
 
@@ -33,9 +33,9 @@ class StepLayout:
     documents: tuple[torch.Tensor, ...] | None = None
 
 
-def step_layout(samples: Samples, seed: int, step: int, global_batch: int, dp_rank: int,
-                dp: int, micro: int) -> StepLayout | None:  # fmt: skip
-    """Rank `dp_rank`'s `StepLayout` of global step `step` (None where every label counts and
+def batch_extras(samples: Samples, seed: int, step: int, global_batch: int, dp_rank: int,
+                dp: int, micro: int) -> BatchExtras | None:  # fmt: skip
+    """Rank `dp_rank`'s `BatchExtras` of global step `step` (None where every label counts and
     no documents are kept apart: the plain mean, as without it), for the micro-batches
     `batch_for_step` gives with the same arguments."""
     if not samples.masked:
@@ -51,7 +51,7 @@ def step_layout(samples: Samples, seed: int, step: int, global_batch: int, dp_ra
         first = dp_rank * per_rank * micro
         docs = tuple(samples.document_ids(indices[first + k * micro : first + (k + 1) * micro])
                      for k in range(per_rank))  # fmt: skip
-    return StepLayout(weights, docs)
+    return BatchExtras(weights, docs)
 
 
 def fewest_samples(corpus: Corpus | BlendedCorpus, seq_len: int) -> int:

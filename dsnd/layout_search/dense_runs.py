@@ -13,7 +13,7 @@ data and the predictions), bf16 (Selene's: fp16) on A100 80 GB and H100 SXM 80 G
 - "torchtitan H100 500 W": torchtitan's Llama 3.1 8B on 8 and 128 H100s with 96 GB HBM2e
   (2.4 TB/s) at a 500 W power limit, selective checkpointing: compared, not fitted (the planner's
   h100 is the 700 W SXM part; the runs' own peak is unpublished).
-- "Korthikanti Table 5": Megatron on Selene (`dsnd.layouts.selene`), measured iteration times.
+- "Korthikanti Table 5": Megatron on Selene (`dsnd.layout_search.selene`), measured iteration times.
 
 Each run is predicted as published: its parallel degrees, ZeRO stage, micro-batch, accumulation
 and recomputation. Where the publication leaves a knob out the choice is the note's. A run's
@@ -27,10 +27,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from dsnd.layouts import selene
-from dsnd.layouts.hardware import DEVICES, Device, Efficiency
-from dsnd.layouts.shape import ModelShape, gpt, llama
-from dsnd.layouts.timing import Step, StepCost, step_cost, uniform_stages
+from dsnd.layout_search import selene
+from dsnd.layout_search.hardware import DEVICES, Device, Efficiency
+from dsnd.layout_search.shape import ModelShape, gpt, llama
+from dsnd.layout_search.timing import Step, StepCost, step_cost, uniform_stages
 
 MPT = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12),
        "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),

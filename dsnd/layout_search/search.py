@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from dsnd.layouts import memory as mem
-from dsnd.layouts.hardware import Device
-from dsnd.layouts.shape import ModelShape
-from dsnd.layouts.timing import Step, head_in_flight, in_flight, step_seconds
-from dsnd.layouts.zero_sizes import reduce_bucket, sized_hidden
+from dsnd.layout_search import memory as mem
+from dsnd.layout_search.hardware import Device
+from dsnd.layout_search.shape import ModelShape
+from dsnd.layout_search.timing import Step, head_in_flight, in_flight, step_seconds
+from dsnd.layout_search.zero_sizes import reduce_bucket, sized_hidden
 from dsnd.plan.memory import held_gradient_bytes
 from dsnd.plan.plan import ZERO_STAGES
 
@@ -211,7 +211,7 @@ TIE = 0.005
 """Layouts within this relative difference of time (or memory) tie: their ratio prints 1.00x."""
 CLOSE = 0.05
 """Layouts within this relative difference of time are too close for the model to rank: its
-published runs spread further (`dsnd.layouts.hardware.ACCURACY`)."""
+published runs spread further (`dsnd.layout_search.hardware.ACCURACY`)."""
 
 
 def explain(layouts: list[Layout], gib: float = 1024**3) -> list[str]:

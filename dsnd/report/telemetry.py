@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dsnd.engine.memory import state_bytes
-from dsnd.phases import PHASES
+from dsnd.pipeline.phases import PHASES
 from dsnd.topology import Topology
 
 STATS = (*PHASES, "live_bytes", "peak_bytes", "reserved_bytes", "activation_peak_bytes",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from dsnd.layouts.shape import ModelShape
+from dsnd.layout_search.shape import ModelShape
 from dsnd.plan.memory import model_state_bytes
 
 RECOMPUTE = ("none", "selective", "full")

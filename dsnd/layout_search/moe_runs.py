@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsnd.layouts.hardware import DEVICES
-from dsnd.layouts.search import Layout, Problem, evaluate
-from dsnd.layouts.source import load
-from dsnd.layouts.timing import uniform_stages
+from dsnd.layout_search.hardware import DEVICES
+from dsnd.layout_search.search import Layout, Problem, evaluate
+from dsnd.layout_search.source import load
+from dsnd.layout_search.timing import uniform_stages
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ it adds nothing to its token's output (the residual carries the token on) and gi
 and router no gradient. The capacity is a rank's own: with expert parallelism the rows are
 dropped before they are sent, so a layout drops the rows one process drops on the same
 micro-batches. A forward pre-hook on each layer's experts module (the plain `transformers` one
-or `dsnd.ep.ParallelExperts`) rewrites the router weights it is called with; the weights'
+or `dsnd.moe.ParallelExperts`) rewrites the router weights it is called with; the weights'
 dropped entries are counted per layer for telemetry (not again in a checkpoint's recompute).
 Exports stay `transformers`' dropless model.
 """
@@ -24,8 +24,8 @@ import math
 import torch
 from torch import nn
 
-from dsnd.ep import expert_counts, moe_experts
 from dsnd.model.checkpointing import in_recompute
+from dsnd.moe import expert_counts, moe_experts
 
 
 def keep_mask(top_k_index: torch.Tensor, experts: int, factor: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import TextIO
 
 from dsnd.topology import Coord
 
-log = logging.getLogger("dsnd.progress")
+log = logging.getLogger("dsnd.report.progress")
 
 WINDOW = 10  # steps the progress line's tokens/s and ETA average over
 

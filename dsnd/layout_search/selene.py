@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsnd.layouts.hardware import DEVICES, Device
-from dsnd.layouts.shape import ModelShape, gpt
-from dsnd.layouts.timing import Step, step_seconds, uniform_stages
+from dsnd.layout_search.hardware import DEVICES, Device
+from dsnd.layout_search.shape import ModelShape, gpt
+from dsnd.layout_search.timing import Step, step_seconds, uniform_stages
 
 
 @dataclass(frozen=True)

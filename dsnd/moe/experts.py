@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsnd.ep.counts import expert_counts
+from dsnd.moe.counts import expert_counts
 from dsnd.tp.context import RankGroup
 from dsnd.tp.shard import Shard
 

@@ -5,7 +5,7 @@ a block inside backward. Every rank counts its own tokens of its own layers; one
 world (`gathered`) gives the whole step's load of every layer: each token counted top-k times
 per MoE layer, as routing is dropless.
 
-With expert parallelism (`dsnd.ep`) a hook on each layer's `ParallelExperts` also counts the
+With expert parallelism (`dsnd.moe`) a hook on each layer's `ParallelExperts` also counts the
 (token, choice) rows this rank sends to another rank of its expert-parallel group: the rows
 its all-to-all dispatches (and the combine brings back), the traffic `parallel.ep` costs."""
 
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsnd.ep import ParallelExperts
 from dsnd.model.checkpointing import in_recompute
-from dsnd.model.moe import moe_router, num_experts
+from dsnd.model.moe_config import moe_router, num_experts
+from dsnd.moe import ParallelExperts
 
 
 def _counting(module: nn.Module) -> bool:

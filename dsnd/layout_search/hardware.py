@@ -3,7 +3,7 @@ vendors' datasheets (dense, no sparsity), and the efficiencies the time model ru
 
 Links are per device and per direction: ``intra`` between the devices of one node (NVLink),
 ``inter`` from a device to another node (its share of the node's network adapters). The time
-model (`dsnd.layouts.timing`) runs GEMMs, the attention core, memory traffic and communication
+model (`dsnd.layout_search.timing`) runs GEMMs, the attention core, memory traffic and communication
 at the device's `Efficiency` of these peaks, fitted per GPU generation to published runs
 (`FITTED`), and says how far those runs fell from it (`ACCURACY`).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dsnd.errors import UserError
-from dsnd.flops import DEVICE_NAMES, PEAKS
+from dsnd.report.flops import DEVICE_NAMES, PEAKS
 
 GiB = 1024**3
 
@@ -36,7 +36,7 @@ class Efficiency:
         return cls(value, value, value)
 
     def of(self, kind: str) -> float:
-        """The efficiency of a `dsnd.layouts.timing.KINDS` kind."""
+        """The efficiency of a `dsnd.layout_search.timing.KINDS` kind."""
         return getattr(self, kind) if kind in ("matmul", "attention") else self.bandwidth
 
 
@@ -61,16 +61,16 @@ FITTED = {
     "ampere": Efficiency(matmul=0.756, attention=0.513, bandwidth=0.710, overlap=0.371),
     "hopper": Efficiency(matmul=0.607, attention=0.295, bandwidth=0.710, overlap=0.371),
 }
-"""Least squares on the log of step time over the published runs of `dsnd.layouts.dense_runs`
-(`dsnd.layouts.calibration.fit`): GEMM and attention efficiencies per generation, bandwidth and
-overlap shared (they are the links' and the frameworks', not the tensor cores')."""
+"""Least squares on the log of step time over the published runs of `dsnd.layout_search.dense_runs`
+(`dsnd.layout_search.calibration.fit`): GEMM and attention efficiencies per generation, bandwidth
+and overlap shared (they are the links' and the frameworks', not the tensor cores')."""
 
 ACCURACY = {
     "ampere": Accuracy("a100", low=0.70, high=1.15, rms=0.114, runs=72),
     "hopper": Accuracy("h100", low=0.79, high=1.12, rms=0.091, runs=72),
 }
 """Measured ÷ predicted MFU over each generation's fitted runs at `FITTED`, the range rounded
-outwards to 0.01 (`dsnd.layouts.calibration.accuracy`; a unit test recomputes both)."""
+outwards to 0.01 (`dsnd.layout_search.calibration.accuracy`; a unit test recomputes both)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Device:
     inter_bytes_per_s: float  # per direction, to another node
     per_node: int = 8
     efficiency: Efficiency = FITTED["hopper"]
-    product: str | None = None  # the `dsnd.flops.PEAKS` product, for a datasheet device
+    product: str | None = None  # the `dsnd.report.flops.PEAKS` product, for a datasheet device
     accuracy: Accuracy | None = ACCURACY["hopper"]  # None: no published runs (a CPU)
 
     def flops(self, bf16: bool) -> float:
@@ -167,13 +167,13 @@ def this_cpu(world: int) -> Device:
     """This machine as `world` one-thread ranks (what tests and ``--validate`` run): each rank's
     share of the cores at the single-thread fp32 matmul peak and copy bandwidth measured here;
     the same copy bandwidth for gloo's loopback links (an upper bound: they copy through
-    sockets); all of the RAM. Efficiency 1 until `dsnd.layouts.validate` calibrates it."""
+    sockets); all of the RAM. Efficiency 1 until `dsnd.layout_search.validate` calibrates it."""
     import os
     import time
 
     import torch
 
-    from dsnd.flops import measured_cpu_peak
+    from dsnd.report.flops import measured_cpu_peak
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """One training step's time for a layout, from a device's datasheet and the efficiencies fitted to
-published runs (`dsnd.layouts.hardware.FITTED`).
+published runs (`dsnd.layout_search.hardware.FITTED`).
 
 Per micro-batch and pipeline layer, serially:
 - matrix FLOPs (`ModelShape.forward_flops`, split over tensor and context ranks): forward once,
@@ -34,8 +34,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from dsnd.layouts.hardware import Device, Efficiency
-from dsnd.layouts.shape import ModelShape
+from dsnd.layout_search.hardware import Device, Efficiency
+from dsnd.layout_search.shape import ModelShape
 from dsnd.plan.schedule import (
     StageRole,
     bubble,

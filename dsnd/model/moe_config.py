@@ -67,7 +67,7 @@ def moe_checks(config: PretrainedConfig, seq_len: int) -> list[str]:
     """What a Mixtral / Qwen2-MoE / Qwen3-MoE config may say that dsnd cannot honour: the
     rotary families' refusals, plus router noise (random multipliers, which layouts would draw
     differently, like dropout) and a top-k the experts cannot fill. (The router's
-    load-balancing loss, `output_router_logits`, is honoured: `dsnd.model.router_aux`; the
+    load-balancing loss, `output_router_logits`, is honoured: `dsnd.moe.router_aux`; the
     layouts it needs are checked with the run's.)"""
     out = rotary_checks(config, seq_len)
     experts, top_k = num_experts(config), config.num_experts_per_tok

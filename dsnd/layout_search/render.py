@@ -3,8 +3,8 @@ the range published runs give it, the memory per device in words."""
 
 from __future__ import annotations
 
-from dsnd.layouts.hardware import Device
-from dsnd.layouts.search import Layout
+from dsnd.layout_search.hardware import Device
+from dsnd.layout_search.search import Layout
 
 GIB = 1024**3
 WORDS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "acts",
