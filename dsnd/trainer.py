@@ -46,15 +46,12 @@ from dsnd.errors import Diverged, WriteFailed
 from dsnd.model.count import layer_table
 from dsnd.model.export_dir import ExportOrigin
 from dsnd.model.hf_export import export_hf
-from dsnd.moe.router_aux import wants_router_aux
-from dsnd.moe.router_load import RouterLoad
 from dsnd.pipeline.runner import StageRunner
 from dsnd.report.flops import flops_per_token, mfu_peak
 from dsnd.report.progress import RankLogFile
 from dsnd.report.reporter import Reporter, layout_of, saved_layout, start_mark, step_row
 from dsnd.report.telemetry import (
     check_skips_agree,
-    expert_load,
     gather_stats,
     start_step_memory,
     step_numbers,
@@ -140,7 +137,6 @@ class _Stage:
     root: str
     start: int
     mark: dict[str, Any]  # metrics.jsonl's "run_start" (`report.start_mark`)
-    router_load: RouterLoad | None = None  # an MoE model's tokens per expert, counted per step
 
 
 def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
@@ -174,10 +170,7 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
              res.topology.tp, res.topology.ep)  # fmt: skip
     start, saved = (0, None) if resume is None else _resume(engine, res, resume, corpus)
     mark = start_mark(start, layout_of(res.topology), resume, saved)
-    own_tokens = groups.coord.tp == 0 or res.run.parallel.sequence_parallel  # see RouterLoad
-    load = RouterLoad(engine.module, res.model.config, res.model.num_layers, own_tokens) \
-        if res.model.family.moe else None  # fmt: skip
-    return _Stage(runner, corpus, split.train, split.held_out, root, start, mark, load)
+    return _Stage(runner, corpus, split.train, split.held_out, root, start, mark)
 
 
 def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> tuple[int, dict[str, int]]:
@@ -230,22 +223,9 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step, res.batch.train,
                            *flops)  # fmt: skip
     row = step_row(step + 1, loss, lr, norm, elapsed, res.tokens_per_step, numbers) | scaling
-    if st.router_load is not None:
-        load, sent = st.router_load.gathered(engine.device)
-        tags, counts = expert_load(load, sent)
-        numbers |= tags
-        row["moe_tokens_per_expert"] = counts
-        if wants_router_aux(res.model.config):  # part of `loss`, as transformers reports it
-            row["moe_aux_loss"] = st.runner.aux_loss(result)
-            numbers["moe/aux_loss"] = row["moe_aux_loss"]
-        if res.topology.ep > 1:  # (token, choice) rows each layer's all-to-all sent off-rank
-            row["moe_rows_sent"] = {b: int(sent[int(b)]) for b in counts}
-        if st.runner.capacity is not None:  # rows over their expert's capacity, all ranks
-            dropped = st.runner.capacity.take().to(engine.device)
-            dist.all_reduce(dropped)
-            row["moe_dropped_tokens"] = {b: int(dropped[int(b)]) for b in counts}
-            for b, n in row["moe_dropped_tokens"].items():
-                numbers[f"moe/layer{b}_dropped_share"] = n / sum(counts[b])
+    moe_row, moe_tags = st.runner.moe_numbers(result)  # an MoE model's (`dsnd.moe.numbers`)
+    row |= moe_row
+    numbers |= moe_tags
     return row, numbers, stop_agreed(stats)
 
 

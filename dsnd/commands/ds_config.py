@@ -88,7 +88,8 @@ def explain_lines(res: Resolved) -> list[str]:
     optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
     ranks, shards = "data-parallel ranks", t.dp * t.cp
     if t.dp_shard:  # HSDP: ZeRO-3 within groups of dp_shard (0: no hybrid sharding)
-        ranks, shards = f"data-parallel ranks in groups of {t.dp_shard} (parallel.dp_shard)", t.dp_shard
+        ranks = f"data-parallel ranks in groups of {t.dp_shard} (parallel.dp_shard)"
+        shards = t.dp_shard
     elif t.cp > 1:
         ranks = f"data x context-parallel ranks ({t.dp} x {t.cp})"
     lines = [

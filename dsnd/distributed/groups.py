@@ -14,7 +14,6 @@ import torch.distributed as dist
 from dsnd.config.resolve import Resolved
 from dsnd.topology import Coord, Topology
 
-
 Channel = tuple[int, int, str]  # (from stage, to stage, "act" or "grad"): `pipe_channels`
 
 

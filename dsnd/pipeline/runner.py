@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,9 @@ from dsnd.model import param_groups
 from dsnd.model.documents import Documents
 from dsnd.model.hf_io import load_hf_stage
 from dsnd.moe.capacity import Capacity
+from dsnd.moe.numbers import MoeNumbers
 from dsnd.moe.router_aux import RouterAux, wants_router_aux
+from dsnd.moe.router_load import RouterLoad
 from dsnd.pipeline.executor import Batches, Executor, StageMath, StageShape, StepResult
 from dsnd.pipeline.p2p import StageLinks
 from dsnd.pipeline.stage import build_stage, context_parallel, expert_parallel, tensor_parallel
@@ -84,11 +87,26 @@ class StageRunner:
                  else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
         tp, self.cp = tensor_parallel(res, groups), context_parallel(res, groups)
         seq = res.run.model.seq_len // self.cp.size // (tp.size if tp.sequence_parallel else 1)
-        sequence_group = tp.group if tp.size > 1 and tp.sequence_parallel else None
-        aux = RouterAux(self.engine.module, res.model.config, sequence_group) \
-            if wants_router_aux(res.model.config) else None  # fmt: skip
+        math = self._math(res, tp)
         self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype,
-                                aux.width if aux is not None else 0)  # fmt: skip
+                                math.aux.width if math.aux is not None else 0)  # fmt: skip
+        factor = res.run.model.moe_capacity_factor
+        # tensor-parallel ranks without sequence parallelism route the same tokens: one counts
+        counts = groups.coord.tp == 0 or tp.sequence_parallel
+        self.capacity = None if factor is None else Capacity(
+            self.engine.module, factor, res.model.num_layers, counts=counts)  # fmt: skip
+        self.moe = MoeNumbers(
+            RouterLoad(self.engine.module, res.model.config, res.model.num_layers, counts),
+            self.capacity, groups.expert is not None, self.engine.device,
+        ) if res.model.family.moe else None  # fmt: skip
+        stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
+                                   res.run.parallel.reshard_after_forward)  # fmt: skip
+        self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
+                                 self.tied, self.documents)  # fmt: skip
+
+    def _math(self, res: Resolved, tp) -> StageMath:
+        """The stage's loss and gradient syncs: vocab-parallel cross-entropy and the partial
+        gradients' all-reduce with tp > 1, context-parallel loss scaling, the routers' aux."""
         math = StageMath()
         if tp.size > 1:
             loss = partial(vocab_parallel_cross_entropy, group=tp.group,
@@ -97,16 +115,11 @@ class StageRunner:
             math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
         if self.cp.size > 1:
             math = StageMath(context_parallel_loss(math.loss_fn, self.cp.group), math.sync_grads)
-        if aux is not None:
-            math = replace(math, aux=aux)
-        factor = res.run.model.moe_capacity_factor
-        # tensor-parallel ranks without sequence parallelism route the same tokens: one counts
-        self.capacity = None if factor is None else Capacity(
-            self.engine.module, factor, res.model.num_layers, counts=groups.coord.tp == 0)
-        stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
-                                   res.run.parallel.reshard_after_forward)  # fmt: skip
-        self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
-                                 self.tied, self.documents)  # fmt: skip
+        if wants_router_aux(res.model.config):
+            sequence_group = tp.group if tp.size > 1 and tp.sequence_parallel else None
+            math = replace(math, aux=RouterAux(self.engine.module, res.model.config,
+                                               sequence_group))  # fmt: skip
+        return math
 
     def run(self, micro_batches: Batches, layout: BatchExtras | None = None) -> StepResult:
         """This stage's share of one optimizer step (no collective beyond the step's own);
@@ -132,10 +145,14 @@ class StageRunner:
             norm = self.engine.get_global_grad_norm()
         return loss, None if norm is None else float(norm)
 
-    def aux_loss(self, result: StepResult) -> float:
-        """The routers' load-balancing loss of the step (part of `report`'s loss), over the
-        global batch, on every rank; only with `output_router_logits`."""
-        return self._global_loss(result.aux_loss)
+    def moe_numbers(self, result: StepResult) -> tuple[dict[str, Any], dict[str, float]]:
+        """An MoE model's numbers of the step (`dsnd.moe.numbers`: metrics.jsonl fields and
+        TensorBoard tags), on every rank (collective); nothing for a dense model."""
+        if self.moe is None:
+            return {}, {}
+        # the routers' load-balancing loss (part of `report`'s loss) over the global batch
+        aux = self._global_loss(result.aux_loss) if self.executor.math.aux is not None else None
+        return self.moe.step(aux)
 
     def _global_loss(self, local: torch.Tensor | None) -> float:
         """The last stage's mean over its data-parallel replicas (and context-parallel slices:

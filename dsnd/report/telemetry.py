@@ -121,25 +121,3 @@ def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens
                 out[f"memory/stage{stage}_{kind}"] = max(measured)
     return out
 
-
-def expert_load(load: list[list[float]], sent: list[float] | None = None
-                ) -> tuple[dict[str, float], dict[str, list[int]]]:  # fmt: skip
-    """From `RouterLoad.gathered` (per block, tokens per expert and rows sent to other
-    expert-parallel ranks): TensorBoard tags per MoE layer, its busiest and idlest expert over
-    the mean (1 and 1: perfectly balanced) and, with expert parallelism, the share of its
-    (token, choice) rows the all-to-all sends off-rank, and the metrics.jsonl counts by block
-    number. Dense blocks (no tokens counted) are left out."""
-    tags: dict[str, float] = {}
-    counts: dict[str, list[int]] = {}
-    for block, row in enumerate(load):
-        total = sum(row)
-        if total == 0:
-            continue
-        mean = total / len(row)
-        tags[f"moe/layer{block}_load_max_over_mean"] = max(row) / mean
-        tags[f"moe/layer{block}_load_min_over_mean"] = min(row) / mean
-        if sent is not None and sent[block]:
-            tags[f"moe/layer{block}_sent_share"] = sent[block] / total
-        counts[str(block)] = [int(c) for c in row]
-    return tags, counts
-

@@ -34,9 +34,9 @@ from dsnd.config.load import load  # noqa: E402
 from dsnd.config.resolve import resolve  # noqa: E402
 from dsnd.data import SampleSet, batch_for_step, load_corpus  # noqa: E402
 from dsnd.data.held_out import split_samples  # noqa: E402
+from dsnd.engine.deepspeed_api import pipe_topology  # noqa: E402
 from dsnd.model import build_model, init_layer, layer_specs, lm_loss, param_groups  # noqa: E402
 from dsnd.model.stack import TIED_EMBED_KEY  # noqa: E402
-from dsnd.engine.deepspeed_api import pipe_topology  # noqa: E402
 from tests.distributed.worker import this_rank, world, write_json  # noqa: E402
 
 
@@ -54,7 +54,8 @@ def _pipeline_engine(res, ds: dict):
 
     specs = layer_specs(res.model)
     module = PipelineModule(layers=deepspeed_specs(specs), num_stages=res.topology.pp,
-                            topology=pipe_topology(res.topology.pp, res.topology.tp, res.topology.dp), loss_fn=lm_loss,
+                            topology=pipe_topology(res.topology.pp, res.topology.tp,
+                                                   res.topology.dp), loss_fn=lm_loss,
                             partition_method=res.run.parallel.partition)  # fmt: skip
     seed = res.run.train.seed
     with torch.no_grad():  # dsnd's (seed, global index, name) weights, the tied module at 0

@@ -87,12 +87,35 @@ def check_layout(pp: int, tp: int) -> dict:
     }
 
 
+def check_degrees() -> dict:
+    """The groups of the degrees carved out of dp (ep, dp_shard, hpz) at dp=4, and a pp=2
+    pipeline's channels (ring included) and tied pair, as `build_groups` made them."""
+
+    def ranks(group) -> list[int] | None:
+        return None if group is None else ranks_of(group)
+
+    ep = build_groups(Topology(pp=1, dp=4, tp=1, ep=2))
+    hsdp = build_groups(Topology(pp=1, dp=4, tp=1, dp_shard=2))
+    hpz = build_groups(Topology(pp=1, dp=4, tp=1, hpz=2))
+    pipe = build_groups(Topology(pp=2, dp=2, tp=1), ring=True, ties=[(0, 1), (0, 1)])
+    return {
+        "expert": ranks(ep.expert), "expert_data": ranks(ep.expert_data),
+        "ep_shard": ranks(ep.shard), "ep_replicate": ranks(ep.replicate),
+        "shard": ranks(hsdp.shard), "replicate": ranks(hsdp.replicate),
+        "zero_data": ranks(hsdp.for_zero().data), "data": ranks(hsdp.data),
+        "hpz": ranks(hpz.hpz), "no_hpz": ranks(ep.hpz),
+        "channels": {f"{a}{b}{k}": ranks_of(g) for (a, b, k), g in pipe.channels.items()},
+        "pairs": {f"{a}{b}": ranks(g) for (a, b), g in pipe.pairs.items()},
+    }  # fmt: skip
+
+
 def main(out_path: str) -> None:
     info = this_rank()
     results = {}
     with world(info, timeout_s=60):
         for pp, tp in LAYOUTS:
             results[f"{pp},{tp}"] = everyone(check_layout(pp, tp))
+        results["degrees"] = everyone(check_degrees())
     write_json(out_path, results, info.rank)
 
 

@@ -45,13 +45,37 @@ def found(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("groups") / "out.json"
     run_ranks(WORLD, ["tests/distributed/groups_worker.py", str(out)], timeout=120)
     raw = json.loads(out.read_text())
-    return {tuple(int(x) for x in key.split(",")): rows for key, rows in raw.items()}
+    found = {tuple(int(x) for x in key.split(",")): rows for key, rows in raw.items()
+             if key != "degrees"}  # fmt: skip
+    found["degrees"] = raw["degrees"]
+    return found
+
+
+@pytest.mark.dist
+def test_build_groups_makes_the_group_of_every_degree(found):
+    """ep=2, dp_shard=2 and hpz=2 at dp=4 (runs of two consecutive ranks, and the ranks at the
+    same place of each run), none where a degree is 1, and a pp=2 x dp=2 pipeline's four
+    channels (the ring's two included) and one group for its tied pair, asked for twice."""
+    rows = found["degrees"]
+    run, same_place = [[0, 1], [0, 1], [2, 3], [2, 3]], [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["expert"] for r in rows] == run
+    assert [r["expert_data"] for r in rows] == same_place
+    assert [r["shard"] for r in rows] == run and [r["zero_data"] for r in rows] == run
+    assert [r["replicate"] for r in rows] == same_place
+    assert [r["data"] for r in rows] == [[0, 1, 2, 3]] * 4
+    assert [r["hpz"] for r in rows] == run
+    assert all(r["no_hpz"] is None and r["ep_replicate"] is None for r in rows)
+    assert [r["ep_shard"] for r in rows] == [[0, 1, 2, 3]] * 4
+    pipes = [[0, 2], [1, 3], [0, 2], [1, 3]]
+    for r, pipe in zip(rows, pipes, strict=True):
+        assert r["channels"] == {k: pipe for k in ("01act", "10grad", "10act", "01grad")}
+        assert r["pairs"] == {"01": pipe}
 
 
 @pytest.mark.dist
 def test_every_layout_reported_by_every_rank(found):
-    assert sorted(found) == sorted(LAYOUTS)
-    for layout, rows in found.items():
+    assert sorted(k for k in found if k != "degrees") == sorted(LAYOUTS)
+    for layout, rows in ((k, v) for k, v in found.items() if k != "degrees"):
         assert [row["rank"] for row in rows] == list(range(WORLD)), layout
 
 

@@ -11,9 +11,9 @@ import sys
 import dsnd
 
 LAYERS = [
-    "errors", "fs", "engine", "extensions", "secrets", "topology_rules", "topology", "tp", "cp", "model", "moe",
-    "plan", "config", "data", "distributed", "pipeline", "stop_request", "report", "checkpoint",
-    "trainer", "launcher", "layout_search", "bench", "commands", "cli", "__main__",
+    "errors", "fs", "engine", "extensions", "secrets", "topology_rules", "topology", "tp", "cp",
+    "model", "moe", "plan", "config", "data", "distributed", "pipeline", "stop_request", "report",
+    "checkpoint", "trainer", "launcher", "layout_search", "bench", "commands", "cli", "__main__",
 ]  # fmt: skip
 ROOT = pathlib.Path(dsnd.__file__).parent
 

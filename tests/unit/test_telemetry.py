@@ -6,7 +6,7 @@ import pytest
 
 
 def test_expert_load_tags_each_moe_layer_and_skips_dense_blocks():
-    from dsnd.report.telemetry import expert_load
+    from dsnd.moe.numbers import expert_load
 
     tags, counts = expert_load([[0.0, 0.0, 0.0, 0.0], [8.0, 4.0, 2.0, 2.0], [4.0, 4.0, 4.0, 4.0]])
     assert counts == {"1": [8, 4, 2, 2], "2": [4, 4, 4, 4]}  # block 0 is dense
@@ -17,7 +17,7 @@ def test_expert_load_tags_each_moe_layer_and_skips_dense_blocks():
 
 
 def test_expert_parallel_runs_tag_the_share_of_rows_sent_off_rank():
-    from dsnd.report.telemetry import expert_load
+    from dsnd.moe.numbers import expert_load
 
     load = [[0.0, 0.0], [6.0, 2.0], [4.0, 4.0]]
     tags, _ = expert_load(load, [0.0, 2.0, 6.0])
