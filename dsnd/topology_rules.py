@@ -1,6 +1,8 @@
 """The rules about parallel degrees alone, checked whenever a `dsnd.topology.Topology` is built:
 the degrees carved out of the data axis (ep, dp_shard, hpz) must divide it, and the ones that
-choose ZeRO's groups in different ways must not meet. Rules that also need the model (ep must
+choose ZeRO's groups in different ways must not meet. A rule that hpZ's size (from the
+DeepSpeed JSON) breaks begins with `hpz_from`, the JSON or the ``--set`` it came from, as every
+DeepSpeed-key error does. Rules that also need the model (ep must
 divide its experts) or the DeepSpeed JSON (hybrid sharding needs ZeRO-3) are the config's
 (`dsnd.config.resolve`). Pure: no torch here.
 """
@@ -25,10 +27,10 @@ def check_degrees(t: Any) -> None:
         raise UserError(f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} must "
                         f"divide each stage's data-parallel size dp={t.dp}")  # fmt: skip
     if t.ep > 1 and t.hpz > 1:
-        raise UserError(f"parallel.ep={t.ep} at ZeRO stage 3 ({t.hpz_from}) with "
-                        f"zero_optimization.zero_hpz_partition_size={t.hpz} is not supported: "
-                        "hpZ's secondary partition is cut from all data-parallel ranks, the "
-                        "experts' from the ranks holding the same experts; set one of them")
+        raise UserError(f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} with "
+                        f"parallel.ep={t.ep} is not supported: hpZ's secondary partition is cut "
+                        "from all data-parallel ranks, the experts' from the ranks holding the "
+                        "same experts; set one of them")
 
 
 def _check_dp_shard(t: Any) -> None:
@@ -40,9 +42,9 @@ def _check_dp_shard(t: Any) -> None:
         raise UserError(f"parallel.dp_shard={size} must divide the data-parallel size dp={t.dp} "
                         "(or be null or 0: shard over all of dp)")  # fmt: skip
     if t.hpz > 1:
-        raise UserError(f"parallel.dp_shard={size} and zero_optimization.zero_hpz_partition_"
-                        f"size={t.hpz} ({t.hpz_from}) both choose where ZeRO-3 gathers "
-                        "parameters from; set one of them")  # fmt: skip
+        raise UserError(f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} and "
+                        f"parallel.dp_shard={size} both choose where ZeRO-3 gathers parameters "
+                        "from; set one of them")  # fmt: skip
     if t.cp > 1:
         raise UserError(f"parallel.dp_shard={size} with parallel.cp={t.cp} is not supported: "
                         "hybrid sharding runs without context parallelism")  # fmt: skip

@@ -387,14 +387,17 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
 
     # an error a --set ds.* causes names that item, not the JSON file
     file, sets = (loaded.ds_file, loaded.ds_sets) if loaded.ds_file is not None else (loaded.ds, [])
-    _, (ds, batch, notes, monitors) = check_blamed(
-        lambda d, where: derive_ds(d, where, run, topology.dp, model.hidden_size), file,
-        loaded.ds_path, sets,
-    )  # fmt: skip
-    # every degree, the ones carved out of dp included, checked together (`dsnd.topology_rules`)
-    hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1
-    topology = replace(topology, ep=par.ep, dp_shard=par.dp_shard or 0, hpz=hpz,
-                       hpz_from=loaded.ds_path)  # fmt: skip
+    # every degree, the ones carved out of dp included, checked together (`dsnd.topology_rules`):
+    # ep and dp_shard now, hpZ's size with the DeepSpeed JSON it comes from (and is blamed on)
+    topology = replace(topology, ep=par.ep, dp_shard=par.dp_shard or 0)
+
+    def derived(d: dict[str, Any], where: str) -> tuple[tuple, Topology]:
+        out = derive_ds(d, where, run, topology.dp, model.hidden_size)
+        hpz = (out[0].get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1
+        return out, replace(topology, hpz=hpz, hpz_from=where)
+
+    _, ((ds, batch, notes, monitors), topology) = check_blamed(derived, file, loaded.ds_path,
+                                                               sets)  # fmt: skip
     check_zero_degrees(topology, ds, loaded.ds_path)
     plan = run_plan(run, model, topology, ds, batch)
     check_reshard(par, ds, loaded.ds_path)

@@ -25,7 +25,8 @@ Z3 = "deepspeed=ds_configs/zero3.json"
         (["deepspeed=ds_configs/zero1.json", "parallel.dp_shard=2"], 4,
          "parallel.dp_shard=2 needs ZeRO stage 3 (shards parameters within groups of 2 ranks); "),
         ([Z3, "parallel.dp_shard=2", "ds.zero_optimization.zero_hpz_partition_size=2"], 4,
-         "parallel.dp_shard=2 and zero_optimization.zero_hpz_partition_size=2 ("),
+         "--set ds.zero_optimization.zero_hpz_partition_size=2: zero_optimization."
+         "zero_hpz_partition_size=2 and parallel.dp_shard=2 both choose where ZeRO-3 gathers "),
         ([Z3, "parallel.cp=2", "parallel.dp_shard=1"], 4,
          "parallel.dp_shard=1 with parallel.cp=2 is not supported"),
     ],

@@ -56,8 +56,8 @@ QWEN3 = "model.preset=qwen3-moe-tiny"  # 8
          "parallel.ep=2 with parallel.dp_shard=2 is not supported"),
         ([MIXTRAL, "parallel.ep=2", "deepspeed=ds_configs/zero3.json",
           "ds.zero_optimization.zero_hpz_partition_size=2"], 4,
-         "parallel.ep=2 at ZeRO stage 3 ({ROOT}/ds_configs/zero3.json) with "
-         "zero_optimization.zero_hpz_partition_size=2 is not supported"),
+         "--set ds.zero_optimization.zero_hpz_partition_size=2: zero_optimization."
+         "zero_hpz_partition_size=2 with parallel.ep=2 is not supported"),
     ],
 )  # fmt: skip
 def test_bad_ep_is_one_line_naming_the_key_and_numbers(sets, world, message):

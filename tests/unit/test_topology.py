@@ -183,14 +183,14 @@ def test_hybrid_sharding_and_hpz_groups_are_runs_of_each_stages_zero_group():
          "z3.json: zero_optimization.zero_hpz_partition_size=3 must divide each stage's "
          "data-parallel size dp=4"),
         ({"dp": 4, "dp_shard": 2, "hpz": 2, "hpz_from": "z3.json"},
-         "parallel.dp_shard=2 and zero_optimization.zero_hpz_partition_size=2 (z3.json) both "
+         "z3.json: zero_optimization.zero_hpz_partition_size=2 and parallel.dp_shard=2 both "
          "choose where ZeRO-3 gathers parameters from; set one of them"),
         ({"dp": 4, "cp": 2, "dp_shard": 2}, "parallel.dp_shard=2 with parallel.cp=2 is not "
          "supported"),
         ({"dp": 4, "ep": 2, "dp_shard": 2}, "parallel.ep=2 with parallel.dp_shard=2 is not "
          "supported"),
-        ({"dp": 4, "ep": 2, "hpz": 2, "hpz_from": "z3.json"}, "parallel.ep=2 at ZeRO stage 3 "
-         "(z3.json) with zero_optimization.zero_hpz_partition_size=2 is not supported"),
+        ({"dp": 4, "ep": 2, "hpz": 2, "hpz_from": "z3.json"}, "z3.json: zero_optimization."
+         "zero_hpz_partition_size=2 with parallel.ep=2 is not supported"),
     ],
 )  # fmt: skip
 def test_every_rule_about_degrees_is_checked_when_a_topology_is_built(degrees, message):
