@@ -40,8 +40,6 @@ from dsnd.data.held_out import load_eval_corpus, split_samples
 from dsnd.data.sources import load_data
 from dsnd.data.token_file import check_vocab
 from dsnd.distributed.groups import ProcessGroups
-from dsnd.engine.loss_scale import current_scale, scale_numbers
-from dsnd.engine.public import comms_log_summary
 from dsnd.errors import Diverged, WriteFailed
 from dsnd.model.count import layer_table
 from dsnd.model.export_dir import ExportOrigin
@@ -53,6 +51,7 @@ from dsnd.report.reporter import Reporter, layout_of, saved_layout, start_mark, 
 from dsnd.report.telemetry import (
     check_skips_agree,
     gather_stats,
+    rank_memory,
     start_step_memory,
     step_numbers,
     stop_agreed,
@@ -205,19 +204,21 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     every rank agreed to stop after it. `flops` is (FLOPs per token, peak FLOP/s)."""
     run, engine = res.run, st.runner.engine
     lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step will use
-    scale = current_scale(engine)  # fp16: the loss scale this step's gradients carry
+    scale = st.runner.loss_scale()  # fp16: the loss scale this step's gradients carry
     start_step_memory(engine.device)  # CUDA: the peak reported below is this step's
     t0 = time.perf_counter()
     where = (run.train.seed, step, res.batch.train, groups.coord.dp, res.topology.dp,
              res.batch.micro)  # fmt: skip
     result = st.runner.run(batch_for_step(st.samples, *where), batch_extras(st.samples, *where))
     loss, norm = st.runner.report(result)
-    scaling = scale_numbers(engine, scale)
+    scaling = st.runner.scale_numbers(scale)
     if scaling.get("skipped"):  # overflowed at this scale: skipped by design, not diverged
         norm = None
     check_finite(step + 1, loss, norm)
     elapsed = time.perf_counter() - t0
-    stats = gather_stats(result.times, engine, stop is not None and stop.requested,
+    memory = rank_memory(engine.device, st.runner.model_state_bytes)
+    stopping = stop is not None and stop.requested
+    stats = gather_stats(result.times, memory, st.runner.step_skipped(), engine.device, stopping,
                          result.activation_peak_bytes)  # fmt: skip
     check_skips_agree(stats)
     numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step, res.batch.train,
@@ -281,7 +282,7 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                                 step + 1, why)  # fmt: skip
                 break
         if (res.ds.get("comms_logger") or {}).get("enabled"):
-            _comms_summary(run.log.dir)
+            _comms_summary(st.runner, run.log.dir)
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
             said = export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data,
                              ExportOrigin(st.root, run.train.steps), engine.device)  # fmt: skip
@@ -343,12 +344,12 @@ def export_skipped(path: str) -> str:
             "saved checkpoint with dsnd ckpt export")
 
 
-def _comms_summary(log_dir: str) -> None:
+def _comms_summary(runner: StageRunner, log_dir: str) -> None:
     """DeepSpeed's comms_logger summary at the end of a run (collective), as a DeepSpeed training
     script prints it with `deepspeed.comm.log_summary()`: rank 0 prints the table to its log and
     writes the numbers to ``log.dir/comms_summary.json``. It counts the collectives DeepSpeed
     runs (ZeRO's reductions and gathers), not dsnd's pipeline sends."""
-    summary = comms_log_summary()
+    summary = runner.comms_summary()
     if dist.get_rank() == 0 and summary is not None:
         path = os.path.join(log_dir, "comms_summary.json")
         try:

@@ -27,6 +27,7 @@ from dsnd.checkpoint.members import member
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.config.resolve import Resolved
 from dsnd.engine.compat import quiet_scheduler_start, replay_cpu_adam_steps
+from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.engine.loss_scale import restore_scaler
 from dsnd.engine.state import (
     basic_optimizer,
@@ -67,10 +68,11 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
             meta = manifest["params"].get(name)
             if meta is None:
                 raise CheckpointError(f"{step_dir}: the checkpoint has no parameter {name}")
+            shape = unpartitioned_shape(param)  # ZeRO-3: the shape before sharding
             try:
-                value = read_part(stored(meta["file"], name), param)
+                value = read_part(stored(meta["file"], name), param, shape)
                 layer = layer_of(name, engine.module)
-                states = {k: read_part(stored(optim_file(layer), f"{name}.{k}"), param)
+                states = {k: read_part(stored(optim_file(layer), f"{name}.{k}"), param, shape)
                           for k in keys}  # fmt: skip
             except (ValueError, SafetensorError) as e:
                 raise CheckpointError(f"{step_dir}: {name} {e}") from e

@@ -91,6 +91,7 @@ def _device(args: argparse.Namespace):
 
 def problem(args: argparse.Namespace):
     """(the model, the planning problem) the arguments describe; UserError for bad ones."""
+    from dsnd.engine.deepspeed_api import estimate_model_states
     from dsnd.layout_search.search import Problem
     from dsnd.layout_search.source import load
 
@@ -102,7 +103,7 @@ def problem(args: argparse.Namespace):
         raise UserError(f"--seq {seq} must be 1..{model.max_seq_len} (the model's positions)")
     bf16 = device.name != "cpu"
     pr = Problem(shape, split, args.world, device, seq, global_batch(args.global_batch, args.world),
-                 bf16)  # fmt: skip
+                 bf16, estimate=estimate_model_states)  # fmt: skip
     return model, pr
 
 

@@ -78,6 +78,10 @@ class Problem:
     global_batch: int
     bf16: bool
     measured: dict[int, tuple[float, ...]] | None = None  # micro-batch -> Step.layer_seconds
+    # DeepSpeed's estimator of model-state bytes, (zero stage, parameters, largest layer's,
+    # devices per node, nodes) -> bytes, shown beside dsnd's own (the command passes
+    # `dsnd.engine.deepspeed_api.estimate_model_states`: the search itself needs no DeepSpeed)
+    estimate: Callable[[int, int, int, int, int], int] | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -161,16 +165,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
             worst = parts
     lay.memory_bytes = worst
     lay.params_count = sh.params
-    if lay.zero_stage in (2, 3) and lay.ep == 1:  # DeepSpeed's estimator knows no experts
-        from dsnd.engine.deepspeed_api import estimate_model_states
-
-        psi = max(sum(sh.layer_params[i] for i in layers) for layers in stages) / lay.tp
-        per_node, nodes = mem.nodes(nd, dev.per_node)
-        lay.deepspeed_estimate_bytes = float(
-            estimate_model_states(
-                lay.zero_stage, int(psi), int(sh.largest_layer / lay.tp), per_node, nodes
-            )  # fmt: skip
-        )
+    lay.deepspeed_estimate_bytes = _deepspeed_estimate(pr, lay, stages)
     st = Step(lay.pp, lay.tp, lay.dp, lay.cp, lay.zero_stage, lay.micro_batch, lay.micro_batches,
               pr.seq, lay.schedule, lay.virtual_stages, recompute, sp, pr.bf16,
               layer_seconds=_measured(pr, lay), ep=lay.ep)  # fmt: skip
@@ -183,6 +178,18 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
         lay.mfu_range = (lay.mfu * dev.accuracy.low, lay.mfu * dev.accuracy.high)
     lay.fits = lay.total_bytes <= HEADROOM * dev.memory_bytes
     return lay
+
+
+def _deepspeed_estimate(pr: Problem, lay: Layout, stages: list[list[int]]) -> float | None:
+    """DeepSpeed's own estimate of the busiest stage's model states (`pr.estimate`), for
+    ZeRO 2-3 without experts (DeepSpeed's estimator knows none)."""
+    if pr.estimate is None or lay.zero_stage not in (2, 3) or lay.ep > 1:
+        return None
+    sh = pr.shape
+    psi = max(sum(sh.layer_params[i] for i in layers) for layers in stages) / lay.tp
+    per_node, nodes = mem.nodes(lay.dp * lay.cp, pr.device.per_node)
+    return float(pr.estimate(lay.zero_stage, int(psi), int(sh.largest_layer / lay.tp), per_node,
+                             nodes))  # fmt: skip
 
 
 def _measured(pr: Problem, lay: Layout) -> tuple[float, ...] | None:

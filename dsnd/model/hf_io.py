@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.engine.public import gathered_parameters
 from dsnd.errors import UserError
 from dsnd.fs import umask
@@ -167,7 +168,7 @@ def _read(file: str, hf_name: str, param: torch.Tensor, path: str) -> torch.Tens
     """`param`'s value from the checkpoint: the whole tensor, or only its tensor-parallel shard."""
     with safe_open(file, framework="pt") as f:
         try:
-            return read_part(f.get_slice(hf_name), param)
+            return read_part(f.get_slice(hf_name), param, unpartitioned_shape(param))
         except ValueError as e:
             raise UserError(f"model.init_from={path}: {hf_name} {e}") from e
 

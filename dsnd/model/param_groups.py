@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.tp import VocabParallelEmbedding
 
 # Whole modules whose parameters are never decayed. Decaying an embedding shrinks the rows of rare
@@ -19,7 +20,12 @@ NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
 )
 
 
-def param_groups(model: nn.Module) -> list[dict]:
+def _shape(param: nn.Parameter) -> tuple[int, ...]:
+    return tuple(param.shape)
+
+
+def param_groups(model: nn.Module,
+                 shape_of: Callable[[nn.Parameter], tuple[int, ...]] = _shape) -> list[dict]:
     """`[{"params": decayed}, {"params": not_decayed, "weight_decay": 0.0}]` for trainable params,
     each group named (`name`: DeepSpeed splits named groups' expert parameters into groups of
     their own, `dsnd.engine.experts`).
@@ -27,6 +33,8 @@ def param_groups(model: nn.Module) -> list[dict]:
     A parameter is not decayed when its owning module is in `NO_DECAY_MODULES` or it has fewer than
     two dimensions (biases, norm gains). A tied parameter appears once (in the group of its first
     owner). Empty groups are left out, e.g. for a pipeline stage holding only an untied head.
+    `shape_of` gives a parameter's shape before ZeRO-3 partitioned it: a stage whose layers
+    zero.Init already partitioned must pass the engine's `unpartitioned_shape`.
     """
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
@@ -34,7 +42,7 @@ def param_groups(model: nn.Module) -> list[dict]:
             if id(param) in seen or not param.requires_grad:
                 continue
             seen.add(id(param))
-            ndim = len(unpartitioned_shape(param))  # a ZeRO-3 parameter is a 1-D shard
+            ndim = len(shape_of(param))  # a ZeRO-3 parameter is a 1-D shard
             if isinstance(module, NO_DECAY_MODULES) or ndim < 2:
                 no_decay.append(param)
             else:

@@ -19,10 +19,13 @@ from dsnd.distributed.groups import ProcessGroups
 from dsnd.distributed.mpu import Mpu
 from dsnd.engine.build import build_engine
 from dsnd.engine.compat import scope_zero3_trace_checks
+from dsnd.engine.deepspeed_api import unpartitioned_shape
 from dsnd.engine.experts import after_build
 from dsnd.engine.experts import prepare as prepare_experts
 from dsnd.engine.hsdp import replicate_gradients
-from dsnd.engine.public import accelerator_device
+from dsnd.engine.loss_scale import current_scale, scale_numbers
+from dsnd.engine.memory import state_bytes
+from dsnd.engine.public import accelerator_device, comms_log_summary
 from dsnd.engine.stage_engine import StageEngine
 from dsnd.model import param_groups
 from dsnd.model.documents import Documents
@@ -76,7 +79,8 @@ class StageRunner:
             load_hf_stage(stack, res.run.model.init_from, res.model)
         ep_groups = (ep.group, ep.data) if ep is not None else (None, None)
         prepare_experts(stack, plan.zero_stage, *ep_groups)
-        self.engine = build_engine(stack, res.ds, param_groups(stack), Mpu(zero_groups))
+        self.engine = build_engine(stack, res.ds, param_groups(stack, unpartitioned_shape),
+                                   Mpu(zero_groups))  # fmt: skip
         after_build(self.engine, ep_groups[0])
         if groups.replicate is not None:
             replicate_gradients(self.engine.optimizer, groups.replicate)
@@ -153,6 +157,27 @@ class StageRunner:
         # the routers' load-balancing loss (part of `report`'s loss) over the global batch
         aux = self._global_loss(result.aux_loss) if self.executor.math.aux is not None else None
         return self.moe.step(aux)
+
+    def loss_scale(self) -> float:
+        """The loss scale this step's gradients will carry (fp16; 1.0 otherwise)."""
+        return current_scale(self.engine)
+
+    def scale_numbers(self, scale: float) -> dict[str, Any]:
+        """After a step taken at loss scale `scale`: the metrics row's fp16 fields (`{}`
+        without fp16): the scale, whether DeepSpeed skipped the step, how many it skipped."""
+        return scale_numbers(self.engine, scale)
+
+    def step_skipped(self) -> bool:
+        """Whether DeepSpeed skipped the optimizer step just taken (an fp16 overflow)."""
+        return not self.engine.was_step_applied()
+
+    def model_state_bytes(self) -> float:
+        """The bytes of parameters, gradients and optimizer state this rank holds."""
+        return float(sum(state_bytes(self.engine).values()))
+
+    def comms_summary(self) -> dict | None:
+        """DeepSpeed's comms_logger summary (collective), or None where it logged nothing."""
+        return comms_log_summary()
 
     def _global_loss(self, local: torch.Tensor | None) -> float:
         """The last stage's mean over its data-parallel replicas (and context-parallel slices:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 import resource
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsnd.engine.memory import state_bytes
 from dsnd.pipeline.phases import PHASES
 from dsnd.topology import Topology
 
@@ -43,28 +43,29 @@ def start_step_memory(device: torch.device, cuda: Any = torch.cuda) -> None:
         cuda.reset_peak_memory_stats(device)
 
 
-def rank_memory(engine, cuda: Any = torch.cuda) -> tuple[float, float, float]:
-    """(live, peak, reserved) bytes of this rank (see the module docstring); reserved is NaN
-    on CPU, where no caching allocator holds memory."""
-    if engine.device.type == "cuda":
-        return (float(cuda.memory_allocated(engine.device)),
-                float(cuda.max_memory_allocated(engine.device)),
-                float(cuda.memory_reserved(engine.device)))  # fmt: skip
+def rank_memory(device: torch.device, model_states: Callable[[], float],
+                cuda: Any = torch.cuda) -> tuple[float, float, float]:  # fmt: skip
+    """(live, peak, reserved) bytes of this rank on `device` (see the module docstring);
+    reserved is NaN on CPU, where no caching allocator holds memory, and live is the stage's
+    model states there (`model_states`: the engine adapter counts them)."""
+    if device.type == "cuda":
+        return (float(cuda.memory_allocated(device)), float(cuda.max_memory_allocated(device)),
+                float(cuda.memory_reserved(device)))  # fmt: skip
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
-    return float(sum(state_bytes(engine).values())), float(peak_kib * 1024), math.nan
+    return float(model_states()), float(peak_kib * 1024), math.nan
 
 
-def gather_stats(times: dict[str, float], engine, stop_requested: bool = False,
+def gather_stats(times: dict[str, float], memory: tuple[float, float, float], skipped: bool,
+                 device: torch.device, stop_requested: bool = False,
                  activation_bytes: int = 0) -> torch.Tensor:  # fmt: skip
-    """(world, len(STATS)) float64: every rank's phase times, memory (`activation_bytes`: the
-    step's `StepResult.activation_peak_bytes`), stop request and whether DeepSpeed skipped its
-    optimizer step (collective). The stop request rides along so that all ranks agree on the
-    step to stop at without a collective of its own; the skip so that `check_skips_agree` can
-    see every rank's."""
-    mine = torch.tensor([times[p] for p in PHASES] + list(rank_memory(engine))
-                        + [float(activation_bytes), float(stop_requested),
-                           float(not engine.was_step_applied())],
-                        dtype=torch.float64, device=engine.device)  # fmt: skip
+    """(world, len(STATS)) float64: every rank's phase times, memory (`memory` from
+    `rank_memory`; `activation_bytes`: the step's `StepResult.activation_peak_bytes`), stop
+    request and whether DeepSpeed `skipped` its optimizer step (collective, on `device`). The
+    stop request rides along so that all ranks agree on the step to stop at without a collective
+    of its own; the skip so that `check_skips_agree` can see every rank's."""
+    mine = torch.tensor([times[p] for p in PHASES] + list(memory)
+                        + [float(activation_bytes), float(stop_requested), float(skipped)],
+                        dtype=torch.float64, device=device)  # fmt: skip
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return torch.stack(everyone).cpu()

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from dsnd.engine.deepspeed_api import unpartitioned_shape
-
 __all__ = ["Shard"]
 
 
@@ -100,12 +98,12 @@ class Shard:
         return torch.cat([p for _, p in parts], dim=self.dim)
 
 
-def read_part(stored: Any, param: torch.Tensor) -> torch.Tensor:
+def read_part(stored: Any, param: torch.Tensor, local: tuple[int, ...]) -> torch.Tensor:
     """`param`'s part of a stored full tensor `stored` (a safetensors slice from
     ``safe_open(...).get_slice(name)``): its tensor-parallel shard, or all of it. Only those
-    bytes are read. ValueError when the stored shape is not `param`'s full shape."""
+    bytes are read. `local` is `param`'s shape on this rank before ZeRO-3 partitioned it (the
+    engine's `unpartitioned_shape`). ValueError when the stored shape is not the full shape."""
     shard = getattr(param, "tp_shard", None)
-    local = unpartitioned_shape(param)  # ZeRO-3: the shape before sharding
     want = shard.full_shape(local) if shard is not None else local
     have = tuple(stored.get_shape())
     if have != want:

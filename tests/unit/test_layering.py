@@ -184,3 +184,15 @@ def test_the_degree_scan_finds_each_way_of_reading_one(tmp_path):
     hits = degree_reads(src)
     assert [h.split(" ", 1)[1] for h in hits] == [".ep", ".dp_shard", "getattr",
                                                   "zero_hpz_partition_size"]  # fmt: skip
+
+
+PURE_OF_THE_ENGINE = ["topology_rules", "topology", "tp", "moe", "plan", "data", "report",
+                      "trainer", "layout_search"]  # fmt: skip
+"""Parts that take numbers, not DeepSpeed's state: the engine adapter (`dsnd.engine`, used by
+the pipeline's `StageRunner`) reads it for them, so an engine swap never reaches them."""
+
+
+def test_the_pure_parts_do_not_import_the_engine():
+    found = [f"{path.relative_to(ROOT)}" for path in sorted(ROOT.rglob("*.py"))
+             if _part(path) in PURE_OF_THE_ENGINE and "engine" in _imported_parts(path)]  # fmt: skip
+    assert found == []

@@ -86,7 +86,8 @@ def test_block_accounting_matches_what_a_dsnd_block_saves(preset):
 def test_deepspeed_estimate_is_deepspeeds_own_and_differs_by_its_fp32_gradients():
     model = load_model("llama-3.2-1b", "--model")
     shape = from_model(model, "llama-3.2-1b")
-    pr = Problem(shape, stage_split(model), 16, DEVICES["h100"], 2048, 64, bf16=True)
+    pr = Problem(shape, stage_split(model), 16, DEVICES["h100"], 2048, 64, bf16=True,
+                 estimate=estimate_model_states)
     layouts = {(x.pp, x.tp, x.zero_stage): x for x in plan(pr)
                if x.micro_batch == 1 and not x.activation_checkpointing and x.cp == 1}  # fmt: skip
     z2 = layouts[(1, 1, 2)]

@@ -60,10 +60,7 @@ def test_a_cuda_step_starts_by_resetting_the_peak_and_reports_reserved_bytes():
     start_step_memory(torch.device("cpu"), cuda)
     assert len(cuda.calls) == 1  # nothing to reset on CPU
 
-    class Engine:
-        device = gpu
-
-    assert rank_memory(Engine(), cuda) == (100.0, 300.0, 512.0)
+    assert rank_memory(gpu, lambda: 1.0, cuda) == (100.0, 300.0, 512.0)
 
 
 def test_reserved_bytes_are_tagged_where_measured_and_absent_on_cpu():
@@ -109,11 +106,10 @@ def test_the_trainer_resets_the_peak_before_the_step_runs(monkeypatch):
 
     engine = NS(device=torch.device("cuda", 0), optimizer=NS(param_groups=[{"lr": 1e-3}]))
     monkeypatch.setattr(trainer, "start_step_memory", lambda d: events.append(f"reset {d}"))
-    monkeypatch.setattr(trainer, "current_scale", lambda engine: 1.0)
     monkeypatch.setattr(trainer, "batch_for_step", lambda *a: [])
     monkeypatch.setattr(trainer, "batch_extras", lambda *a: None)
     res = NS(run=NS(train=NS(seed=0)), batch=NS(train=4, micro=1), topology=NS(dp=1))
-    st = NS(runner=NS(engine=engine, run=run), samples=None)
+    st = NS(runner=NS(engine=engine, run=run, loss_scale=lambda: 1.0), samples=None)
     with pytest.raises(Stop):
         trainer._step(res, NS(coord=NS(dp=0)), st, 0, (1.0, None), None)
     assert events == ["reset cuda:0", "run"]
