@@ -1,0 +1,1 @@
+"""The command line's commands, one module each (their arguments in `args/`)."""

@@ -3,10 +3,11 @@
 DeepSpeed builds its C++ ops (CPU Adam, async I/O, ...) just in time, the first time a rank needs
 one, into the environment's op directory (`dsnd.extensions`). Inside a launch that build happens
 while the other ranks wait at a collective: the first run of a fresh environment spends minutes
-compiling (measured on 2 cores: async_io 2.5 min, each CPU optimizer about 1 min), which can pass
-a rendezvous or a test's timeout. DeepSpeed's own answer is ``DS_BUILD_OPS=1`` at install time,
-which needs DeepSpeed built from source; this command builds the same ops, with the same
-builders, into the directory every later ``dsnd`` process of this environment loads them from.
+compiling (observed on 2 cores, not in the suite: async_io 2.5 min, each CPU optimizer about
+1 min), which can pass a rendezvous or a test's timeout. DeepSpeed's own answer is
+``DS_BUILD_OPS=1`` at install time, which needs DeepSpeed built from source; this command builds
+the same ops, with the same builders, into the directory every later ``dsnd`` process of this
+environment loads them from.
 
 On the CPU it builds every op dsnd's CPU runs may load (DEFAULT_BUILDERS). On CUDA (any other
 accelerator) it builds what the DeepSpeed JSON of ``--deepspeed`` (default: the packaged default

@@ -1,0 +1,1 @@
+"""Run config and DeepSpeed JSON: strict loading, batch math, every rule; resolved once."""

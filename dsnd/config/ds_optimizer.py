@@ -41,7 +41,8 @@ REFUSED_OPTIMIZERS = {
     "orthogonalise shards, not whole matrices",
 }
 """Optimizers DeepSpeed builds that cannot train in dsnd, by the name DeepSpeed reads
-(`optimizers.type_name`), with the reason (measured on this CPU, DeepSpeed 0.19.8, torch 2.13)."""
+(`optimizers.type_name`), with the reason (found on a CPU with DeepSpeed 0.19.8 and torch 2.13;
+`tests/unit/test_ds_optimizers.py` checks the refusals, not the failures behind them)."""
 
 DEVICE_FLAGS = ("capturable", "fused")
 """torch.optim parameters whose validity depends on the device the optimizer steps on

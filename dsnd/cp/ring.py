@@ -19,8 +19,8 @@ Each block runs one of three kernels (`kernel_for`), all returning and taking th
 the merge needs (a backward given the *global* output and log-sum-exp yields exactly the
 block's share of dq, dk, dv):
 - "cpu": torch's fused CPU kernel (`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`
-  and its backward), in fp32. Measured on 2 cores at 8192 tokens, cp=2: the written-out form
-  took 8x the time of Ulysses around the fused kernel.
+  and its backward), in fp32. Written out instead, the ring ran at 0.13-0.62 of Ulysses' speed
+  on 2 cores (docs/benchmarks.md, "Context parallelism"; `dsnd bench context`).
 - "cuda": torch's flash-attention kernel (`_scaled_dot_product_flash_attention` and its
   backward) in the model's bf16/fp16, keys and values at their own head count (the kernel
   serves grouped-query attention itself, so nothing is expanded per ring step), tensor cores,
@@ -251,8 +251,9 @@ class RingAttention(torch.autograd.Function):
                 kv, handles = pending
                 _Ring.finish(handles)
         # (b, S, heads, d), the layout the output projection reads: in fp32 the projection's
-        # saved input and this saved output are then one tensor (measured: +4% of a rank's
-        # activations when they were two)
+        # saved input and this saved output are then one tensor (+4% of a rank's activations
+        # when they were two, as Ulysses still keeps: docs/benchmarks.md, "Context
+        # parallelism", 0.520 against 0.500; `dsnd bench context`)
         result = torch.cat(out, dim=2).transpose(1, 2).contiguous()
         ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2))
         ctx.group, ctx.scale, ctx.kernel = group, scale, kernel

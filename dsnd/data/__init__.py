@@ -1,4 +1,4 @@
-"""Data: a corpus of byte tokens, cut into samples whose order depends on (seed, step) only."""
+"""Data: corpora, tokenizers, token files and blends, as samples ordered by (seed, step)."""
 
 from dsnd.data.corpus import FORMATS, Corpus, load_corpus
 from dsnd.data.sampler import SampleSet, batch_for_step, global_batch_indices, micro_batches

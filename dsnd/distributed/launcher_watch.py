@@ -5,8 +5,11 @@ Why: DeepSpeed 0.19.8's `deepspeed` runner, when its job has one host (`--num_gp
 `--include localhost:...`, or a hostfile naming one host), starts `python -m
 deepspeed.launcher.launch` with a plain `Popen` and sets no signal handler. SIGTERM or SIGINT to
 the runner ends the runner alone; launch.py, which would pass the signal on to its ranks, is
-never signalled, and it and its ranks train on as orphans (measured with `deepspeed --num_gpus 2`:
-SIGTERM to the runner at step 3 of 30, runner exit -15, the ranks trained all 30 steps). Only with
+never signalled, and it and its ranks train on as orphans (observed before this watch, with
+`deepspeed --num_gpus 2`: SIGTERM to the runner at step 3 of 30, runner exit -15, the ranks
+trained all 30 steps; `tests/integration/test_launchers.py`,
+test_sigterm_to_deepspeed_hostfile_runner_saves_and_ends_every_rank, signals a one-host runner
+so and sees every rank stop). Only with
 many hosts does the runner answer SIGTERM itself (`pkill -f` of launch.py on every host, which
 then sends SIGTERM to its ranks). Ctrl-C at a terminal reaches launch.py and the ranks too (one
 process group), so only a signal to the runner's pid alone — `kill PID`, a scheduler, a service

@@ -1,0 +1,1 @@
+"""`dsnd launch`'s agents: one per host, starting, watching and restarting its ranks."""

@@ -1,5 +1,8 @@
-"""Decoder-only transformers of the supported families (`dsnd.model.families`) as flat layer
-lists for DeepSpeed pipeline stages, built from `transformers` configs."""
+"""The supported transformers families as flat layer lists for stages, with HF weights.
+
+Decoder-only transformers of the supported families (`dsnd.model.families`) as flat layer
+lists for DeepSpeed pipeline stages, built from `transformers` configs.
+"""
 
 from dsnd.model.hf_weights import from_hf_state_dict, to_hf_state_dict
 from dsnd.model.loss import lm_loss

@@ -1,4 +1,6 @@
-"""Megatron-style tensor parallelism: f/g mappings, parallel layers, vocab-parallel loss, and the
+"""Megatron-style tensor parallelism: f/g mappings, parallel layers, vocab loss, RNG.
+
+Megatron-style tensor parallelism: f/g mappings, parallel layers, vocab-parallel loss, and the
 replicated / tensor-parallel RNG streams (`TPRandomState`).
 
 Every function and layer takes its tensor-parallel process group as an argument.

@@ -196,3 +196,14 @@ def test_the_pure_parts_do_not_import_the_engine():
     found = [f"{path.relative_to(ROOT)}" for path in sorted(ROOT.rglob("*.py"))
              if _part(path) in PURE_OF_THE_ENGINE and "engine" in _imported_parts(path)]  # fmt: skip
     assert found == []
+
+
+def test_every_package_says_in_one_line_what_lives_there():
+    """Each `__init__.py` opens with a docstring whose first line is a whole summary."""
+    missing = []
+    for path in sorted(ROOT.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = doc.split("\n", 1)[0]
+        if not first or not (first.endswith(".") or doc == first or doc.split("\n")[1] == ""):
+            missing.append(f"{path.relative_to(ROOT)}: {first!r}")
+    assert missing == []

@@ -63,7 +63,8 @@ def _docstring_paragraphs(source: str) -> list[tuple[int, str]]:
                 and isinstance(node.value.value, str):  # fmt: skip
             text = node.value.value
             for para in re.finditer(r"(?:(?!\n[ \t]*\n).)+", text, re.DOTALL):
-                out.append((node.lineno + text[: para.start()].count("\n"), para.group()))
+                start = para.start() + len(para.group()) - len(para.group().lstrip())
+                out.append((node.lineno + text[:start].count("\n"), para.group()))
     return out
 
 
@@ -90,15 +91,3 @@ def unbacked_claims(path: pathlib.Path) -> list[str]:
 def test_every_measured_claim_names_the_test_or_benchmark_that_shows_it():
     found = [hit for path in sorted(ROOT.rglob("*.py")) for hit in unbacked_claims(path)]
     assert found == [], "\n\n".join(found)
-
-
-def test_the_check_sees_a_claim_and_lets_a_cited_one_and_the_code_s_own_use_pass(tmp_path):
-    claim = '"""Fast (measured: 3 s).\n\nFast (measured: 3 s; `tests/unit/test_x.py`)."""\n'
-    code = "x = 1  # the measured layer costs; measured ÷ predicted\n"
-    (tmp_path / "m.py").write_text(claim + code)
-    path = ROOT / "_probe.py"
-    try:
-        path.write_text(claim + code)
-        assert [hit.split(": ", 1)[1] for hit in unbacked_claims(path)] == ["Fast (measured: 3 s)."]
-    finally:
-        path.unlink()
