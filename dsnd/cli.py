@@ -63,26 +63,60 @@ class Command(namedtuple("Command", "name help arguments runner")):
 COMMANDS = (
     Command("env", "versions, accelerator and backend", None, "dsnd.commands.env:run"),
     Command("ops", "DeepSpeed's compiled ops", ops, "dsnd.commands.ops:run"),
-    Command("train", "train in the world this process's launcher describes", train,
-            "dsnd.commands.train:run"),
-    Command("launch", "check the config, then start every rank", launch,
-            "dsnd.commands.launch:run_launch"),
-    Command("bench", "measure dsnd against DeepSpeed (a benchmark, not a test)", bench,
-            "dsnd.commands.bench:run_bench"),
-    Command("plan", "choose a parallel layout before launch: every layout predicted (memory per "
-            "device, step time) and ranked", plan, "dsnd.commands.plan:run_plan"),
-    Command("ds-config", "what dsnd does with a DeepSpeed JSON", ds_config,
-            "dsnd.commands.ds_config:run"),
+    Command(
+        "train",
+        "train in the world this process's launcher describes",
+        train,
+        "dsnd.commands.train:run",
+    ),
+    Command(
+        "launch",
+        "check the config, then start every rank",
+        launch,
+        "dsnd.commands.launch:run_launch",
+    ),
+    Command(
+        "bench",
+        "measure dsnd against DeepSpeed (a benchmark, not a test)",
+        bench,
+        "dsnd.commands.bench:run_bench",
+    ),
+    Command(
+        "plan",
+        "choose a parallel layout before launch: every layout predicted (memory per "
+        "device, step time) and ranked",
+        plan,
+        "dsnd.commands.plan:run_plan",
+    ),
+    Command(
+        "ds-config",
+        "what dsnd does with a DeepSpeed JSON",
+        ds_config,
+        "dsnd.commands.ds_config:run",
+    ),
     Command("data", "prepare a pre-tokenized corpus", data, "dsnd.commands.data:run"),
-    Command("model", "the shipped presets; a model's size and layers", model,
-            "dsnd.commands.model:run"),
-    Command("generate", "sample text from a checkpoint of any layout", generate,
-            "dsnd.commands.generate:run"),
-    Command("plot", "loss and throughput curves of runs side by side (PNG)", plot,
-            "dsnd.commands.plot:run"),
-    Command("ckpt", "inspect, verify or export a saved dsnd checkpoint; import one DeepSpeed "
-            "saved", ckpt, "dsnd.commands.ckpt:run_ckpt"),
-)  # fmt: skip
+    Command(
+        "model", "the shipped presets; a model's size and layers", model, "dsnd.commands.model:run"
+    ),
+    Command(
+        "generate",
+        "sample text from a checkpoint of any layout",
+        generate,
+        "dsnd.commands.generate:run",
+    ),
+    Command(
+        "plot",
+        "loss and throughput curves of runs side by side (PNG)",
+        plot,
+        "dsnd.commands.plot:run",
+    ),
+    Command(
+        "ckpt",
+        "inspect, verify or export a saved dsnd checkpoint; import one DeepSpeed saved",
+        ckpt,
+        "dsnd.commands.ckpt:run_ckpt",
+    ),
+)
 
 
 class _Parser(argparse.ArgumentParser):

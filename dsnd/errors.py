@@ -56,8 +56,7 @@ def shown(value: object) -> str:
 
 def _one_line(message: str) -> str:
     """`message` on one line, each overlong word (an echoed value) shortened."""
-    return " ".join(shorten(word) if len(word) > LONGEST_WORD else word
-                    for word in message.split())  # fmt: skip
+    return " ".join(shorten(word) if len(word) > LONGEST_WORD else word for word in message.split())
 
 
 class UserError(Exception):

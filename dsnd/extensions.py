@@ -4,9 +4,9 @@ torch builds C++ extensions under ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions/py311_cpu``: one directory for every environment of the user with the
 same Python and accelerator. DeepSpeed JIT-builds its ops there on first use (the shared-memory
 comm op at every CPU start, CPU Adam when a JSON asks for it). Two environments with different
-DeepSpeed or torch builds then rebuild each other's ops at every start (measured: a 4-step run
-took 25 s alone and 2.5 min while another environment ran), and a build killed midway leaves a
-`lock` file there that stalls every later run of every environment.
+DeepSpeed or torch builds then rebuild each other's ops at every start (observed, not in the
+suite: a 4-step run took 25 s alone and 2.5 min while another environment ran), and a build
+killed midway leaves a `lock` file there that stalls every later run of every environment.
 
 So unless the user set ``TORCH_EXTENSIONS_DIR``, `dsnd.cli.main` points it, before DeepSpeed is
 imported, at a directory of this environment: ``<sys.prefix>/var/dsnd/torch_extensions`` in a

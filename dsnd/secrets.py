@@ -32,10 +32,11 @@ def mask_config(value: Any) -> Any:
     """
     if isinstance(value, dict):
         return {
-            k: MASK if is_secret(str(k)) and not isinstance(v, (dict, list)) and v is not None
+            k: MASK
+            if is_secret(str(k)) and not isinstance(v, (dict, list)) and v is not None
             else mask_config(v)
             for k, v in value.items()
-        }  # fmt: skip
+        }
     if isinstance(value, list):
         return [mask_config(v) for v in value]
     return value

@@ -46,8 +46,10 @@ class StopRequest:
             if not self._saving:
                 raise KeyboardInterrupt
             if not self._held:
-                os.write(2, b"dsnd: Ctrl-C again: stopping once the checkpoint being saved is "
-                            b"committed\n")  # fmt: skip
+                os.write(
+                    2,
+                    b"dsnd: Ctrl-C again: stopping once the checkpoint being saved is committed\n",
+                )
             self._held = True
             return
         self._signalled = True

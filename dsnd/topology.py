@@ -73,8 +73,9 @@ class Topology:
         if world_size % (pp * tp * cp):
             names = "parallel.pp * parallel.tp" + " * parallel.cp" * (cp > 1)
             sizes = f"{pp} * {tp}" + f" * {cp}" * (cp > 1)
-            raise UserError(f"world size {world_size} is not divisible by {names} = {sizes} = "
-                            f"{pp * tp * cp}")  # fmt: skip
+            raise UserError(
+                f"world size {world_size} is not divisible by {names} = {sizes} = {pp * tp * cp}"
+            )
         return cls(pp=pp, dp=world_size // (pp * tp * cp), tp=tp, cp=cp, **degrees)
 
     @property
@@ -108,9 +109,12 @@ class Topology:
         fixed_axes = [a for a in AXES if a not in axes]
         out = []
         for fixed in itertools.product(*(range(sizes[a]) for a in fixed_axes)):
-            ranks = [self._rank_at(dict(zip(fixed_axes, fixed, strict=True))
-                                   | dict(zip(axes, varied, strict=True)))
-                     for varied in itertools.product(*(range(sizes[a]) for a in axes))]  # fmt: skip
+            ranks = [
+                self._rank_at(
+                    dict(zip(fixed_axes, fixed, strict=True)) | dict(zip(axes, varied, strict=True))
+                )
+                for varied in itertools.product(*(range(sizes[a]) for a in axes))
+            ]
             out.append(sorted(ranks))
         return out
 
@@ -137,14 +141,18 @@ class Topology:
         group (data x context) at the same place of their expert-parallel groups, which hold
         the same experts; what the experts' gradients are averaged over and their ZeRO shards
         split over (context-parallel peers computed parts of the same sequences)."""
-        return [[r for r in ranks if self.coord(r).dp % self.ep == j]
-                for ranks in self.zero_groups() for j in range(self.ep)]  # fmt: skip
+        return [
+            [r for r in ranks if self.coord(r).dp % self.ep == j]
+            for ranks in self.zero_groups()
+            for j in range(self.ep)
+        ]
 
     def runs_of(self, size: int) -> list[list[int]]:
         """Every stage's ZeRO group cut into runs of `size` consecutive ranks (so with a host's
         ranks in a row a run stays inside a host)."""
-        return [ranks[i : i + size] for ranks in self.zero_groups()
-                for i in range(0, len(ranks), size)]  # fmt: skip
+        return [
+            ranks[i : i + size] for ranks in self.zero_groups() for i in range(0, len(ranks), size)
+        ]
 
     def shard_groups(self) -> list[list[int]]:
         """Hybrid sharding's shard groups (runs of `dp_shard` ranks: what ZeRO-3 partitions

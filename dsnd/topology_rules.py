@@ -20,17 +20,23 @@ def check_degrees(t: Any) -> None:
     if t.ep < 1:
         raise UserError(f"parallel.ep={t.ep} must be >= 1")
     if t.dp % t.ep:
-        raise UserError(f"parallel.ep={t.ep} must divide the data-parallel size dp={t.dp} "
-                        "(world / (pp * tp * cp))")  # fmt: skip
+        raise UserError(
+            f"parallel.ep={t.ep} must divide the data-parallel size dp={t.dp} "
+            "(world / (pp * tp * cp))"
+        )
     _check_dp_shard(t)
     if t.hpz > 1 and t.dp % min(t.hpz, t.dp):
-        raise UserError(f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} must "
-                        f"divide each stage's data-parallel size dp={t.dp}")  # fmt: skip
+        raise UserError(
+            f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} must "
+            f"divide each stage's data-parallel size dp={t.dp}"
+        )
     if t.ep > 1 and t.hpz > 1:
-        raise UserError(f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} with "
-                        f"parallel.ep={t.ep} is not supported: hpZ's secondary partition is cut "
-                        "from all data-parallel ranks, the experts' from the ranks holding the "
-                        "same experts; set one of them")
+        raise UserError(
+            f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} with "
+            f"parallel.ep={t.ep} is not supported: hpZ's secondary partition is cut "
+            "from all data-parallel ranks, the experts' from the ranks holding the "
+            "same experts; set one of them"
+        )
 
 
 def _check_dp_shard(t: Any) -> None:
@@ -39,16 +45,24 @@ def _check_dp_shard(t: Any) -> None:
     if size == 0:
         return
     if size < 0 or t.dp % size:
-        raise UserError(f"parallel.dp_shard={size} must divide the data-parallel size dp={t.dp} "
-                        "(or be null or 0: shard over all of dp)")  # fmt: skip
+        raise UserError(
+            f"parallel.dp_shard={size} must divide the data-parallel size dp={t.dp} "
+            "(or be null or 0: shard over all of dp)"
+        )
     if t.hpz > 1:
-        raise UserError(f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} and "
-                        f"parallel.dp_shard={size} both choose where ZeRO-3 gathers parameters "
-                        "from; set one of them")  # fmt: skip
+        raise UserError(
+            f"{t.hpz_from}: zero_optimization.zero_hpz_partition_size={t.hpz} and "
+            f"parallel.dp_shard={size} both choose where ZeRO-3 gathers parameters "
+            "from; set one of them"
+        )
     if t.cp > 1:
-        raise UserError(f"parallel.dp_shard={size} with parallel.cp={t.cp} is not supported: "
-                        "hybrid sharding runs without context parallelism")  # fmt: skip
+        raise UserError(
+            f"parallel.dp_shard={size} with parallel.cp={t.cp} is not supported: "
+            "hybrid sharding runs without context parallelism"
+        )
     if t.ep > 1:
-        raise UserError(f"parallel.ep={t.ep} with parallel.dp_shard={size} is not supported: the "
-                        "experts are sharded over the ranks holding the same experts, hybrid "
-                        "sharding would cut those groups again; set one of them")
+        raise UserError(
+            f"parallel.ep={t.ep} with parallel.dp_shard={size} is not supported: the "
+            "experts are sharded over the ranks holding the same experts, hybrid "
+            "sharding would cut those groups again; set one of them"
+        )

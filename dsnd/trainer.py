@@ -65,10 +65,17 @@ def _evaluate(runner: StageRunner, res: Resolved, groups: ProcessGroups, held_ou
     """Mean loss over `eval.batches` fixed global batches of the held-out samples."""
     run, losses = res.run, []
     for k in range(run.eval.batches):
-        where = (run.train.seed, k, res.batch.train, groups.coord.dp, res.topology.dp,
-                 res.batch.micro)  # fmt: skip
-        losses.append(runner.evaluate(batch_for_step(held_out, *where),
-                                      batch_extras(held_out, *where)))  # fmt: skip
+        where = (
+            run.train.seed,
+            k,
+            res.batch.train,
+            groups.coord.dp,
+            res.topology.dp,
+            res.batch.micro,
+        )
+        losses.append(
+            runner.evaluate(batch_for_step(held_out, *where), batch_extras(held_out, *where))
+        )
     return sum(losses) / len(losses)
 
 
@@ -79,8 +86,9 @@ def _peak(res: Resolved, engine) -> float | None:
     dtype = precision(res.ds)
     peak = mfu_peak(res.run.log.peak_flops, name, dtype)
     if peak is None:
-        log.warning("MFU not reported: no %s peak FLOP/s known for %r (set log.peak_flops)",
-                    dtype, name)  # fmt: skip
+        log.warning(
+            "MFU not reported: no %s peak FLOP/s known for %r (set log.peak_flops)", dtype, name
+        )
     return peak
 
 
@@ -94,9 +102,11 @@ def check_finite(step: int, loss: float, norm: float | None) -> None:
     """Diverged (on every rank alike: loss and norm are global) when the step's loss or gradient
     norm is NaN or infinite: every later step would be garbage, and no checkpoint may hold it."""
     if not math.isfinite(loss) or (norm is not None and not math.isfinite(norm)):
-        raise Diverged(f"training diverged at step {step}: loss {loss}, grad_norm {norm}; "
-                       "stopped without saving this state (lower the learning rate, then resume "
-                       "from the last checkpoint)")  # fmt: skip
+        raise Diverged(
+            f"training diverged at step {step}: loss {loss}, grad_norm {norm}; "
+            "stopped without saving this state (lower the learning rate, then resume "
+            "from the last checkpoint)"
+        )
 
 
 def train(
@@ -161,12 +171,20 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
     runner = StageRunner(res, groups, load_hf=resume is None)
     engine = runner.engine
     total = sum(n for _, _, n in layer_table(res.model))
-    log.info("stage %d of %d holds global layers %s: %s of the model's %s parameters, "
-             "ZeRO-%d over dp=%d x cp=%d, tp=%d, ep=%d", groups.coord.pp, res.topology.pp,
-             list(engine.module.global_indices),
-             f"{res.plan.stage_parameters(res.model)[groups.coord.pp]:,}",
-             f"{total:,}", res.plan.zero_stage, res.topology.dp, res.topology.cp,
-             res.topology.tp, res.topology.ep)  # fmt: skip
+    log.info(
+        "stage %d of %d holds global layers %s: %s of the model's %s parameters, "
+        "ZeRO-%d over dp=%d x cp=%d, tp=%d, ep=%d",
+        groups.coord.pp,
+        res.topology.pp,
+        list(engine.module.global_indices),
+        f"{res.plan.stage_parameters(res.model)[groups.coord.pp]:,}",
+        f"{total:,}",
+        res.plan.zero_stage,
+        res.topology.dp,
+        res.topology.cp,
+        res.topology.tp,
+        res.topology.ep,
+    )
     start, saved = (0, None) if resume is None else _resume(engine, res, resume, corpus)
     mark = start_mark(start, layout_of(res.topology), resume, saved)
     return _Stage(runner, corpus, split.train, split.held_out, root, start, mark)
@@ -176,20 +194,34 @@ def _resume(engine, res: Resolved, resume: str, corpus: Corpus) -> tuple[int, di
     """Load checkpoint `resume` into the engine; the step and the layout it was saved at."""
     manifest = load_checkpoint(engine, res, resume)
     if dist.get_rank() == 0:
-        log.info("resumed from %s at step %d (saved with pp=%d tp=%d dp=%d, ZeRO-%d)",
-                 resume, manifest["step"], *(manifest["topology"][k] for k in ("pp", "tp", "dp")),
-                 manifest["zero_stage"])  # fmt: skip
+        log.info(
+            "resumed from %s at step %d (saved with pp=%d tp=%d dp=%d, ZeRO-%d)",
+            resume,
+            manifest["step"],
+            *(manifest["topology"][k] for k in ("pp", "tp", "dp")),
+            manifest["zero_stage"],
+        )
         if manifest["corpus"]["sha256"] != corpus.fingerprint:
-            log.warning("the corpus differs from the checkpoint's (%s): same positions, "
-                        "different data", manifest["corpus"]["name"])  # fmt: skip
+            log.warning(
+                "the corpus differs from the checkpoint's (%s): same positions, different data",
+                manifest["corpus"]["name"],
+            )
     return manifest["step"], saved_layout(manifest)
 
 
 def _log_start(res: Resolved, st: _Stage) -> None:
-    log.info("training %s on %s (%d samples), layout pp=%d dp=%d cp=%d tp=%d, ZeRO-%d, "
-             "schedule %s", res.model.describe(), st.corpus.name, len(st.samples),
-             res.topology.pp, res.topology.dp, res.topology.cp, res.topology.tp,
-             res.plan.zero_stage, res.plan.schedule)  # fmt: skip
+    log.info(
+        "training %s on %s (%d samples), layout pp=%d dp=%d cp=%d tp=%d, ZeRO-%d, schedule %s",
+        res.model.describe(),
+        st.corpus.name,
+        len(st.samples),
+        res.topology.pp,
+        res.topology.dp,
+        res.topology.cp,
+        res.topology.tp,
+        res.plan.zero_stage,
+        res.plan.schedule,
+    )
     log.info("%s", batch_line(res.batch, res.topology))
     log.info("%s", precision_line(res.ds))
     for note in res.ds_notes:
@@ -198,8 +230,14 @@ def _log_start(res: Resolved, st: _Stage) -> None:
         log.warning(note)
 
 
-def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tuple,
-          stop: StopRequest | None) -> tuple[dict[str, Any], dict[str, Any], bool]:  # fmt: skip
+def _step(
+    res: Resolved,
+    groups: ProcessGroups,
+    st: _Stage,
+    step: int,
+    flops: tuple,
+    stop: StopRequest | None,
+) -> tuple[dict[str, Any], dict[str, Any], bool]:
     """Optimizer step `step` (0-based): its metrics row, its TensorBoard numbers, and whether
     every rank agreed to stop after it. `flops` is (FLOPs per token, peak FLOP/s)."""
     run, engine = res.run, st.runner.engine
@@ -207,8 +245,14 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     scale = st.runner.loss_scale()  # fp16: the loss scale this step's gradients carry
     start_step_memory(engine.device)  # CUDA: the peak reported below is this step's
     t0 = time.perf_counter()
-    where = (run.train.seed, step, res.batch.train, groups.coord.dp, res.topology.dp,
-             res.batch.micro)  # fmt: skip
+    where = (
+        run.train.seed,
+        step,
+        res.batch.train,
+        groups.coord.dp,
+        res.topology.dp,
+        res.batch.micro,
+    )
     result = st.runner.run(batch_for_step(st.samples, *where), batch_extras(st.samples, *where))
     loss, norm = st.runner.report(result)
     scaling = st.runner.scale_numbers(scale)
@@ -218,11 +262,18 @@ def _step(res: Resolved, groups: ProcessGroups, st: _Stage, step: int, flops: tu
     elapsed = time.perf_counter() - t0
     memory = rank_memory(engine.device, st.runner.model_state_bytes)
     stopping = stop is not None and stop.requested
-    stats = gather_stats(result.times, memory, st.runner.step_skipped(), engine.device, stopping,
-                         result.activation_peak_bytes)  # fmt: skip
+    stats = gather_stats(
+        result.times,
+        memory,
+        st.runner.step_skipped(),
+        engine.device,
+        stopping,
+        result.activation_peak_bytes,
+    )
     check_skips_agree(stats)
-    numbers = step_numbers(stats, res.topology, elapsed, res.tokens_per_step, res.batch.train,
-                           *flops)  # fmt: skip
+    numbers = step_numbers(
+        stats, res.topology, elapsed, res.tokens_per_step, res.batch.train, *flops
+    )
     row = step_row(step + 1, loss, lr, norm, elapsed, res.tokens_per_step, numbers) | scaling
     moe_row, moe_tags = st.runner.moe_numbers(result)  # an MoE model's (`dsnd.moe.numbers`)
     row |= moe_row
@@ -237,8 +288,9 @@ def _should_eval(run, done: int) -> bool:
     return done == run.train.steps or (every > 0 and done % every == 0)
 
 
-def _marked(res: Resolved, groups: ProcessGroups, st: _Stage, step: int,
-            row: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _marked(
+    res: Resolved, groups: ProcessGroups, st: _Stage, step: int, row: dict[str, Any]
+) -> dict[str, Any]:
     """`row` of optimizer step `step` (0-based) with where this run started (its first row)
     and the held-out loss when it is evaluated after this step (collective)."""
     if step == st.start:
@@ -249,8 +301,13 @@ def _marked(res: Resolved, groups: ProcessGroups, st: _Stage, step: int,
     return row
 
 
-def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopRequest | None,
-           job_id: str | None) -> list[dict[str, Any]]:  # fmt: skip
+def _train(
+    res: Resolved,
+    groups: ProcessGroups,
+    resume: str | None,
+    stop: StopRequest | None,
+    job_id: str | None,
+) -> list[dict[str, Any]]:
     run = res.run
     st = _setup(res, groups, resume)
     engine = st.runner.engine
@@ -269,8 +326,9 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
             outputs.write(step + 1, row, numbers)
             if _should_save(run, step + 1) or stopping:
                 with stop.saving():  # a second Ctrl-C waits for the commit
-                    saved = save_checkpoint(engine, res, groups, step + 1, st.root, st.corpus,
-                                            job_id)  # fmt: skip
+                    saved = save_checkpoint(
+                        engine, res, groups, step + 1, st.root, st.corpus, job_id
+                    )
                 if saved:
                     log.info("checkpoint %s committed", saved)
                     last_saved = saved
@@ -278,14 +336,21 @@ def _train(res: Resolved, groups: ProcessGroups, resume: str | None, stop: StopR
                 row["stopped"] = True
                 if reporter:
                     why = (stop and stop.signal_name) or "another rank"
-                    log.warning("stopped at step %d on request (%s); relaunch to resume",
-                                step + 1, why)  # fmt: skip
+                    log.warning(
+                        "stopped at step %d on request (%s); relaunch to resume", step + 1, why
+                    )
                 break
         if (res.ds.get("comms_logger") or {}).get("enabled"):
             _comms_summary(st.runner, run.log.dir)
         if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
-            said = export_hf(engine.module, run.checkpoint.export_hf, res.model, groups.data,
-                             ExportOrigin(st.root, run.train.steps), engine.device)  # fmt: skip
+            said = export_hf(
+                engine.module,
+                run.checkpoint.export_hf,
+                res.model,
+                groups.data,
+                ExportOrigin(st.root, run.train.steps),
+                engine.device,
+            )
             if said:  # rank 0: says where the model went
                 log.info("%s", said)
             exported = run.checkpoint.export_hf
@@ -326,9 +391,11 @@ class _LogDir:
         step, e = self.failed
         where = f" ({e.filename})" if e.filename else ""
         kept = f"checkpoint {saved} is the last saved" if saved else "no checkpoint was saved"
-        raise WriteFailed(f"log.dir {self.log_dir}: cannot write the metrics of step {step} "
-                          f"({e.strerror or e}){where}; stopped, {kept}; free space there, "
-                          "then relaunch to resume") from e  # fmt: skip
+        raise WriteFailed(
+            f"log.dir {self.log_dir}: cannot write the metrics of step {step} "
+            f"({e.strerror or e}){where}; stopped, {kept}; free space there, "
+            "then relaunch to resume"
+        ) from e
 
     def close(self) -> None:
         if self.reporter is not None:
@@ -339,9 +406,11 @@ class _LogDir:
 def export_skipped(path: str) -> str:
     """What a run stopped before `train.steps` says of its `checkpoint.export_hf` (no export,
     and no directory made for one)."""
-    return (f"checkpoint.export_hf: not exported to {path} (stopped before train.steps; the "
-            "export is written when a run completes): resume to finish the run, or export the "
-            "saved checkpoint with dsnd ckpt export")
+    return (
+        f"checkpoint.export_hf: not exported to {path} (stopped before train.steps; the "
+        "export is written when a run completes): resume to finish the run, or export the "
+        "saved checkpoint with dsnd ckpt export"
+    )
 
 
 def _comms_summary(runner: StageRunner, log_dir: str) -> None:

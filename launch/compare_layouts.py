@@ -32,9 +32,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def run(name: str, command: list[str], zero: str, steps: int, out: str) -> list[dict]:
     log_dir = os.path.join(out, name)
-    argv = [sys.executable, "-m", "dsnd", *command, "--set", f"train.steps={steps}",
-            "--set", f"deepspeed={os.path.join(HERE, '..', 'ds_configs', zero + '.json')}",
-            "--set", f"log.dir={log_dir}", "--set", "checkpoint.resume=never"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dsnd",
+        *command,
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"deepspeed={os.path.join(HERE, '..', 'ds_configs', zero + '.json')}",
+        "--set",
+        f"log.dir={log_dir}",
+        "--set",
+        "checkpoint.resume=never",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:

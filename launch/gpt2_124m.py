@@ -41,10 +41,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="runs/gpt2-124m")
     args = parser.parse_args()
-    sets = {"model.preset": "gpt2", "model.seq_len": SEQ, "parallel.pp": PP,
-            "train.steps": args.steps, "log.dir": args.out, "checkpoint.resume": "never",
-            "checkpoint.every": 0, "log.tensorboard": "false",
-            "deepspeed": os.path.join(HERE, "..", "ds_configs", "zero3.json")}  # fmt: skip
+    sets = {
+        "model.preset": "gpt2",
+        "model.seq_len": SEQ,
+        "parallel.pp": PP,
+        "train.steps": args.steps,
+        "log.dir": args.out,
+        "checkpoint.resume": "never",
+        "checkpoint.every": 0,
+        "log.tensorboard": "false",
+        "deepspeed": os.path.join(HERE, "..", "ds_configs", "zero3.json"),
+    }
     argv = [sys.executable, "-m", "dsnd", "launch", "--nprocs", str(PP * DP)]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
@@ -62,8 +69,10 @@ def main() -> int:
         formula = 16 * psi / DP
         live = max(r[f"memory_stage{stage}_live_bytes"] for r in rows)
         peak = max(r[f"memory_stage{stage}_peak_bytes"] for r in rows)
-        print(f"{stage:>5}  {psi:>12,}  {formula / 2**20:>10.1f} MiB  {live / 2**20:>10.1f} MiB"
-              f"  {peak / 2**20:>10.1f} MiB")  # fmt: skip
+        print(
+            f"{stage:>5}  {psi:>12,}  {formula / 2**20:>10.1f} MiB  {live / 2**20:>10.1f} MiB"
+            f"  {peak / 2**20:>10.1f} MiB"
+        )
     return 0 if ok else 1
 
 

@@ -45,8 +45,10 @@ def _running_pid(workdir: str) -> int | None:
 
 def start(workdir: str, nhosts: int, slots: int) -> int:
     if (pid := _running_pid(workdir)) is not None:
-        print(f"a cluster is already running from {workdir} (sshd pid {pid}); stop it first",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"a cluster is already running from {workdir} (sshd pid {pid}); stop it first",
+            file=sys.stderr,
+        )
         return 1
     cluster = start_cluster(workdir, nhosts)  # sshd keeps running after this process exits
     with open(os.path.join(workdir, "netns"), "w") as f:

@@ -33,10 +33,20 @@ READY_TIMEOUT_S = 10.0
 # every file a cluster writes under its directory (launch/loopback_cluster.py adds `netns` and
 # `hostfile`): stopping removes them, the private keys first of all
 CREATED_FILES = (
-    "id_ed25519", "id_ed25519.pub", "ssh_host_ed25519_key", "ssh_host_ed25519_key.pub",
-    "authorized_keys", "sshd_config", "ssh_config", "bin/ssh", "sshd.pid", "sshd.log",
-    "sshd.out", "netns", "hostfile",
-)  # fmt: skip
+    "id_ed25519",
+    "id_ed25519.pub",
+    "ssh_host_ed25519_key",
+    "ssh_host_ed25519_key.pub",
+    "authorized_keys",
+    "sshd_config",
+    "ssh_config",
+    "bin/ssh",
+    "sshd.pid",
+    "sshd.log",
+    "sshd.out",
+    "netns",
+    "hostfile",
+)
 
 
 @dataclass
@@ -62,8 +72,13 @@ class Cluster:
 
     def ssh(self, host: str, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run `command` on `host` through plain `ssh` from this cluster's PATH."""
-        return subprocess.run([*self.prefix, "ssh", host, command], env={**os.environ, **self.env},
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            [*self.prefix, "ssh", host, command],
+            env={**os.environ, **self.env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def log_text(self) -> str:
         """sshd's log, after anything it printed before its log was open."""
@@ -148,8 +163,11 @@ def _path_first(*dirs: str) -> str:
 def _keygen(path: str) -> None:
     if os.path.exists(path):
         return
-    subprocess.run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", "dsnd-test-cluster",
-                    "-f", path], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", "dsnd-test-cluster", "-f", path],
+        check=True,
+        capture_output=True,
+    )
 
 
 def _write(path: str, text: str, mode: int = 0o644) -> None:
@@ -174,7 +192,9 @@ def _setup_files(workdir: str, hosts: list[str], port: int) -> tuple[str, str]:
     remote_path = f"{bindir}:{venv_bin}:{SYSTEM_PATH}"
     sshd_config = os.path.join(workdir, "sshd_config")
     listen = "".join(f"ListenAddress {host}\n" for host in hosts)
-    _write(sshd_config, f"""\
+    _write(
+        sshd_config,
+        f"""\
 Port {port}
 {listen}HostKey {host_key}
 PidFile {os.path.join(workdir, "sshd.pid")}
@@ -189,10 +209,13 @@ X11Forwarding no
 PrintMotd no
 LogLevel VERBOSE
 SetEnv PATH={remote_path}
-""")  # fmt: skip
+""",
+    )
 
     ssh_config = os.path.join(workdir, "ssh_config")
-    _write(ssh_config, f"""\
+    _write(
+        ssh_config,
+        f"""\
 Host *
     Port {port}
     IdentityFile {user_key}
@@ -202,9 +225,9 @@ Host *
     UserKnownHostsFile /dev/null
     LogLevel ERROR
     ConnectTimeout 5
-""")  # fmt: skip
-    _write(os.path.join(bindir, "ssh"),
-           f'#!/bin/sh\nexec {SSH} -F {ssh_config} "$@"\n', mode=0o755)  # fmt: skip
+""",
+    )
+    _write(os.path.join(bindir, "ssh"), f'#!/bin/sh\nexec {SSH} -F {ssh_config} "$@"\n', mode=0o755)
     return sshd_config, bindir
 
 
@@ -233,8 +256,9 @@ def make_netns() -> str:
         proc = subprocess.run(argv, capture_output=True, text=True)
         if proc.returncode != 0:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            raise RuntimeError(f"{' '.join(argv)} failed: {proc.stderr.strip()} (needs root and "
-                               "Debian's iproute2)")  # fmt: skip
+            raise RuntimeError(
+                f"{' '.join(argv)} failed: {proc.stderr.strip()} (needs root and Debian's iproute2)"
+            )
     return name
 
 
@@ -283,9 +307,13 @@ def _start_sshd(workdir: str, hosts: list[str], port: int, netns: str | None) ->
     # (a caller whose output is a pipe is not held open by a long-lived sshd)
     with open(os.path.join(workdir, "sshd.out"), "w") as out:
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        proc = subprocess.Popen([*prefix, SSHD, "-D", "-f", sshd_config, "-E", log],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [*prefix, SSHD, "-D", "-f", sshd_config, "-E", log],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     env = {
         "PATH": _path_first(bindir, os.path.dirname(sys.executable)),
         "PDSH_RCMD_TYPE": "ssh",
@@ -312,8 +340,10 @@ def _wait_ready(cluster: Cluster) -> str | None:
         if ok:
             pending.pop(0)
         elif time.monotonic() > deadline:
-            return (f"`ssh {pending[0]} true` still fails after {READY_TIMEOUT_S:.0f} s: "
-                    f"{last.strip()}\nsshd log:\n{cluster.log_text()}")  # fmt: skip
+            return (
+                f"`ssh {pending[0]} true` still fails after {READY_TIMEOUT_S:.0f} s: "
+                f"{last.strip()}\nsshd log:\n{cluster.log_text()}"
+            )
         else:
             time.sleep(0.1)
     return None

@@ -24,9 +24,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-_DATA_SIZED = {aten.bincount, aten.nonzero, aten.masked_select, aten._unique, aten._unique2,
-               aten.unique_dim, aten.unique_consecutive, aten._local_scalar_dense,
-               aten.is_nonzero}  # fmt: skip
+_DATA_SIZED = {
+    aten.bincount,
+    aten.nonzero,
+    aten.masked_select,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten._local_scalar_dense,
+    aten.is_nonzero,
+}
 _HOST_METHODS = ("tolist", "cpu", "numpy")
 
 
@@ -45,8 +53,9 @@ def _caller() -> str:
 
 
 def _bool_index(indices) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in indices or ())  # fmt: skip
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()
+    )
 
 
 class _Syncs(TorchDispatchMode):
@@ -58,8 +67,12 @@ class _Syncs(TorchDispatchMode):
         kwargs = kwargs or {}
         packet = func.overloadpacket
         sync = packet in _DATA_SIZED
-        sync |= packet is aten.repeat_interleave and kwargs.get("output_size") is None and \
-            isinstance(args[0], torch.Tensor) and func is aten.repeat_interleave.Tensor  # fmt: skip
+        sync |= (
+            packet is aten.repeat_interleave
+            and kwargs.get("output_size") is None
+            and isinstance(args[0], torch.Tensor)
+            and func is aten.repeat_interleave.Tensor
+        )
         sync |= packet in (aten.index, aten.index_put, aten.index_put_) and _bool_index(args[1])
         if sync:
             self.found.append(f"{packet.__name__} at {_caller()}")

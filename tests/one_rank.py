@@ -14,8 +14,9 @@ import torch.distributed as dist
 def one_rank_world(folder: str) -> Iterator[dist.ProcessGroup]:
     """The default group, of this process alone (its store a file in `folder`), torn down
     after the block."""
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}",
-                            rank=0, world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1
+    )
     try:
         yield dist.group.WORLD
     finally:

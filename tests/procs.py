@@ -43,8 +43,10 @@ def run_ranks(world: int, argv: list[str], timeout: float = 300) -> list[str]:
                 os.environ[record.ENV] = previous
         records = replay.load(folder)
         if len(records) != world:  # a rank that recorded nothing would pass unseen
-            raise AssertionError(f"{' '.join(argv)}: {len(records)} of {world} ranks left an "
-                                 f"NCCL-rules record (tests/distributed/worker.world writes it)")
+            raise AssertionError(
+                f"{' '.join(argv)}: {len(records)} of {world} ranks left an "
+                f"NCCL-rules record (tests/distributed/worker.world writes it)"
+            )
         assert_nccl_rules(records, " ".join(argv))
     return outputs
 
@@ -56,17 +58,24 @@ def assert_nccl_rules(records: list[dict], what: str) -> None:
         if problems:
             shown = "\n  ".join(problems[:12])
             more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
-            raise AssertionError(f"{what}: would not run on NCCL ({mode} mode), "
-                                 f"{len(problems)} problems:\n  {shown}{more}")  # fmt: skip
+            raise AssertionError(
+                f"{what}: would not run on NCCL ({mode} mode), "
+                f"{len(problems)} problems:\n  {shown}{more}"
+            )
 
 
 def run_cli(
     args: list[str], timeout: float = 600, cwd: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """`python -m dsnd <args>` as a real subprocess."""
-    return subprocess.run([sys.executable, "-m", "dsnd", *args], cwd=cwd or ROOT,
-                          env=rank_env(env), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dsnd", *args],
+        cwd=cwd or ROOT,
+        env=rank_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def last_log_text(log_dir: str, rank: int, marker: str) -> str:

@@ -62,8 +62,12 @@ def reference_rows(res: Resolved, change: tuple[int, dict] | None = None) -> lis
             if documents is not None:
                 documents.use(layout.documents[k])
             logits = model(x).float()
-            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+            summed = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                y.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
             loss = summed / counted
             if aux is not None:
                 extra = aux.loss(aux.partial(logits.device)) / len(micro)
@@ -84,8 +88,9 @@ def reference_rows(res: Resolved, change: tuple[int, dict] | None = None) -> lis
             rows[-1]["moe_aux_loss"] = aux_total
         if capacity is not None:
             dropped = capacity.take()
-            rows[-1]["moe_dropped_tokens"] = {str(b): int(n) for b, n in enumerate(dropped)
-                                              if n > 0}  # fmt: skip
+            rows[-1]["moe_dropped_tokens"] = {
+                str(b): int(n) for b, n in enumerate(dropped) if n > 0
+            }
     return rows
 
 

@@ -24,8 +24,11 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld",
-           "slurmd": "/usr/sbin/slurmd"}  # fmt: skip
+DAEMONS = {
+    "munged": "/usr/sbin/munged",
+    "slurmctld": "/usr/sbin/slurmctld",
+    "slurmd": "/usr/sbin/slurmd",
+}
 READY_TIMEOUT_S = 30.0
 
 
@@ -35,12 +38,19 @@ class SlurmCluster:
     workdir: str
     env: dict[str, str]  # SLURM_CONF for every Slurm command run against this cluster
 
-    def run(self, *argv: str, timeout: float = 30, env: dict[str, str] | None = None,
-            cwd=None) -> subprocess.CompletedProcess:  # fmt: skip
+    def run(
+        self, *argv: str, timeout: float = 30, env: dict[str, str] | None = None, cwd=None
+    ) -> subprocess.CompletedProcess:
         """A Slurm client command (sbatch, squeue, scancel, scontrol ...) against this cluster,
         in this process's environment plus `env`."""
-        return subprocess.run(list(argv), env={**os.environ, **(env or {}), **self.env},
-                              cwd=cwd, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            list(argv),
+            env={**os.environ, **(env or {}), **self.env},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, ExitCode, Restarts, ...)."""
@@ -63,8 +73,10 @@ class SlurmCluster:
 
     def log_text(self) -> str:
         logs = os.path.join(self.workdir, "log")
-        return "\n".join(f"== {name}\n{open(os.path.join(logs, name)).read()[-3000:]}"
-                         for name in sorted(os.listdir(logs)))  # fmt: skip
+        return "\n".join(
+            f"== {name}\n{open(os.path.join(logs, name)).read()[-3000:]}"
+            for name in sorted(os.listdir(logs))
+        )
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons, remove the work directory's files."""
@@ -175,11 +187,19 @@ def start_slurm(workdir: str, nhosts: int = 2, cpus: int = 2) -> SlurmCluster:
     with open(conf, "w") as f:
         f.write(slurm_conf(workdir, hosts, cpus, _free_ports(nhosts + 1, hosts)))
     cluster = SlurmCluster(hosts, workdir, {"SLURM_CONF": conf})
-    starts = [[DAEMONS["munged"], "--force", f"--socket={workdir}/munge.socket",
-               f"--key-file={key}", f"--pid-file={workdir}/munged.pid",
-               f"--log-file={workdir}/log/munged.log", f"--seed-file={workdir}/munged.seed"],
-              [DAEMONS["slurmctld"], "-f", conf],
-              *([DAEMONS["slurmd"], "-f", conf, "-N", h] for h in hosts)]  # fmt: skip
+    starts = [
+        [
+            DAEMONS["munged"],
+            "--force",
+            f"--socket={workdir}/munge.socket",
+            f"--key-file={key}",
+            f"--pid-file={workdir}/munged.pid",
+            f"--log-file={workdir}/log/munged.log",
+            f"--seed-file={workdir}/munged.seed",
+        ],
+        [DAEMONS["slurmctld"], "-f", conf],
+        *([DAEMONS["slurmd"], "-f", conf, "-N", h] for h in hosts),
+    ]
     try:
         for argv in starts:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)

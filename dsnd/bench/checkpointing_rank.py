@@ -29,26 +29,41 @@ from dsnd.pipeline.runner import StageRunner
 
 CHECKPOINTING_WORLD = 1
 INTERVAL = 1  # every layer its own chunk: each block keeps only its input
-SHAPE = ("model.preset=llama-tiny", "model.hidden_size=256", "model.num_layers=4",
-         "model.ffn_size=688", "model.seq_len=512", "model.max_position_embeddings=512",
-         "ds.train_batch_size=4", "ds.train_micro_batch_size_per_gpu=2",
-         "ds.gradient_accumulation_steps=null")  # fmt: skip
+SHAPE = (
+    "model.preset=llama-tiny",
+    "model.hidden_size=256",
+    "model.num_layers=4",
+    "model.ffn_size=688",
+    "model.seq_len=512",
+    "model.max_position_embeddings=512",
+    "ds.train_batch_size=4",
+    "ds.train_micro_batch_size_per_gpu=2",
+    "ds.gradient_accumulation_steps=null",
+)
 SIDES = {"off": 0, "on": INTERVAL}
 
 
 def checkpointing_configs(extra: Sequence[str] = ()) -> dict[str, Resolved]:
     base = [f"deepspeed={rank.ds_json(0)}", *SHAPE, *extra]
-    return {side: resolve(load(None, [*base, f"parallel.activation_checkpoint_interval={k}"]),
-                          CHECKPOINTING_WORLD) for side, k in SIDES.items()}  # fmt: skip
+    return {
+        side: resolve(
+            load(None, [*base, f"parallel.activation_checkpoint_interval={k}"]), CHECKPOINTING_WORLD
+        )
+        for side, k in SIDES.items()
+    }
 
 
 def _step(runner: StageRunner, micro) -> dict[str, Any]:
     start = time.perf_counter()
     result = runner.run(micro)
     loss, _ = runner.report(result)
-    return {"step_s": time.perf_counter() - start, "loss": loss,
-            "forward_s": result.times["forward"], "backward_s": result.times["backward"],
-            "activation_peak_bytes": result.activation_peak_bytes}  # fmt: skip
+    return {
+        "step_s": time.perf_counter() - start,
+        "loss": loss,
+        "forward_s": result.times["forward"],
+        "backward_s": result.times["backward"],
+        "activation_peak_bytes": result.activation_peak_bytes,
+    }
 
 
 def bench(runs: dict[str, Resolved], steps: int, warmup: int) -> list[dict[str, Any]]:
@@ -56,23 +71,33 @@ def bench(runs: dict[str, Resolved], steps: int, warmup: int) -> list[dict[str, 
     groups = run_groups(*runs.values())
     samples = rank.sample_set(first)
     with ExitStack() as built:
-        runners = {side: built.enter_context(rank.stage_runner(res, groups))
-                   for side, res in runs.items()}  # fmt: skip
-        return rank.take_turns(list(SIDES), steps, warmup,
-                               lambda rep: rank.step_batches(first, samples, groups, rep),
-                               lambda side, micro: _step(runners[side], micro))  # fmt: skip
+        runners = {
+            side: built.enter_context(rank.stage_runner(res, groups)) for side, res in runs.items()
+        }
+        return rank.take_turns(
+            list(SIDES),
+            steps,
+            warmup,
+            lambda rep: rank.step_batches(first, samples, groups, rep),
+            lambda side, micro: _step(runners[side], micro),
+        )
 
 
 def checkpointing_raw(runs: dict[str, Resolved], records: list[dict[str, Any]]) -> dict[str, Any]:
     res = runs["on"]
     return {
-        "layout": {"model": res.model.describe(), "batch": str(res.batch),
-                   "micro": res.batch.micro, "seq_len": res.run.model.seq_len,
-                   "hidden": res.model.hidden_size, "vocab": res.model.vocab_size,
-                   "layers": len(res.plan.stage_layers(0)),
-                   "interval": res.run.parallel.activation_checkpoint_interval},
+        "layout": {
+            "model": res.model.describe(),
+            "batch": str(res.batch),
+            "micro": res.batch.micro,
+            "seq_len": res.run.model.seq_len,
+            "hidden": res.model.hidden_size,
+            "vocab": res.model.vocab_size,
+            "layers": len(res.plan.stage_layers(0)),
+            "interval": res.run.parallel.activation_checkpoint_interval,
+        },
         "reps": records,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,8 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     def measure(runs: dict[str, Resolved]) -> dict[str, Any]:
         return checkpointing_raw(runs, bench(runs, args.steps, args.warmup))
 
-    rank.run(args.out, "dsnd bench activation-checkpointing", CHECKPOINTING_WORLD,
-             lambda: checkpointing_configs(args.sets), measure)  # fmt: skip
+    rank.run(
+        args.out,
+        "dsnd bench activation-checkpointing",
+        CHECKPOINTING_WORLD,
+        lambda: checkpointing_configs(args.sets),
+        measure,
+    )
 
 
 if __name__ == "__main__":

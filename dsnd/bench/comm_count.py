@@ -104,8 +104,9 @@ def _bytes(tensors) -> int:
 
 def _payload(op: str, kwargs: dict) -> int:
     if op == "all_gather":
-        key = next(k for k in ("output_tensor", "output_tensors", "outputs", "output_lists")
-                   if k in kwargs)  # fmt: skip
+        key = next(
+            k for k in ("output_tensor", "output_tensors", "outputs", "output_lists") if k in kwargs
+        )
     elif op == "reduce_scatter":
         key = next(k for k in ("input_tensor", "input_tensors", "inputs") if k in kwargs)
     else:

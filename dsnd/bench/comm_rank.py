@@ -73,36 +73,47 @@ def _zero(stage: int, micro_batches: int, *extra: str) -> list[str]:
 
 PIPE = ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.partition=parameters")
 PHASES: dict[str, tuple[int, dict[str, list[str]]]] = {
-    "zero": (WORLDS["zero"], {
-        "zero1": _zero(1, 1),
-        "zero2": _zero(2, 1),
-        "zero3": _zero(3, 1),
-        "zero3-no-reuse": _zero(3, 1, *NO_REUSE),
-        "zero2-multi-rank": _zero(2, 1, MULTI_RANK),
-    }),
-    "zero-pp": (WORLDS["zero-pp"], {
-        "pp2-zero1-m2": _zero(1, 2, *PIPE),
-        "pp2-zero2-m2": _zero(2, 2, *PIPE),
-        "pp2-zero3-m2": _zero(3, 2, *PIPE),
-        "pp2-zero3-m8": _zero(3, 8, *PIPE),
-        "pp2-zero3-persist-m2": _zero(3, 2, *PIPE, PERSIST),
-        "pp2-zero3-persist-m8": _zero(3, 8, *PIPE, PERSIST),
-        "pp2-zero3-keep-m2": _zero(3, 2, *PIPE, KEEP),
-        "pp2-zero3-keep-m8": _zero(3, 8, *PIPE, KEEP),
-    }),
-    "tp": (WORLDS["tp"], {
-        "tp2": _zero(0, 1, "parallel.tp=2"),
-        "tp2-sp": _zero(0, 1, "parallel.tp=2", "parallel.sequence_parallel=true"),
-        "tp2-checkpointed": _zero(0, 1, "parallel.tp=2", CHECKPOINT_EVERY_LAYER),
-    }),
-}  # fmt: skip
+    "zero": (
+        WORLDS["zero"],
+        {
+            "zero1": _zero(1, 1),
+            "zero2": _zero(2, 1),
+            "zero3": _zero(3, 1),
+            "zero3-no-reuse": _zero(3, 1, *NO_REUSE),
+            "zero2-multi-rank": _zero(2, 1, MULTI_RANK),
+        },
+    ),
+    "zero-pp": (
+        WORLDS["zero-pp"],
+        {
+            "pp2-zero1-m2": _zero(1, 2, *PIPE),
+            "pp2-zero2-m2": _zero(2, 2, *PIPE),
+            "pp2-zero3-m2": _zero(3, 2, *PIPE),
+            "pp2-zero3-m8": _zero(3, 8, *PIPE),
+            "pp2-zero3-persist-m2": _zero(3, 2, *PIPE, PERSIST),
+            "pp2-zero3-persist-m8": _zero(3, 8, *PIPE, PERSIST),
+            "pp2-zero3-keep-m2": _zero(3, 2, *PIPE, KEEP),
+            "pp2-zero3-keep-m8": _zero(3, 8, *PIPE, KEEP),
+        },
+    ),
+    "tp": (
+        WORLDS["tp"],
+        {
+            "tp2": _zero(0, 1, "parallel.tp=2"),
+            "tp2-sp": _zero(0, 1, "parallel.tp=2", "parallel.sequence_parallel=true"),
+            "tp2-checkpointed": _zero(0, 1, "parallel.tp=2", CHECKPOINT_EVERY_LAYER),
+        },
+    ),
+}
 """Each phase's ranks and its runs' keys (``--set`` items are added to every run)."""
 
 
 def group_kinds(groups: ProcessGroups) -> dict[str, list[int]]:
     """The ranks of this rank's data-parallel, pipeline and tensor groups, for `summarize`."""
-    return {kind: dist.get_process_group_ranks(group) for kind, group in
-            (("dp", groups.data), ("pp", groups.pipe), ("tp", groups.tensor))}  # fmt: skip
+    return {
+        kind: dist.get_process_group_ranks(group)
+        for kind, group in (("dp", groups.data), ("pp", groups.pipe), ("tp", groups.tensor))
+    }
 
 
 def layer_labels(runner: StageRunner, counter: CommCounter) -> None:
@@ -176,19 +187,31 @@ def measure(res: Resolved, steps: int, warmup: int, labelled: bool) -> dict[str,
                     result = runner.run(micro)
                 counted.append(summarize(counter.calls, kinds))
             losses.append(runner.report(result)[0])
-        return {"stage": groups.coord.pp, "psi_bytes": stage_param_bytes(runner), "steps": counted,
-                "state": state_bytes(runner.engine), "losses": losses}  # fmt: skip
+        return {
+            "stage": groups.coord.pp,
+            "psi_bytes": stage_param_bytes(runner),
+            "steps": counted,
+            "state": state_bytes(runner.engine),
+            "losses": losses,
+        }
 
 
 def layout(res: Resolved) -> dict[str, Any]:
     m = res.run.model
-    return {"pp": res.topology.pp, "dp": res.topology.dp, "tp": res.topology.tp,
-            "micro": res.batch.micro, "micro_batches": res.batch.gas, "seq_len": m.seq_len,
-            "hidden": res.model.hidden_size, "layers": res.model.num_layers,
-            "sequence_parallel": res.run.parallel.sequence_parallel,
-            "activation_checkpoint_interval": res.run.parallel.activation_checkpoint_interval,
-            "zero": res.plan.zero_stage,
-            "element_bytes": torch.empty((), dtype=zero3_dtype(res.ds)).element_size()}  # fmt: skip
+    return {
+        "pp": res.topology.pp,
+        "dp": res.topology.dp,
+        "tp": res.topology.tp,
+        "micro": res.batch.micro,
+        "micro_batches": res.batch.gas,
+        "seq_len": m.seq_len,
+        "hidden": res.model.hidden_size,
+        "layers": res.model.num_layers,
+        "sequence_parallel": res.run.parallel.sequence_parallel,
+        "activation_checkpoint_interval": res.run.parallel.activation_checkpoint_interval,
+        "zero": res.plan.zero_stage,
+        "element_bytes": torch.empty((), dtype=zero3_dtype(res.ds)).element_size(),
+    }
 
 
 def run_phase(phase: str, runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any]:
@@ -207,10 +230,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--phase", choices=tuple(PHASES), required=True)
     args = parser.parse_args(argv)
     world, keys = PHASES[args.phase]
-    rank.run(args.out, f"phase {args.phase}", world,
-             lambda: {name: resolve(load(None, [*sets, *args.sets]), world)
-                      for name, sets in keys.items()},
-             lambda runs: run_phase(args.phase, runs, args.steps, args.warmup))  # fmt: skip
+    rank.run(
+        args.out,
+        f"phase {args.phase}",
+        world,
+        lambda: {
+            name: resolve(load(None, [*sets, *args.sets]), world) for name, sets in keys.items()
+        },
+        lambda runs: run_phase(args.phase, runs, args.steps, args.warmup),
+    )
 
 
 if __name__ == "__main__":

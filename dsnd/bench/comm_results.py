@@ -85,8 +85,11 @@ def gathered(rec: Mapping[str, Any]) -> float:
 
 def _breakdown(rec: Mapping[str, Any], dp: int) -> str:
     base = allreduce_bytes(rec["psi_bytes"], dp)
-    parts = [f"{r['op']} {r['sent'] / base:.3f} ({r['calls']} calls)"
-             for r in rec["steps"][-1] if r["kind"] == "dp" and r["sent"]]  # fmt: skip
+    parts = [
+        f"{r['op']} {r['sent'] / base:.3f} ({r['calls']} calls)"
+        for r in rec["steps"][-1]
+        if r["kind"] == "dp" and r["sent"]
+    ]
     return ", ".join(parts)
 
 
@@ -95,15 +98,26 @@ def _zero_row(name: str, run: Mapping[str, Any], target: Target, note: str) -> l
     rows = []
     for stage, rec in sorted(_stages(run).items()):
         where = f" stage{stage}" if run["layout"]["pp"] > 1 else ""
-        rows.append(Row(f"{name}{where} dp bytes / all-reduce", dp_ratio(rec, dp), target,
-                        f"{note}{_breakdown(rec, dp)}", bench=ZERO_BENCH))  # fmt: skip
+        rows.append(
+            Row(
+                f"{name}{where} dp bytes / all-reduce",
+                dp_ratio(rec, dp),
+                target,
+                f"{note}{_breakdown(rec, dp)}",
+                bench=ZERO_BENCH,
+            )
+        )
     return rows
 
 
 def _loss_row(name: str, run: Mapping[str, Any], base_name: str, base: Mapping[str, Any]) -> Row:
     diff = _max_rel_diff(run["ranks"][0]["losses"], base["ranks"][0]["losses"])
-    return Row(f"{name} losses vs {base_name} (max rel diff)", diff,
-               Target.at_most(LOSS_TOLERANCE), bench=ZERO_BENCH)  # fmt: skip
+    return Row(
+        f"{name} losses vs {base_name} (max rel diff)",
+        diff,
+        Target.at_most(LOSS_TOLERANCE),
+        bench=ZERO_BENCH,
+    )
 
 
 ZERO_NOTES = {
@@ -130,10 +144,15 @@ def _growth_rows(runs: Mapping[str, Any], prefix: str, what: str) -> list[Row]:
     rows = []
     for stage, rec in sorted(_stages(few).items()):
         a, b = gathered(rec), gathered(_stages(many)[stage])
-        rows.append(Row(f"{prefix} stage{stage} param all-gathers m8 / m2", b / a,
-                        Target.at_most(1.0),
-                        f"{what}: per step {a:.2f}x the stage's parameters at m=2, {b:.2f}x at "
-                        "m=8", bench=ZERO_BENCH))  # fmt: skip
+        rows.append(
+            Row(
+                f"{prefix} stage{stage} param all-gathers m8 / m2",
+                b / a,
+                Target.at_most(1.0),
+                f"{what}: per step {a:.2f}x the stage's parameters at m=2, {b:.2f}x at m=8",
+                bench=ZERO_BENCH,
+            )
+        )
     return rows
 
 
@@ -157,10 +176,16 @@ def zero_rows(raw: Mapping[str, Any]) -> list[Row]:
     for stage, rec in sorted(_stages(pipe["pp2-zero3-persist-m2"]).items()):
         plain = _stages(pipe["pp2-zero3-m2"])[stage]
         held = rec["state"]["params"] / rec["psi_bytes"]
-        rows.append(Row(f"pp2-zero3-persist stage{stage} params held / stage params", held, None,
-                        "parameter bytes held between steps (shard and gathered copy); plain "
-                        f"ZeRO-3 {plain['state']['params'] / plain['psi_bytes']:.2f}",
-                        bench=ZERO_BENCH))  # fmt: skip
+        rows.append(
+            Row(
+                f"pp2-zero3-persist stage{stage} params held / stage params",
+                held,
+                None,
+                "parameter bytes held between steps (shard and gathered copy); plain "
+                f"ZeRO-3 {plain['state']['params'] / plain['psi_bytes']:.2f}",
+                bench=ZERO_BENCH,
+            )
+        )
     for name, run in pipe.items():
         base = "pp2-zero1-m2" if name.endswith("m2") else "pp2-zero3-m8"
         if name != base:
@@ -171,8 +196,9 @@ def zero_rows(raw: Mapping[str, Any]) -> list[Row]:
 # --- tp-comm ---------------------------------------------------------------------------------
 
 
-def tp_theory(layers: int, activation_bytes: int, tokens: int,
-              sequence_parallel: bool) -> dict[Key, tuple[int, int]]:  # fmt: skip
+def tp_theory(
+    layers: int, activation_bytes: int, tokens: int, sequence_parallel: bool
+) -> dict[Key, tuple[int, int]]:
     """(calls, payload bytes) of each (part, direction, op) in one forward and backward of one
     micro-batch through `layers` blocks, embedding, head and loss (module docstring), without
     activation checkpointing. `activation_bytes` is b*s*h elements' bytes; `tokens` b*s (the
@@ -228,8 +254,11 @@ def _run_theory(lay: Mapping[str, Any]) -> dict[Key, tuple[int, int]]:
 
 
 def _step_note(summary: Sequence[Mapping[str, Any]]) -> str:
-    parts = [f"{r['kind']} {r['op']} x{r['calls']} {r['payload']} B (sent {r['sent']:.0f})"
-             for r in summary if r["label"] == "step"]  # fmt: skip
+    parts = [
+        f"{r['kind']} {r['op']} x{r['calls']} {r['payload']} B (sent {r['sent']:.0f})"
+        for r in summary
+        if r["label"] == "step"
+    ]
     return "; ".join(parts) or "none"
 
 
@@ -240,21 +269,37 @@ RECOMPUTE_NOTE = (
 )
 
 
-def _key_row(name: str, key: Key, got: tuple[int, int], want: tuple[int, int],
-             checkpointed: bool, layers: int) -> Row:  # fmt: skip
+def _key_row(
+    name: str,
+    key: Key,
+    got: tuple[int, int],
+    want: tuple[int, int],
+    checkpointed: bool,
+    layers: int,
+) -> Row:
     """One (part, direction, op) of one run against the theory without checkpointing: exact,
     except a checkpointed run's backward (context: it includes recomputation)."""
     part, direction, op = key
     blocks = f" over {layers} blocks" if part == "block" else ""
     note = f"{got[0]} calls{blocks} (theory {want[0]})"
     if not want[1]:
-        return Row(f"{name} {part} {direction} {op} bytes (unexpected)", got[1], NONE_EXPECTED,
-                   note, bench=TP_BENCH)  # fmt: skip
+        return Row(
+            f"{name} {part} {direction} {op} bytes (unexpected)",
+            got[1],
+            NONE_EXPECTED,
+            note,
+            bench=TP_BENCH,
+        )
     recomputed = checkpointed and direction == "backward"
     if recomputed and part == "block":
         note += f"; {RECOMPUTE_NOTE}"
-    return Row(f"{name} {part} {direction} {op} bytes / theory", got[1] / want[1],
-               None if recomputed else EXACT, note, bench=TP_BENCH)  # fmt: skip
+    return Row(
+        f"{name} {part} {direction} {op} bytes / theory",
+        got[1] / want[1],
+        None if recomputed else EXACT,
+        note,
+        bench=TP_BENCH,
+    )
 
 
 def tp_rows(raw: Mapping[str, Any]) -> list[Row]:
@@ -267,17 +312,32 @@ def tp_rows(raw: Mapping[str, Any]) -> list[Row]:
         checkpointed = lay["activation_checkpoint_interval"] > 0
         theory, measured = _run_theory(lay), tp_measured(summary)
         for key in [*theory, *(k for k in measured if k not in theory)]:
-            rows.append(_key_row(name, key, measured.get(key, (0, 0)), theory.get(key, (0, 0)),
-                                 checkpointed, lay["layers"]))  # fmt: skip
+            rows.append(
+                _key_row(
+                    name,
+                    key,
+                    measured.get(key, (0, 0)),
+                    theory.get(key, (0, 0)),
+                    checkpointed,
+                    lay["layers"],
+                )
+            )
         got = sum(c for c, _ in measured.values())
         want = sum(c for c, _ in theory.values())
         note = f"{got} calls; step's end: {_step_note(summary)}"
         target = None if checkpointed else EXACT
-        rows.append(Row(f"{name} collective calls / theory", got / want, target, note,
-                        bench=TP_BENCH))  # fmt: skip
+        rows.append(
+            Row(f"{name} collective calls / theory", got / want, target, note, bench=TP_BENCH)
+        )
     first = next(iter(runs))
     for name, run in list(runs.items())[1:]:
         diff = _max_rel_diff(run["ranks"][0]["losses"], runs[first]["ranks"][0]["losses"])
-        rows.append(Row(f"{name} losses vs {first} (max rel diff)", diff,
-                        Target.at_most(LOSS_TOLERANCE), bench=TP_BENCH))  # fmt: skip
+        rows.append(
+            Row(
+                f"{name} losses vs {first} (max rel diff)",
+                diff,
+                Target.at_most(LOSS_TOLERANCE),
+                bench=TP_BENCH,
+            )
+        )
     return rows

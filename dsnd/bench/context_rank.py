@@ -50,11 +50,16 @@ def context_sets(seq: int, layout: str, extra: Sequence[str] = ()) -> list[str]:
     """The run keys of one layout at length `seq`: ZeRO-1, micro-batches of one sequence, 4
     sequences per step."""
     return [
-        f"deepspeed={rank.ds_json(1)}", *SHAPE, f"model.seq_len={seq}",
-        f"model.max_position_embeddings={seq}", "ds.train_micro_batch_size_per_gpu=1",
-        f"ds.train_batch_size={CONTEXT_WORLD}", "ds.gradient_accumulation_steps=null",
-        *LAYOUTS[layout], *extra,
-    ]  # fmt: skip
+        f"deepspeed={rank.ds_json(1)}",
+        *SHAPE,
+        f"model.seq_len={seq}",
+        f"model.max_position_embeddings={seq}",
+        "ds.train_micro_batch_size_per_gpu=1",
+        f"ds.train_batch_size={CONTEXT_WORLD}",
+        "ds.gradient_accumulation_steps=null",
+        *LAYOUTS[layout],
+        *extra,
+    ]
 
 
 def _timed_step(runner: StageRunner, res: Resolved, samples, groups, step: int) -> tuple:
@@ -84,14 +89,20 @@ def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
             losses.append(loss)
             if step >= warmup:
                 seconds.append(s)
-        return {"activation_peak_bytes": peak, "step_s": statistics.median(seconds),
-                "losses": losses}  # fmt: skip
+        return {
+            "activation_peak_bytes": peak,
+            "step_s": statistics.median(seconds),
+            "losses": losses,
+        }
 
 
 def context_configs(seqs: list[int], extra: Sequence[str] = ()) -> dict[tuple, Resolved]:
     """Every layout of `LAYOUTS` at every length of `seqs`, resolved."""
-    return {(seq, name): resolve(load(None, context_sets(seq, name, extra)), CONTEXT_WORLD)
-            for seq in seqs for name in LAYOUTS}  # fmt: skip
+    return {
+        (seq, name): resolve(load(None, context_sets(seq, name, extra)), CONTEXT_WORLD)
+        for seq in seqs
+        for name in LAYOUTS
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,8 +118,14 @@ def main(argv: list[str] | None = None) -> None:
             raw["runs"][f"{seq}/{name}"] = measure(res, args.steps, warmup)
         return raw
 
-    rank.run(args.out, "dsnd bench context", CONTEXT_WORLD,
-             lambda: context_configs(seqs, args.sets), measure_all, timeout_s=600)  # fmt: skip
+    rank.run(
+        args.out,
+        "dsnd bench context",
+        CONTEXT_WORLD,
+        lambda: context_configs(seqs, args.sets),
+        measure_all,
+        timeout_s=600,
+    )
 
 
 if __name__ == "__main__":

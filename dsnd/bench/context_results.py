@@ -42,22 +42,37 @@ def context_rows(raw: Mapping[str, Any]) -> list[Row]:
     for seq in raw["seqs"]:
         runs = {name: raw["runs"][f"{seq}/{name}"] for name in raw["layouts"]}
         base = runs[BASELINE]
-        rows.append(_row(f"seq{seq} cp1 activation peak MiB/rank",
-                         base["activation_peak_bytes"] / 2**20))  # fmt: skip
+        rows.append(
+            _row(f"seq{seq} cp1 activation peak MiB/rank", base["activation_peak_bytes"] / 2**20)
+        )
         for name, run in runs.items():
             if name == BASELINE:
                 continue
             ratio = run["activation_peak_bytes"] / base["activation_peak_bytes"]
             mib = run["activation_peak_bytes"] / 2**20
-            rows.append(_row(f"seq{seq} {name} activation peak / cp1", ratio,
-                             memory_target(cp_of(name)), f"{mib:.1f} MiB per rank"))  # fmt: skip
-            rows.append(_row(f"seq{seq} {name} losses vs cp1 (max rel diff)",
-                             _same_losses(run, base), Target.at_most(LOSS_TOLERANCE)))  # fmt: skip
+            rows.append(
+                _row(
+                    f"seq{seq} {name} activation peak / cp1",
+                    ratio,
+                    memory_target(cp_of(name)),
+                    f"{mib:.1f} MiB per rank",
+                )
+            )
+            rows.append(
+                _row(
+                    f"seq{seq} {name} losses vs cp1 (max rel diff)",
+                    _same_losses(run, base),
+                    Target.at_most(LOSS_TOLERANCE),
+                )
+            )
         for cp in sorted({cp_of(n) for n in runs if n != BASELINE}):
             ring, ulysses = runs[f"ring-cp{cp}"], runs[f"ulysses-cp{cp}"]
-            note = (f"ring {ring['step_s']:.2f} s/step, ulysses {ulysses['step_s']:.2f}, "
-                    f"cp1 {base['step_s']:.2f}")  # fmt: skip
+            note = (
+                f"ring {ring['step_s']:.2f} s/step, ulysses {ulysses['step_s']:.2f}, "
+                f"cp1 {base['step_s']:.2f}"
+            )
             speed = ulysses["step_s"] / ring["step_s"]
-            rows.append(_row(f"seq{seq} cp{cp} ring / ulysses throughput", speed,
-                             RING_VS_ULYSSES, note))  # fmt: skip
+            rows.append(
+                _row(f"seq{seq} cp{cp} ring / ulysses throughput", speed, RING_VS_ULYSSES, note)
+            )
     return rows

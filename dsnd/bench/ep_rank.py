@@ -41,9 +41,13 @@ EP_MICRO_BATCHES = 2
 
 
 def run_sets(ep: int, stage: int = 1) -> list[str]:
-    sets = ["model.preset=mixtral-tiny", f"deepspeed={rank.ds_json(stage)}",
-            "ds.train_batch_size=null", f"ds.gradient_accumulation_steps={EP_MICRO_BATCHES}",
-            f"parallel.ep={ep}"]  # fmt: skip
+    sets = [
+        "model.preset=mixtral-tiny",
+        f"deepspeed={rank.ds_json(stage)}",
+        "ds.train_batch_size=null",
+        f"ds.gradient_accumulation_steps={EP_MICRO_BATCHES}",
+        f"parallel.ep={ep}",
+    ]
     if stage == 3:  # else the tiny model's tensors all stay whole (persistent)
         sets.append("ds.zero_optimization.stage3_param_persistence_threshold=0")
     return sets
@@ -54,25 +58,35 @@ def runs(extra: Sequence[str]) -> dict[str, Resolved]:
     in bf16 (ep2_zero<s>_bf16)."""
     out = {f"ep{ep}": run_sets(ep) for ep in EP_SIZES}
     out |= {f"ep2_zero{stage}": run_sets(2, stage) for stage in STATE_STAGES}
-    out |= {f"ep2_zero{stage}_bf16": [*run_sets(2, stage), "ds.bf16.enabled=true"]
-            for stage in (1, 3)}  # fmt: skip
+    out |= {
+        f"ep2_zero{stage}_bf16": [*run_sets(2, stage), "ds.bf16.enabled=true"] for stage in (1, 3)
+    }
     return {name: resolve(load(None, [*sets, *extra]), EP_WORLD) for name, sets in out.items()}
 
 
 def layout(res: Resolved, runner: StageRunner) -> dict[str, Any]:
     """The run's shape for the formula; its MoE layers counted in the built stage (pp=1)."""
     cfg = res.model.config
-    moe_layers = sum(moe_experts(layer) is not None
-                     for layer in runner.engine.module.layers.values())  # fmt: skip
-    return {"ep": res.topology.ep, "dp": res.topology.dp, "micro": res.batch.micro,
-            "params": res.plan.stage_parameters(res.model)[0],
-            "expert_params": res.plan.stage_experts(res.model)[0],
-            "zero_stage": res.plan.zero_stage, "state_per_param": 8,  # AdamW's two fp32 moments
-            "bf16": bool((res.ds.get("bf16") or {}).get("enabled")),
-            "micro_batches": res.batch.gas, "seq_len": res.run.model.seq_len,
-            "hidden": res.model.hidden_size, "moe_layers": moe_layers,
-            "experts": num_experts(cfg), "top_k": cfg.num_experts_per_tok,
-            "element_bytes": 4}  # fmt: skip
+    moe_layers = sum(
+        moe_experts(layer) is not None for layer in runner.engine.module.layers.values()
+    )
+    return {
+        "ep": res.topology.ep,
+        "dp": res.topology.dp,
+        "micro": res.batch.micro,
+        "params": res.plan.stage_parameters(res.model)[0],
+        "expert_params": res.plan.stage_experts(res.model)[0],
+        "zero_stage": res.plan.zero_stage,
+        "state_per_param": 8,  # AdamW's two fp32 moments
+        "bf16": bool((res.ds.get("bf16") or {}).get("enabled")),
+        "micro_batches": res.batch.gas,
+        "seq_len": res.run.model.seq_len,
+        "hidden": res.model.hidden_size,
+        "moe_layers": moe_layers,
+        "experts": num_experts(cfg),
+        "top_k": cfg.num_experts_per_tok,
+        "element_bytes": 4,
+    }
 
 
 def _counted(runner: StageRunner, micro) -> dict[str, Any]:
@@ -83,9 +97,12 @@ def _counted(runner: StageRunner, micro) -> dict[str, Any]:
     with counter:
         runner.run(micro)
     a2a = [c for c in counter.calls if c.op == "all_to_all"]
-    return {"a2a_calls": len(a2a), "a2a_payload": sum(c.payload for c in a2a),
-            "other_sent": sum(c.sent for c in counter.calls if c.op != "all_to_all"),
-            "state": dict(peak_point(probe.points)[1])}  # fmt: skip
+    return {
+        "a2a_calls": len(a2a),
+        "a2a_payload": sum(c.payload for c in a2a),
+        "other_sent": sum(c.sent for c in counter.calls if c.op != "all_to_all"),
+        "state": dict(peak_point(probe.points)[1]),
+    }
 
 
 def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any]:
@@ -106,26 +123,35 @@ def measure(runs: dict[str, Resolved], steps: int, warmup: int) -> dict[str, Any
         return {"seconds": seconds}
 
     try:
-        reps = rank.take_turns(list(runs), steps, warmup,
-                               lambda r: rank.step_batches(first, samples, groups, r), step)
+        reps = rank.take_turns(
+            list(runs), steps, warmup, lambda r: rank.step_batches(first, samples, groups, r), step
+        )
         micro = rank.step_batches(first, samples, groups, warmup + steps)
-        mine = {name: {"times": [r["runs"][name]["seconds"] for r in reps if r["timed"]],
-                       **_counted(runner, micro), "losses": losses[name]}
-                for name, runner in runners.items()}  # fmt: skip
+        mine = {
+            name: {
+                "times": [r["runs"][name]["seconds"] for r in reps if r["timed"]],
+                **_counted(runner, micro),
+                "losses": losses[name],
+            }
+            for name, runner in runners.items()
+        }
         layouts = {name: layout(res, runners[name]) for name, res in runs.items()}
     finally:
         for runner in runners.values():
             runner.engine.destroy()
-    return {"layouts": layouts,
-            "ranks": rank.gather(mine)}  # fmt: skip
+    return {"layouts": layouts, "ranks": rank.gather(mine)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = rank.parser("dsnd.bench.ep_rank", steps=5, warmup=1)
     args = parser.parse_args(argv)
-    rank.run(args.out, "expert parallelism", EP_WORLD,
-             lambda: runs(args.sets),
-             lambda runs: measure(runs, args.steps, args.warmup))  # fmt: skip
+    rank.run(
+        args.out,
+        "expert parallelism",
+        EP_WORLD,
+        lambda: runs(args.sets),
+        lambda runs: measure(runs, args.steps, args.warmup),
+    )
 
 
 if __name__ == "__main__":

@@ -65,11 +65,23 @@ def state_formula(lay: Mapping[str, Any]) -> float:
     """Model-state bytes of one rank of `lay` by the formula (the run's precision and ZeRO
     stage)."""
     bf16 = lay.get("bf16", False)
-    parts = model_state_bytes(lay["zero_stage"], lay["params"], lay["dp"], bf16,
-                              state_bytes=lay["state_per_param"],
-                              experts=lay["expert_params"], ep=lay["ep"])  # fmt: skip
-    held = held_gradient_bytes(lay["zero_stage"], lay["params"], lay["dp"], bf16,
-                               experts=lay["expert_params"], ep=lay["ep"])  # fmt: skip
+    parts = model_state_bytes(
+        lay["zero_stage"],
+        lay["params"],
+        lay["dp"],
+        bf16,
+        state_bytes=lay["state_per_param"],
+        experts=lay["expert_params"],
+        ep=lay["ep"],
+    )
+    held = held_gradient_bytes(
+        lay["zero_stage"],
+        lay["params"],
+        lay["dp"],
+        bf16,
+        experts=lay["expert_params"],
+        ep=lay["ep"],
+    )
     return sum(parts["device"].values()) + held
 
 
@@ -80,37 +92,81 @@ def ep_rows(raw: Mapping[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for name, lay in layouts.items():
         state = sum(_state(r[name]) for r in ranks) / (world * state_formula(lay))
-        rows.append(Row(f"{name}_model_state_bytes_over_formula", state, SAME,
-                        f"{sum(_state(r[name]) for r in ranks) / world:,.0f} B per rank; "
-                        f"experts / {lay['ep']} over {lay['dp'] // lay['ep']} ranks, the rest "
-                        f"over {lay['dp']}", BENCH))  # fmt: skip
+        rows.append(
+            Row(
+                f"{name}_model_state_bytes_over_formula",
+                state,
+                SAME,
+                f"{sum(_state(r[name]) for r in ranks) / world:,.0f} B per rank; "
+                f"experts / {lay['ep']} over {lay['dp'] // lay['ep']} ranks, the rest "
+                f"over {lay['dp']}",
+                BENCH,
+            )
+        )
         if not name[2:].isdigit():  # another ZeRO stage or bf16 at ep=2: its model state only
             continue
         calls, payload = a2a_theory(lay, world)
         got_calls = {r[name]["a2a_calls"] for r in ranks}
         got = _sum(ranks, name, "a2a_payload")
         if lay["ep"] > 1:
-            rows.append(Row(f"{name}_all_to_all_bytes_over_formula", got / payload, EXACT,
-                            f"{got:,.0f} B per step over {world} ranks; calls per rank "
-                            f"{sorted(got_calls)} (formula {calls})", BENCH))  # fmt: skip
+            rows.append(
+                Row(
+                    f"{name}_all_to_all_bytes_over_formula",
+                    got / payload,
+                    EXACT,
+                    f"{got:,.0f} B per step over {world} ranks; calls per rank "
+                    f"{sorted(got_calls)} (formula {calls})",
+                    BENCH,
+                )
+            )
         elif got:
             raise RuntimeError(f"{name}: {got} all-to-all bytes without expert parallelism")
         if name == "ep1":
             continue
         other = _sum(ranks, name, "other_sent") / _sum(ranks, "ep1", "other_sent")
         want = zero_share(lay) / zero_share(layouts["ep1"])
-        rows.append(Row(f"{name}_other_bytes_over_formula", other / want, SAME,
-                        f"ZeRO's traffic {other:.4f} of ep=1's, the experts' over dp / ep ranks: "
-                        f"{want:.4f} by the formula", BENCH))  # fmt: skip
+        rows.append(
+            Row(
+                f"{name}_other_bytes_over_formula",
+                other / want,
+                SAME,
+                f"ZeRO's traffic {other:.4f} of ep=1's, the experts' over dp / ep ranks: "
+                f"{want:.4f} by the formula",
+                BENCH,
+            )
+        )
         state = sum(_state(r[name]) for r in ranks) / sum(_state(r["ep1"]) for r in ranks)
-        rows.append(Row(f"{name}_model_state_bytes_over_ep1", state, None,
-                        "a rank keeps its experts only", BENCH))
+        rows.append(
+            Row(
+                f"{name}_model_state_bytes_over_ep1",
+                state,
+                None,
+                "a rank keeps its experts only",
+                BENCH,
+            )
+        )
         speed = median(base["times"]) / median(ranks[0][name]["times"])
-        rows.append(Row(f"{name}_throughput_over_ep1", speed, None,
-                        f"median step {1000 * median(ranks[0][name]['times']):.1f} ms against "
-                        f"{1000 * median(base['times']):.1f} ms at ep=1", BENCH))  # fmt: skip
-        diff = max(abs(a - b) / abs(b) for a, b in
-                   zip(ranks[0][name]["losses"], base["losses"], strict=True))  # fmt: skip
-        rows.append(Row(f"{name}_loss_rel_diff", diff, Target.at_most(LOSS_TOLERANCE),
-                        "the same losses as ep=1, step for step", BENCH))
+        rows.append(
+            Row(
+                f"{name}_throughput_over_ep1",
+                speed,
+                None,
+                f"median step {1000 * median(ranks[0][name]['times']):.1f} ms against "
+                f"{1000 * median(base['times']):.1f} ms at ep=1",
+                BENCH,
+            )
+        )
+        diff = max(
+            abs(a - b) / abs(b)
+            for a, b in zip(ranks[0][name]["losses"], base["losses"], strict=True)
+        )
+        rows.append(
+            Row(
+                f"{name}_loss_rel_diff",
+                diff,
+                Target.at_most(LOSS_TOLERANCE),
+                "the same losses as ep=1, step for step",
+                BENCH,
+            )
+        )
     return rows

@@ -64,8 +64,11 @@ def gpu(args: argparse.Namespace, tmp: str) -> list[Row]:
     device, name = _device()
     _, shape, split = load(MODEL)
     pr = Problem(shape, split, 1, device, SEQ, MICRO_BATCH, bf16=True)
-    layouts = {(x.zero_stage, x.activation_checkpointing): x for x in plan(pr)
-               if x.micro_batch == MICRO_BATCH}  # fmt: skip
+    layouts = {
+        (x.zero_stage, x.activation_checkpointing): x
+        for x in plan(pr)
+        if x.micro_batch == MICRO_BATCH
+    }
     rows = []
     steps = max(args.steps, 3)
     rows += _mfu_rows(device, name, steps, tmp)
@@ -76,17 +79,31 @@ def gpu(args: argparse.Namespace, tmp: str) -> list[Row]:
         with tempfile.TemporaryDirectory(dir=tmp) as where:
             got = run_layout(MODEL, pr, lay, steps, where, accelerator="cuda")  # nccl
         tag = f"zero{zero}{'_ac' if ac else ''}"
-        peak = max(v for k, v in got[-1].items() if k.endswith("_peak_bytes")
-                   and "activation" not in k)  # fmt: skip
+        peak = max(
+            v for k, v in got[-1].items() if k.endswith("_peak_bytes") and "activation" not in k
+        )
         rows += [
-            Row(f"{tag}_tokens_per_s", median_step(got, "tokens_per_s"), bench="gpu",
-                note=f"{name}, {MODEL}, bf16, seq {SEQ}, micro-batch {MICRO_BATCH}"),
-            Row(f"{tag}_mfu", median_step(got, "mfu"), bench="gpu",
-                note=f"plan predicted {lay.mfu:.3f}"),
-            Row(f"{tag}_peak_memory_ratio", peak / lay.total_bytes, MEMORY_TARGET, bench="gpu",
+            Row(
+                f"{tag}_tokens_per_s",
+                median_step(got, "tokens_per_s"),
+                bench="gpu",
+                note=f"{name}, {MODEL}, bf16, seq {SEQ}, micro-batch {MICRO_BATCH}",
+            ),
+            Row(
+                f"{tag}_mfu",
+                median_step(got, "mfu"),
+                bench="gpu",
+                note=f"plan predicted {lay.mfu:.3f}",
+            ),
+            Row(
+                f"{tag}_peak_memory_ratio",
+                peak / lay.total_bytes,
+                MEMORY_TARGET,
+                bench="gpu",
                 note=f"measured {peak / 2**30:.2f} GiB / predicted "
-                f"{lay.total_bytes / 2**30:.2f} GiB (torch.cuda.max_memory_allocated)"),
-        ]  # fmt: skip
+                f"{lay.total_bytes / 2**30:.2f} GiB (torch.cuda.max_memory_allocated)",
+            ),
+        ]
     return rows
 
 
@@ -113,9 +130,16 @@ def _mfu_rows(device, name: str, steps: int, tmp: str) -> list[Row]:
         for precision, sets in PRECISIONS.items():
             with tempfile.TemporaryDirectory(dir=tmp) as where:
                 got = run_layout(model, pr, lay, steps, where, sets, accelerator="cuda")
-            rows.append(Row(f"{model}_{precision}_mfu", median_step(got, "mfu"), MFU_TARGET,
-                            f"{name}, world 1, ZeRO-1, seq {MFU_SEQ}, micro-batch {MFU_MICRO}, "
-                            f"against the {precision} dense peak", bench="gpu"))  # fmt: skip
+            rows.append(
+                Row(
+                    f"{model}_{precision}_mfu",
+                    median_step(got, "mfu"),
+                    MFU_TARGET,
+                    f"{name}, world 1, ZeRO-1, seq {MFU_SEQ}, micro-batch {MFU_MICRO}, "
+                    f"against the {precision} dense peak",
+                    bench="gpu",
+                )
+            )
     return rows
 
 
@@ -128,8 +152,10 @@ def _offload_rows(device, name: str, steps: int, tmp: str) -> list[Row]:
         with tempfile.TemporaryDirectory(dir=tmp) as where:
             got = run_layout(MODEL, pr, lay, steps, where, sets, accelerator="cuda")
         speed[label] = median_step(got, "tokens_per_s")
-    note = (f"{name}, {MODEL} bf16 ZeRO-1: optimizer on the CPU (DeepSpeed's CPU Adam) / on the "
-            f"GPU, tokens/s {speed['cpu']:.0f} / {speed['gpu']:.0f}")
+    note = (
+        f"{name}, {MODEL} bf16 ZeRO-1: optimizer on the CPU (DeepSpeed's CPU Adam) / on the "
+        f"GPU, tokens/s {speed['cpu']:.0f} / {speed['gpu']:.0f}"
+    )
     return [Row("zero1_offload_throughput_ratio", speed["cpu"] / speed["gpu"], None, note, "gpu")]
 
 
@@ -140,5 +166,8 @@ def _kernel_rows(args: argparse.Namespace) -> list[Row]:
     from dsnd.bench.moe import grouped_rows
 
     cuda = torch.device("cuda")
-    return [*ring_kernel_rows(cuda, torch.bfloat16, 10), *packing_rows(cuda, torch.bfloat16, 10),
-            *(replace(row, bench="gpu") for row in grouped_rows(args))]  # fmt: skip
+    return [
+        *ring_kernel_rows(cuda, torch.bfloat16, 10),
+        *packing_rows(cuda, torch.bfloat16, 10),
+        *(replace(row, bench="gpu") for row in grouped_rows(args)),
+    ]

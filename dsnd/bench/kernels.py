@@ -45,8 +45,13 @@ def _seconds(run, device: torch.device, repeats: int) -> float:
     return median(times)
 
 
-def ring_kernel_rows(device: torch.device, dtype: torch.dtype, repeats: int,
-                     tokens: int = RING_TOKENS, head_dim: int = HEAD_DIM) -> list[Row]:  # fmt: skip
+def ring_kernel_rows(
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+    tokens: int = RING_TOKENS,
+    head_dim: int = HEAD_DIM,
+) -> list[Row]:
     """Ring attention's block kernel on `device` against the written-out block."""
     groups = HEADS // KV_HEADS
     probe = torch.zeros(1, HEADS, 1, head_dim, device=device, dtype=dtype)
@@ -69,27 +74,44 @@ def ring_kernel_rows(device: torch.device, dtype: torch.dtype, repeats: int,
         return run
 
     shape = f"{HEADS} heads ({KV_HEADS} key/value), head dim {head_dim}, {tokens} tokens"
-    rows = [Row("ring_kernel_agrees", 0.0 if why else 1.0, Target.at_least(1.0),
-                why or f"{kernel} kernel = written-out block within {dtype} tolerance, "
-                "forward and gradients of a merged causal + full pair", BENCH)]  # fmt: skip
+    rows = [
+        Row(
+            "ring_kernel_agrees",
+            0.0 if why else 1.0,
+            Target.at_least(1.0),
+            why
+            or f"{kernel} kernel = written-out block within {dtype} tolerance, "
+            "forward and gradients of a merged causal + full pair",
+            BENCH,
+        )
+    ]
     if why is None and kernel != "math":
         fast, slow = (_seconds(block(n), device, repeats) for n in (kernel, "math"))
-        rows.append(Row("ring_kernel_speedup", slow / fast, Target.at_least(1.0),
-                        f"written-out fp32 block / {kernel} kernel, one causal block forward + "
-                        f"backward, {shape}: {1e3 * fast:.2f} vs {1e3 * slow:.2f} ms", BENCH))
+        rows.append(
+            Row(
+                "ring_kernel_speedup",
+                slow / fast,
+                Target.at_least(1.0),
+                f"written-out fp32 block / {kernel} kernel, one causal block forward + "
+                f"backward, {shape}: {1e3 * fast:.2f} vs {1e3 * slow:.2f} ms",
+                BENCH,
+            )
+        )
     return rows
 
 
-def packing_rows(device: torch.device, dtype: torch.dtype, repeats: int,
-                 tokens: int = PACKED_TOKENS) -> list[Row]:  # fmt: skip
+def packing_rows(
+    device: torch.device, dtype: torch.dtype, repeats: int, tokens: int = PACKED_TOKENS
+) -> list[Row]:
     """Attention under a packed micro-batch's document mask: SDPA's kernel against its math
     backend."""
     gen = torch.Generator().manual_seed(0)
     ids = (torch.arange(tokens, device=device) * DOCUMENTS // tokens).view(1, tokens)
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
     mask = ((ids[:, :, None] == ids[:, None, :]) & causal).unsqueeze(1)
-    q, k, v, do = (torch.randn(1, HEADS, tokens, HEAD_DIM, generator=gen).to(device, dtype)
-                   for _ in range(4))  # fmt: skip
+    q, k, v, do = (
+        torch.randn(1, HEADS, tokens, HEAD_DIM, generator=gen).to(device, dtype) for _ in range(4)
+    )
 
     def run(backends) -> tuple[torch.Tensor, ...]:
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -98,20 +120,36 @@ def packing_rows(device: torch.device, dtype: torch.dtype, repeats: int,
         out.backward(do)
         return (out.detach(), *(t.grad for t in leaves))
 
-    every = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-             SDPBackend.MATH]  # fmt: skip
+    every = [
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ]
     fused, math = run(every), run([SDPBackend.MATH])
-    err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-              for a, b in zip(fused, math, strict=True))  # fmt: skip
+    err = max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        for a, b in zip(fused, math, strict=True)
+    )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     fast = _seconds(lambda: run(every), device, repeats)
     slow = _seconds(lambda: run([SDPBackend.MATH]), device, repeats)
     what = f"{DOCUMENTS} documents in {tokens} tokens, {HEADS} heads, head dim {HEAD_DIM}, {dtype}"
     return [
-        Row("packing_kernel_error", err, Target.at_most(tol),
+        Row(
+            "packing_kernel_error",
+            err,
+            Target.at_most(tol),
             f"SDPA's kernel vs its math backend under the document mask, output and gradients "
-            f"(max relative), {what}", BENCH),
-        Row("packing_kernel_speedup", slow / fast, Target.at_least(1.0),
+            f"(max relative), {what}",
+            BENCH,
+        ),
+        Row(
+            "packing_kernel_speedup",
+            slow / fast,
+            Target.at_least(1.0),
             f"math backend / SDPA's choice, forward + backward: {1e3 * fast:.2f} vs "
-            f"{1e3 * slow:.2f} ms", BENCH),
-    ]  # fmt: skip
+            f"{1e3 * slow:.2f} ms",
+            BENCH,
+        ),
+    ]

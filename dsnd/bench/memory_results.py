@@ -71,16 +71,19 @@ def _whole_grads_note(stage: int, grads: float, psi: int, layout: Mapping[str, A
     whole = (2 if layout["bf16"] else 4) * psi
     if stage < 2 or grads < whole:
         return ""
-    return (f" Gradients at the peak: {grads:.0f} bytes >= the stage's whole gradients "
-            f"({whole}): dsnd's StageEngine coalesces a step's gradient reductions into one at "
-            "the step's end (dsnd.engine.stage_engine), so until then every rank accumulates "
-            "its stage's whole gradients and ZeRO-2/3 partition them only from the reduction on"
-            + (" (ZeRO-3 keeps its gradient partition buffer besides)" if stage == 3 else "")
-            + ".")  # fmt: skip
+    return (
+        f" Gradients at the peak: {grads:.0f} bytes >= the stage's whole gradients "
+        f"({whole}): dsnd's StageEngine coalesces a step's gradient reductions into one at "
+        "the step's end (dsnd.engine.stage_engine), so until then every rank accumulates "
+        "its stage's whole gradients and ZeRO-2/3 partition them only from the reduction on"
+        + (" (ZeRO-3 keeps its gradient partition buffer besides)" if stage == 3 else "")
+        + "."
+    )
 
 
-def _zero_stage_rows(stage: int, ranks: Sequence[Mapping[str, Any]],
-                     layout: Mapping[str, Any]) -> list[Row]:  # fmt: skip
+def _zero_stage_rows(
+    stage: int, ranks: Sequence[Mapping[str, Any]], layout: Mapping[str, Any]
+) -> list[Row]:
     ratios = []
     for record in ranks:
         want = formula_bytes(stage, record["psi"], record["nd"], layout)
@@ -94,23 +97,32 @@ def _zero_stage_rows(stage: int, ranks: Sequence[Mapping[str, Any]],
     every = ", ".join(f"{r:.3f}" for r in ratios)
     missing = ""
     if stage in (1, 2) and reduced["grads"] < want["grads"]:
-        missing = (" ZeRO 1-2 hold the reduced gradient partition the optimizer step reads "
-                   "(Psi/Nd gradients) in DeepSpeed's averaged_gradients, not in the "
-                   "parameters' .grad, and dsnd.engine.memory does not count it: grads read "
-                   "low here.")  # fmt: skip
+        missing = (
+            " ZeRO 1-2 hold the reduced gradient partition the optimizer step reads "
+            "(Psi/Nd gradients) in DeepSpeed's averaged_gradients, not in the "
+            "parameters' .grad, and dsnd.engine.memory does not count it: grads read "
+            "low here."
+        )
     row = partial(Row, bench=ZERO_BENCH)
     return [
-        row(f"zero{stage}_state_bytes_vs_formula", _total(peak) / _total(want), ZERO_TARGET,
+        row(
+            f"zero{stage}_state_bytes_vs_formula",
+            _total(peak) / _total(want),
+            ZERO_TARGET,
             f"pp={layout['pp']} x dp={layout['dp']}, ZeRO-{stage}; rank {worst} (pipeline stage "
             f"{record['stage']}, Psi {psi}, Nd {nd}), its most model-state bytes in a step "
             f"(after {where}): measured {_breakdown(peak)}; formula (model_state_bytes + "
             f"held_gradient_bytes, {layout['optimizer']} {layout['state_bytes']} B/param) "
             f"{_breakdown(want)}; every "
-            f"rank's ratio: {every}." + _whole_grads_note(stage, peak["grads"], psi, layout)),
-        row(f"zero{stage}_state_bytes_at_reduction_vs_formula", _total(reduced) / _total(want),
+            f"rank's ratio: {every}." + _whole_grads_note(stage, peak["grads"], psi, layout),
+        ),
+        row(
+            f"zero{stage}_state_bytes_at_reduction_vs_formula",
+            _total(reduced) / _total(want),
             note=f"rank {worst} right after the step's gradient reduction: measured "
-            f"{_breakdown(reduced)}." + missing),
-    ]  # fmt: skip
+            f"{_breakdown(reduced)}." + missing,
+        ),
+    ]
 
 
 def zero_memory_rows(raw: Mapping[str, Any]) -> list[Row]:
@@ -124,8 +136,9 @@ def zero_memory_rows(raw: Mapping[str, Any]) -> list[Row]:
 # --- activation-checkpointing ----------------------------------------------------------------
 
 
-def checkpointed_bytes(layers: int, interval: int, micro: int, seq: int, hidden: int,
-                       vocab: int) -> int:  # fmt: skip
+def checkpointed_bytes(
+    layers: int, interval: int, micro: int, seq: int, hidden: int, vocab: int
+) -> int:
     """Bytes autograd keeps for one micro-batch of a whole fp32 model (pp=1) checkpointed every
     `interval` of its `layers` pipeline layers: each chunk's input (the token ids, int64, for
     the first; a (micro, seq, hidden) fp32 activation for every other), and what the loss,
@@ -139,8 +152,9 @@ def checkpointed_bytes(layers: int, interval: int, micro: int, seq: int, hidden:
 def max_loss_rel_diff(reps: Sequence[Mapping[str, Any]], a: str, b: str) -> float:
     """Largest relative difference of side `a`'s losses from side `b`'s over `reps` (every
     repetition, warm-up included: each trains the same step on both)."""
-    return max(abs(r["runs"][a]["loss"] - r["runs"][b]["loss"]) / abs(r["runs"][b]["loss"])
-               for r in reps)  # fmt: skip
+    return max(
+        abs(r["runs"][a]["loss"] - r["runs"][b]["loss"]) / abs(r["runs"][b]["loss"]) for r in reps
+    )
 
 
 def void(rows: list[Row], ok: bool, why: str) -> list[Row]:
@@ -154,8 +168,9 @@ def checkpointing_rows(raw: Mapping[str, Any]) -> list[Row]:
     lay, reps = raw["layout"], raw["reps"]
     off, on = reps[0]["runs"]["off"], reps[0]["runs"]["on"]  # the meter measures the first step
     mib = 2**20
-    want = checkpointed_bytes(lay["layers"], lay["interval"], lay["micro"], lay["seq_len"],
-                              lay["hidden"], lay["vocab"])  # fmt: skip
+    want = checkpointed_bytes(
+        lay["layers"], lay["interval"], lay["micro"], lay["seq_len"], lay["hidden"], lay["vocab"]
+    )
     steps = timed(raw)
     ratio = median(r["runs"]["on"]["step_s"] / r["runs"]["off"]["step_s"] for r in steps)
     secs = {
@@ -167,11 +182,15 @@ def checkpointing_rows(raw: Mapping[str, Any]) -> list[Row]:
     }
     chunks = len(chunk_bounds(lay["layers"], lay["interval"]))
     tokens = lay["micro"] * lay["seq_len"]
-    shape = (f"{lay['model']}, seq {lay['seq_len']}, micro-batches of {lay['micro']} "
-             f"({lay['batch']}), pp=1, fp32")  # fmt: skip
+    shape = (
+        f"{lay['model']}, seq {lay['seq_len']}, micro-batches of {lay['micro']} "
+        f"({lay['batch']}), pp=1, fp32"
+    )
     row = partial(Row, bench=CHECKPOINTING_BENCH)
     measured = [
-        row("activation_peak_ratio", on["activation_peak_bytes"] / off["activation_peak_bytes"],
+        row(
+            "activation_peak_ratio",
+            on["activation_peak_bytes"] / off["activation_peak_bytes"],
             ACTIVATION_TARGET,
             f"peak bytes saved for backward in a step (ActivationMeter), checkpointing every "
             f"{lay['interval']} layer(s) / off, {shape}: {on['activation_peak_bytes'] / mib:.2f} "
@@ -182,24 +201,36 @@ def checkpointing_rows(raw: Mapping[str, Any]) -> list[Row]:
             + f") and the loss's log-probs ({lay['vocab']} fp32 per token) "
             f"and labels: {want / tokens:.0f} B per token against "
             f"{off['activation_peak_bytes'] / tokens:.0f} without checkpointing (every layer's "
-            "intermediates: norms, q/k/v, attention, MLP)"),
-        row("checkpointed_bytes_vs_predicted", on["activation_peak_bytes"] / want,
+            "intermediates: norms, q/k/v, attention, MLP)",
+        ),
+        row(
+            "checkpointed_bytes_vs_predicted",
+            on["activation_peak_bytes"] / want,
             note=f"measured {on['activation_peak_bytes']} / {want} predicted bytes "
-            "(checkpointed_bytes: chunk inputs + the loss's log-probs and labels)"),
-        row("step_time_ratio", ratio, STEP_TIME_TARGET,
+            "(checkpointed_bytes: chunk inputs + the loss's log-probs and labels)",
+        ),
+        row(
+            "step_time_ratio",
+            ratio,
+            STEP_TIME_TARGET,
             f"seconds per step on / off, median of {len(steps)} paired repetitions in "
             f"alternating order after {len(reps) - len(steps)} warm-up: off "
             f"{secs['off']['step_s']:.3f} s (forward {secs['off']['forward_s']:.3f}, backward "
             f"{secs['off']['backward_s']:.3f}), on {secs['on']['step_s']:.3f} s (forward "
             f"{secs['on']['forward_s']:.3f}, backward {secs['on']['backward_s']:.3f}): the "
-            "backward reruns every chunk's forward"),
-    ]  # fmt: skip
+            "backward reruns every chunk's forward",
+        ),
+    ]
     diff = max_loss_rel_diff(reps, "on", "off")
     ok = diff <= LOSS_TOLERANCE
     return [
         *void(measured, ok, "losses differ"),
-        row("losses_max_rel_diff", diff, Target.at_most(LOSS_TOLERANCE),
+        row(
+            "losses_max_rel_diff",
+            diff,
+            Target.at_most(LOSS_TOLERANCE),
             f"every step of both runs (same weights and samples): they must agree, or the "
             f"ratios are void; last step: on {reps[-1]['runs']['on']['loss']:.6f}, off "
-            f"{reps[-1]['runs']['off']['loss']:.6f}"),
-    ]  # fmt: skip
+            f"{reps[-1]['runs']['off']['loss']:.6f}",
+        ),
+    ]

@@ -38,8 +38,12 @@ def _experts(implementation: str) -> torch.nn.Module:
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=WIDTH,
-                           num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)  # fmt: skip
+    config = MixtralConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=WIDTH,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+    )
     config._experts_implementation = implementation
     torch.manual_seed(0)
     experts = MixtralExperts(config)
@@ -88,18 +92,27 @@ def grouped_rows(args: argparse.Namespace) -> list[Row]:
                     times[name].append(seconds)
                 if name == "grouped":
                     want = found
-            worst = max(((a - b).abs().max() / (1 + b.abs().max())).item()
-                        for a, b in zip(found, want, strict=True))  # fmt: skip
+            worst = max(
+                ((a - b).abs().max() / (1 + b.abs().max())).item()
+                for a, b in zip(found, want, strict=True)
+            )
     finally:
         torch.set_num_threads(threads)
     if worst > 1e-5:
         raise RuntimeError(f"the grouped and looped experts differ by {worst:.2e}: no comparison")
     ratio = median(times["loop"]) / median(times["grouped"])
-    shape = (f"{TOKENS} tokens x top-{TOP_K} over {EXPERTS} experts, {HIDDEN} -> {WIDTH}, "
-             f"on the {_device().type}")
+    shape = (
+        f"{TOKENS} tokens x top-{TOP_K} over {EXPERTS} experts, {HIDDEN} -> {WIDTH}, "
+        f"on the {_device().type}"
+    )
     return [
-        Row("grouped_mm_speedup_8_experts", ratio, Target.at_least(GROUPED_TARGET),
+        Row(
+            "grouped_mm_speedup_8_experts",
+            ratio,
+            Target.at_least(GROUPED_TARGET),
             f"per-expert loop / grouped matmul, forward + backward, {shape}; medians of "
-            f"{args.steps}; outputs and gradients agree to {worst:.1e}", BENCH),
+            f"{args.steps}; outputs and gradients agree to {worst:.1e}",
+            BENCH,
+        ),
         Row("grouped_ms", 1000 * median(times["grouped"]), None, "", BENCH),
-    ]  # fmt: skip
+    ]

@@ -110,20 +110,29 @@ def bench(res: Resolved, steps: int, warmup: int) -> list[dict[str, Any]]:
 
 def overhead_raw(res: Resolved, records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "layout": {"model": res.model.describe(), "batch": str(res.batch),
-                   "seq_len": res.run.model.seq_len, "tokens_per_step": res.tokens_per_step,
-                   "zero_stage": res.plan.zero_stage, "optimizer": res.ds["optimizer"]["type"]},
+        "layout": {
+            "model": res.model.describe(),
+            "batch": str(res.batch),
+            "seq_len": res.run.model.seq_len,
+            "tokens_per_step": res.tokens_per_step,
+            "zero_stage": res.plan.zero_stage,
+            "optimizer": res.ds["optimizer"]["type"],
+        },
         "reps": records,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = rank.parser("dsnd.bench.overhead_rank", steps=40, warmup=5)
     parser.add_argument("--log-dir", required=True)
     args = parser.parse_args(argv)
-    rank.run(args.out, "dsnd bench overhead", OVERHEAD_WORLD,
-             lambda: overhead_config(args.log_dir, args.sets),
-             lambda res: overhead_raw(res, bench(res, args.steps, args.warmup)))  # fmt: skip
+    rank.run(
+        args.out,
+        "dsnd bench overhead",
+        OVERHEAD_WORLD,
+        lambda: overhead_config(args.log_dir, args.sets),
+        lambda res: overhead_raw(res, bench(res, args.steps, args.warmup)),
+    )
 
 
 if __name__ == "__main__":

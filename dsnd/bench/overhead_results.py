@@ -29,25 +29,36 @@ def overhead_rows(raw: Mapping[str, Any]) -> list[Row]:
     tokens = lay["tokens_per_step"]
     row = partial(Row, bench=OVERHEAD_BENCH)
     measured = [
-        row("throughput_ratio", ratio, THROUGHPUT_TARGET,
+        row(
+            "throughput_ratio",
+            ratio,
+            THROUGHPUT_TARGET,
             f"dsnd tokens/s / plain PyTorch loop tokens/s at world 1, {lay['model']}, seq "
             f"{lay['seq_len']}, {lay['batch']}, fp32, ZeRO-{lay['zero_stage']}, "
             f"{lay['optimizer']}; dsnd: the trainer's step (batch, StageRunner over a DeepSpeed "
             "engine, loss report, telemetry); plain: forward, backward, clipping, "
             "torch.optim.AdamW and the same schedule; median of "
             f"{len(steps)} paired repetitions in alternating order after "
-            f"{len(reps) - len(steps)} warm-up"),
-        row("dsnd_overhead_ms_per_step", extra_ms,
+            f"{len(reps) - len(steps)} warm-up",
+        ),
+        row(
+            "dsnd_overhead_ms_per_step",
+            extra_ms,
             note=f"median of dsnd's minus the plain loop's seconds per step, paired; "
-            f"{median(dsnd) * 1e3:.1f} vs {median(plain) * 1e3:.1f} ms per step"),
-    ]  # fmt: skip
+            f"{median(dsnd) * 1e3:.1f} vs {median(plain) * 1e3:.1f} ms per step",
+        ),
+    ]
     diff = max_loss_rel_diff(reps, "dsnd", "plain")
     return [
         *void(measured, diff <= LOSS_TOLERANCE, "losses differ"),
         row("dsnd_tokens_per_s", tokens / median(dsnd)),
         row("plain_tokens_per_s", tokens / median(plain)),
-        row("losses_max_rel_diff", diff, Target.at_most(LOSS_TOLERANCE),
+        row(
+            "losses_max_rel_diff",
+            diff,
+            Target.at_most(LOSS_TOLERANCE),
             f"every step of both (same weights, samples, optimizer and schedule); last step: "
             f"dsnd {reps[-1]['runs']['dsnd']['loss']:.6f}, plain "
-            f"{reps[-1]['runs']['plain']['loss']:.6f}"),
-    ]  # fmt: skip
+            f"{reps[-1]['runs']['plain']['loss']:.6f}",
+        ),
+    ]

@@ -50,17 +50,25 @@ LAYOUT = ("parallel.pp=4", "parallel.schedule=1f1b", *SHAPE)
 def partition_sets(micro_batches: int, log_dir: str, extra: Sequence[str] = ()) -> list[str]:
     """The run keys both runs share: ``dsnd bench pipeline``'s, at pp=4 on `SHAPE`, logging
     (and the profile's cache) under `log_dir`, then the caller's `extra`."""
-    return [*_pipe_sets(micro_batches), f"deepspeed={rank.ds_json(ZERO_STAGE)}", *LAYOUT,
-            f"log.dir={log_dir}", *extra]  # fmt: skip
+    return [
+        *_pipe_sets(micro_batches),
+        f"deepspeed={rank.ds_json(ZERO_STAGE)}",
+        *LAYOUT,
+        f"log.dir={log_dir}",
+        *extra,
+    ]
 
 
-def partition_configs(world: int, micro_batches: int, log_dir: str,
-                      extra: Sequence[str] = ()) -> dict[str, Resolved]:  # fmt: skip
+def partition_configs(
+    world: int, micro_batches: int, log_dir: str, extra: Sequence[str] = ()
+) -> dict[str, Resolved]:
     """One resolved run per partition method of `PARTITIONS`; resolving the ``profile`` run
     measures the layers (or reads ``log_dir/profile-cache``)."""
     base = partition_sets(micro_batches, log_dir, extra)
-    return {name: resolve(load(None, [*base, f"parallel.partition={name}"]), world)
-            for name in PARTITIONS}  # fmt: skip
+    return {
+        name: resolve(load(None, [*base, f"parallel.partition={name}"]), world)
+        for name in PARTITIONS
+    }
 
 
 def layer_table(res: Resolved) -> list[dict[str, Any]]:
@@ -70,9 +78,14 @@ def layer_table(res: Resolved) -> list[dict[str, Any]]:
     run = res.run
     cap = run.parallel.profile_memory_cap_gb
     cache = os.path.join(run.log.dir, "profile-cache")
-    _, costs = profile_partition(res.model, run.model.seq_len, res.batch.micro,
-                                 len(res.plan.parts) - 1, cache,
-                                 None if cap is None else int(cap * GIB))  # fmt: skip
+    _, costs = profile_partition(
+        res.model,
+        run.model.seq_len,
+        res.batch.micro,
+        len(res.plan.parts) - 1,
+        cache,
+        None if cap is None else int(cap * GIB),
+    )
     specs = layer_specs(res.model)
     return [
         {
@@ -85,20 +98,32 @@ def layer_table(res: Resolved) -> list[dict[str, Any]]:
     ]
 
 
-def partition_raw(runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]],
-                  warmup: int) -> dict[str, Any]:  # fmt: skip
+def partition_raw(
+    runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]], warmup: int
+) -> dict[str, Any]:
     """The raw JSON: layout, the profiled layers, each run's stage boundaries, and the
     repetitions with per-rank lists."""
     res = runs["profile"]
     model, batch = res.model, res.batch
     layout = dict(
-        pp=res.topology.pp, dp=res.topology.dp, micro=batch.micro, micro_batches=batch.gas,
-        seq_len=res.run.model.seq_len, model=model.source, vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size, blocks=model.num_layers, zero_stage=zero_stage(res.ds),
-        schedule=res.plan.schedule, memory_cap_gb=res.run.parallel.profile_memory_cap_gb,
-        tokens_per_step=res.tokens_per_step, warmup=warmup, ranks=len(per_rank),
-        cores=os.cpu_count(), threads=torch.get_num_threads(),
-    )  # fmt: skip
+        pp=res.topology.pp,
+        dp=res.topology.dp,
+        micro=batch.micro,
+        micro_batches=batch.gas,
+        seq_len=res.run.model.seq_len,
+        model=model.source,
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        blocks=model.num_layers,
+        zero_stage=zero_stage(res.ds),
+        schedule=res.plan.schedule,
+        memory_cap_gb=res.run.parallel.profile_memory_cap_gb,
+        tokens_per_step=res.tokens_per_step,
+        warmup=warmup,
+        ranks=len(per_rank),
+        cores=os.cpu_count(),
+        threads=torch.get_num_threads(),
+    )
     return {
         "layout": layout,
         "layers": layer_table(res),
@@ -119,10 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", required=True)
     args = parser.parse_args(argv)
     # the profile comes from the launcher's cache
-    rank.run(args.out, "dsnd bench partition", PARTITION_WORLD,
-             lambda: partition_configs(PARTITION_WORLD, args.micro_batches, args.log_dir,
-                                       args.sets),
-             lambda runs: measure(runs, args.steps, args.warmup))  # fmt: skip
+    rank.run(
+        args.out,
+        "dsnd bench partition",
+        PARTITION_WORLD,
+        lambda: partition_configs(PARTITION_WORLD, args.micro_batches, args.log_dir, args.sets),
+        lambda runs: measure(runs, args.steps, args.warmup),
+    )
 
 
 if __name__ == "__main__":

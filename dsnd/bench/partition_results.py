@@ -113,12 +113,16 @@ def _verdict(
     base, other = PARTITIONS
     moved = f"profile moved the boundaries ({base} {parts[base]}, profile {parts[other]})"
     if parts[base] == parts[other]:
-        return False, (f"NOT EVALUATED: profile chose the same boundaries as {base} "
-                       f"({parts[base]}), so both runs are one program and the ratio is noise "
-                       "around 1")  # fmt: skip
+        return False, (
+            f"NOT EVALUATED: profile chose the same boundaries as {base} "
+            f"({parts[base]}), so both runs are one program and the ratio is noise "
+            "around 1"
+        )
     if predicted[other] >= predicted[base]:
-        return False, (f"NOT EVALUATED: {moved} but not its slowest stage's predicted time, so "
-                       "the ratio is noise around 1")  # fmt: skip
+        return False, (
+            f"NOT EVALUATED: {moved} but not its slowest stage's predicted time, so "
+            "the ratio is noise around 1"
+        )
     return True, moved
 
 

@@ -115,10 +115,17 @@ class DsndPipeline:
         loss, _ = self.runner.report(result)
         step_s = time.perf_counter() - start
         times = result.times
-        return {"stage_s": stage_s, "step_s": step_s, "loss": loss,
-                "pipe_s": result.pipelined_s, "wait_s": times["pipeline_wait"],
-                "optimizer_s": times["optimizer"], "times": dict(times),
-                "ops": dict(result.op_seconds), "instr_s": result.instr_seconds}  # fmt: skip
+        return {
+            "stage_s": stage_s,
+            "step_s": step_s,
+            "loss": loss,
+            "pipe_s": result.pipelined_s,
+            "wait_s": times["pipeline_wait"],
+            "optimizer_s": times["optimizer"],
+            "times": dict(times),
+            "ops": dict(result.op_seconds),
+            "instr_s": result.instr_seconds,
+        }
 
 
 def deepspeed_pipeline(res: Resolved):
@@ -149,8 +156,9 @@ def deepspeed_step(engine, micro: Batches) -> dict[str, float]:
 LATENCY_ROUNDS = 64  # round trips of the message-latency probe
 
 
-def message_latency(groups: ProcessGroups, shape: Any, device: torch.device,
-                    rounds: int = LATENCY_ROUNDS) -> float:  # fmt: skip
+def message_latency(
+    groups: ProcessGroups, shape: Any, device: torch.device, rounds: int = LATENCY_ROUNDS
+) -> float:
     """Seconds from a send to its arrival between stages 0 and 1 of this rank's pipeline, with
     both blocked waiting for it (the cheapest a message gets here): the median round trip of one
     activation-sized tensor / 2. The other stages wait; every stage returns the same number."""
@@ -212,9 +220,13 @@ def bench_schedules(runs: dict[str, Resolved], steps: int, warmup: int) -> list[
     try:
         for name, res in runs.items():
             pipelines[name] = DsndPipeline(res, groups)
-        return rank.take_turns(list(pipelines), steps, warmup,
-                               lambda rep: rank.step_batches(first, samples, groups, rep),
-                               lambda name, micro: pipelines[name].step(micro))  # fmt: skip
+        return rank.take_turns(
+            list(pipelines),
+            steps,
+            warmup,
+            lambda rep: rank.step_batches(first, samples, groups, rep),
+            lambda name, micro: pipelines[name].step(micro),
+        )
     finally:
         for pipeline in pipelines.values():
             pipeline.engine.destroy()
@@ -231,8 +243,9 @@ def plan_record(res: Resolved) -> dict[str, Any]:
     }
 
 
-def schedule_section(runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]],
-                     warmup: int) -> dict[str, Any]:  # fmt: skip
+def schedule_section(
+    runs: dict[str, Resolved], per_rank: list[list[dict[str, Any]]], warmup: int
+) -> dict[str, Any]:
     """The raw JSON of a schedule phase: layout, each schedule's plan, merged repetitions."""
     base = runs[BASELINE]
     return {
@@ -245,7 +258,7 @@ def schedule_section(runs: dict[str, Resolved], per_rank: list[list[dict[str, An
             "cores": os.cpu_count(),
             "model": base.model.source,
             "layers": base.model.num_layers,
-        },  # fmt: skip
+        },
         "plans": {name: plan_record(res) for name, res in runs.items()},
         "reps": merge_runs(list(runs), per_rank),
     }
@@ -333,9 +346,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phase", choices=tuple(PHASES), default="pipeline")
     args = parser.parse_args(argv)
     world, resolve_runs, phase = PHASES[args.phase]
-    rank.run(args.out, f"dsnd bench pipeline's {args.phase} phase", world,
-             lambda: resolve_runs(world, args.micro_batches, args.sets),
-             lambda runs: phase(runs, args))  # fmt: skip
+    rank.run(
+        args.out,
+        f"dsnd bench pipeline's {args.phase} phase",
+        world,
+        lambda: resolve_runs(world, args.micro_batches, args.sets),
+        lambda runs: phase(runs, args),
+    )
 
 
 if __name__ == "__main__":

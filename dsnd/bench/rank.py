@@ -75,9 +75,14 @@ def write_raw(path: str, raw: dict[str, Any]) -> None:
         json.dump(raw, f)
 
 
-def run(out: str, what: str, world: int, resolve_runs: Callable[[], Runs],
-             measure: Callable[[Runs], dict[str, Any] | None],
-             timeout_s: int = 300) -> None:  # fmt: skip
+def run(
+    out: str,
+    what: str,
+    world: int,
+    resolve_runs: Callable[[], Runs],
+    measure: Callable[[Runs], dict[str, Any] | None],
+    timeout_s: int = 300,
+) -> None:
     """One rank of `what` on `world` ranks: `resolve_runs` before the world starts, `measure` on
     them inside it (the raw JSON, or None), the world shut down even when `measure` fails, and
     rank 0's raw JSON written to `out`."""
@@ -129,8 +134,13 @@ def gather(mine: Any) -> list[Any]:
     return every
 
 
-def take_turns(names: Sequence[str], steps: int, warmup: int, prepare: Callable[[int], Arg],
-               run: Callable[[str, Arg], dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+def take_turns(
+    names: Sequence[str],
+    steps: int,
+    warmup: int,
+    prepare: Callable[[int], Arg],
+    run: Callable[[str, Arg], dict[str, Any]],
+) -> list[dict[str, Any]]:
     """`warmup` untimed then `steps` timed repetitions of the runs `names`: repetition r gives
     each run ``prepare(r)`` (step r's batches, made once), starting from run r mod k, so that
     none always goes first (with two runs: alternating order). One record per repetition, each
@@ -140,6 +150,12 @@ def take_turns(names: Sequence[str], steps: int, warmup: int, prepare: Callable[
     for rep in range(warmup + steps):
         arg = prepare(rep)
         order = names[rep % len(names) :] + names[: rep % len(names)]
-        records.append({"rep": rep, "timed": rep >= warmup, "order": order,
-                        "runs": {name: run(name, arg) for name in order}})  # fmt: skip
+        records.append(
+            {
+                "rep": rep,
+                "timed": rep >= warmup,
+                "order": order,
+                "runs": {name: run(name, arg) for name in order},
+            }
+        )
     return records

@@ -123,8 +123,9 @@ def _ms(seconds: Sequence[float]) -> str:
     return "/".join(f"{x * 1e3:.2f}" for x in seconds)
 
 
-def bubble_rows(raw: Mapping[str, Any], prefix: str = "", target: Target | None = BUBBLE_TARGET,
-                why: str = "") -> list[Row]:  # fmt: skip
+def bubble_rows(
+    raw: Mapping[str, Any], prefix: str = "", target: Target | None = BUBBLE_TARGET, why: str = ""
+) -> list[Row]:
     """The measured bubble of dsnd's 1F1B step against (p-1)/(m+p-1) and against the step
     replayed at this run's measured costs (`_replay_rows`)."""
     reps, layout = timed(raw), raw["layout"]
@@ -148,8 +149,13 @@ def bubble_rows(raw: Mapping[str, Any], prefix: str = "", target: Target | None 
     ]
 
 
-def _replay_rows(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], latency: float,
-                 measured: float, prefix: str) -> list[Row]:  # fmt: skip
+def _replay_rows(
+    plan: Mapping[str, Any],
+    runs: Sequence[Mapping[str, Any]],
+    latency: float,
+    measured: float,
+    prefix: str,
+) -> list[Row]:
     """The step replayed at the costs the run measured, to see how much of the bubble each
     explains: per-stage compute alone, then also each stage's own seconds per message
     (`dispatch_seconds`) and the measured one-way `latency`; and each repetition at its own
@@ -160,8 +166,9 @@ def _replay_rows(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], lat
     priced = idle_fraction(replay(plan, costs, dispatch, latency))
     own = median(idle_fraction(replay_run(plan, run, latency)) for run in runs)
     sent = messages(plan)
-    per_stage = "; ".join(f"stage {s}: F {c['F'] * 1e3:.2f}, B {c['B'] * 1e3:.2f} ms"
-                          for s, c in enumerate(costs))  # fmt: skip
+    per_stage = "; ".join(
+        f"stage {s}: F {c['F'] * 1e3:.2f}, B {c['B'] * 1e3:.2f} ms" for s, c in enumerate(costs)
+    )
     return [
         Row(
             f"{prefix}bubble_fraction_stages",

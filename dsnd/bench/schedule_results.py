@@ -106,9 +106,12 @@ def predicted_bubble(plan: Mapping[str, Any], cost: Mapping[str, float]) -> floa
 
 
 def _replay(
-    programs: list[list[Instr]], roles: list[StageRole], order: list[tuple[int, Instr]],
-    cost: Callable[[int, Instr], float], latency_s: float,
-) -> list[tuple[float, float]]:  # fmt: skip
+    programs: list[list[Instr]],
+    roles: list[StageRole],
+    order: list[tuple[int, Instr]],
+    cost: Callable[[int, Instr], float],
+    latency_s: float,
+) -> list[tuple[float, float]]:
     """(span, busy) per stage of the programs run in `order` (`simulate`'s), instruction x of
     stage s taking `cost(s, x)` of its own time and a message `latency_s` from its send."""
     clock, busy = [0.0] * len(programs), [0.0] * len(programs)
@@ -125,9 +128,11 @@ def _replay(
 
 
 def replay(
-    plan: Mapping[str, Any], stage_costs: Sequence[Mapping[str, float]],
-    dispatch_s: Sequence[float] | None = None, latency_s: float = 0.0,
-) -> list[tuple[float, float]]:  # fmt: skip
+    plan: Mapping[str, Any],
+    stage_costs: Sequence[Mapping[str, float]],
+    dispatch_s: Sequence[float] | None = None,
+    latency_s: float = 0.0,
+) -> list[tuple[float, float]]:
     """Per stage, (span, busy) of the plan's step replayed at measured costs: stage s's compute
     instructions take `stage_costs[s]` each, each of its sends and receives `dispatch_s[s]` of
     its own time, and a message arrives `latency_s` after its send (`timeline` with per-stage
@@ -144,8 +149,9 @@ def replay(
     return _replay(programs, roles, simulate(programs, roles), cost, latency_s)
 
 
-def replay_run(plan: Mapping[str, Any], run: Mapping[str, Any], latency_s: float
-               ) -> list[tuple[float, float]]:  # fmt: skip
+def replay_run(
+    plan: Mapping[str, Any], run: Mapping[str, Any], latency_s: float
+) -> list[tuple[float, float]]:
     """(span, busy) per stage of one measured step replayed at its own instruction times
     (`run["instr_s"]`): every compute instruction and send as long as it took, a receive its
     share of the stage's receive time less its waits (`wait_s`; the waits are what the replay
@@ -156,8 +162,11 @@ def replay_run(plan: Mapping[str, Any], run: Mapping[str, Any], latency_s: float
     programs, roles = plan_programs(plan)
     spent: dict[tuple[int, Instr], float] = {}
     for s, program in enumerate(programs):
-        pipelined = [(x, t) for x, t in zip(program, run["instr_s"][s], strict=True)
-                     if x.op not in (REDUCE, STEP)]  # fmt: skip
+        pipelined = [
+            (x, t)
+            for x, t in zip(program, run["instr_s"][s], strict=True)
+            if x.op not in (REDUCE, STEP)
+        ]
         received = [t for x, t in pipelined if x.op in RECVS]
         per_recv = max(0.0, sum(received) - run["wait_s"][s]) / len(received) if received else 0.0
         between = max(0.0, run["pipe_s"][s] - sum(t for _, t in pipelined)) / len(pipelined)
@@ -185,10 +194,13 @@ def dispatch_seconds(plan: Mapping[str, Any], runs: Sequence[Mapping[str, Any]])
     instructions), over its messages; medians over `runs`."""
     sent = messages(plan)
     return [
-        median((run["pipe_s"][s] - run["wait_s"][s] - sum(run["ops"][s].values())) / n
-               for run in runs) if n else 0.0
+        median(
+            (run["pipe_s"][s] - run["wait_s"][s] - sum(run["ops"][s].values())) / n for run in runs
+        )
+        if n
+        else 0.0
         for s, n in enumerate(sent)
-    ]  # fmt: skip
+    ]
 
 
 def compute_seconds(run: Mapping[str, Any]) -> float:
@@ -238,9 +250,14 @@ def _ms(costs: Mapping[str, float]) -> str:
 
 
 def _bubble_rows(
-    name: str, prefix: str, layout: Mapping[str, Any], plan: Mapping[str, Any],
-    runs: Sequence[Mapping[str, Any]], target: Target | None, why: str,
-) -> list[Row]:  # fmt: skip
+    name: str,
+    prefix: str,
+    layout: Mapping[str, Any],
+    plan: Mapping[str, Any],
+    runs: Sequence[Mapping[str, Any]],
+    target: Target | None,
+    why: str,
+) -> list[Row]:
     p, m, v = layout["pp"], layout["micro_batches"], plan["virtual_stages"]
     measured = median(measured_bubble(run["pipe_s"], run["wait_s"]) for run in runs)
     cost = op_costs(plan, runs)
@@ -276,14 +293,18 @@ def _parts_text(parts: Mapping[str, float]) -> str:
 
 
 def _versus_baseline_rows(
-    name: str, layout: Mapping[str, Any], reps: Sequence[Mapping[str, Any]],
-    first: Mapping[str, Any], plans: Mapping[str, Any],
-) -> list[Row]:  # fmt: skip
+    name: str,
+    layout: Mapping[str, Any],
+    reps: Sequence[Mapping[str, Any]],
+    first: Mapping[str, Any],
+    plans: Mapping[str, Any],
+) -> list[Row]:
     """Throughput, compute and first-step loss of schedule `name` against 1F1B's."""
     ours = [max(rep["runs"][name]["step_s"]) for rep in reps]
     base = [max(rep["runs"][BASELINE]["step_s"]) for rep in reps]
-    compute = median(compute_seconds(rep["runs"][name]) / compute_seconds(rep["runs"][BASELINE])
-                     for rep in reps)  # fmt: skip
+    compute = median(
+        compute_seconds(rep["runs"][name]) / compute_seconds(rep["runs"][BASELINE]) for rep in reps
+    )
     runs = {s: [rep["runs"][s] for rep in reps] for s in (name, BASELINE)}
     parts = {s: step_parts(runs[s]) for s in runs}
     micro = {s: per_micro_batch(runs[s], layout["micro_batches"]) for s in runs}
@@ -338,8 +359,7 @@ def schedule_rows(section: Mapping[str, Any], prefix: str = "", compare: bool = 
     rows = []
     for name, plan in section["plans"].items():
         if compare and name != BASELINE:
-            rows += _versus_baseline_rows(name, layout, reps, section["reps"][0],
-                                          section["plans"])  # fmt: skip
+            rows += _versus_baseline_rows(name, layout, reps, section["reps"][0], section["plans"])
         runs = [rep["runs"][name] for rep in reps]
         rows += _bubble_rows(name, prefix, layout, plan, runs, target, why)
     return rows

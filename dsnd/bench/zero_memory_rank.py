@@ -35,8 +35,15 @@ from dsnd.engine.optimizers import state_bytes as optimizer_state_bytes
 ZERO_WORLD = 4
 ZERO_STAGES = (0, 1, 2, 3)
 LAYOUT = ("parallel.pp=2", "parallel.partition=parameters")
-PROBED = ("backward_loss", "backward_output", "backward_loss_plain", "backward_plain",
-          "backward_weight", "reduce", "step")  # fmt: skip
+PROBED = (
+    "backward_loss",
+    "backward_output",
+    "backward_loss_plain",
+    "backward_plain",
+    "backward_weight",
+    "reduce",
+    "step",
+)
 """The `StageEngine` calls after which model state is read: every backward (through DeepSpeed's
 or, where `StageEngine.plain`, torch's), the reduction, the optimizer step."""
 
@@ -85,8 +92,12 @@ def measure(res: Resolved, steps: int, warmup: int) -> dict[str, Any]:
             probe.on = step >= warmup
             runner.run(rank.step_batches(res, samples, groups, step))
         stage = groups.coord.pp
-        return {"stage": stage, "psi": res.plan.stage_parameters(res.model)[stage],
-                "nd": zero_ranks(res), "points": probe.points}  # fmt: skip
+        return {
+            "stage": stage,
+            "psi": res.plan.stage_parameters(res.model)[stage],
+            "nd": zero_ranks(res),
+            "points": probe.points,
+        }
 
 
 def zero_ranks(res: Resolved) -> int:
@@ -99,9 +110,16 @@ def zero_ranks(res: Resolved) -> int:
 def layout(res: Resolved) -> dict[str, Any]:
     optimizer, per_param = optimizer_state_bytes(res.ds["optimizer"], offload=False)
     bf16 = bool((res.ds.get("bf16") or {}).get("enabled"))
-    return {"pp": res.topology.pp, "dp": res.topology.dp, "model": res.model.describe(),
-            "batch": str(res.batch), "seq_len": res.run.model.seq_len, "bf16": bf16,
-            "optimizer": optimizer, "state_bytes": per_param}  # fmt: skip
+    return {
+        "pp": res.topology.pp,
+        "dp": res.topology.dp,
+        "model": res.model.describe(),
+        "batch": str(res.batch),
+        "seq_len": res.run.model.seq_len,
+        "bf16": bf16,
+        "optimizer": optimizer,
+        "state_bytes": per_param,
+    }
 
 
 def zero_raw(runs: dict[int, Resolved], steps: int, warmup: int) -> dict[str, Any] | None:
@@ -110,16 +128,24 @@ def zero_raw(runs: dict[int, Resolved], steps: int, warmup: int) -> dict[str, An
     gathered = rank.gather(mine)
     if dist.get_rank() != 0:
         return None
-    return {"layout": layout(runs[0]), "warmup": warmup, "steps": steps,
-            "stages": {str(s): [g[str(s)] for g in gathered] for s in ZERO_STAGES}}  # fmt: skip
+    return {
+        "layout": layout(runs[0]),
+        "warmup": warmup,
+        "steps": steps,
+        "stages": {str(s): [g[str(s)] for g in gathered] for s in ZERO_STAGES},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = rank.parser("dsnd.bench.zero_memory_rank", steps=1, warmup=1).parse_args(argv)
     warmup = max(1, args.warmup)  # the optimizer's state exists from the first step on
-    rank.run(args.out, "dsnd bench zero-memory", ZERO_WORLD,
-             lambda: zero_configs(ZERO_WORLD, args.sets),
-             lambda runs: zero_raw(runs, args.steps, warmup))  # fmt: skip
+    rank.run(
+        args.out,
+        "dsnd bench zero-memory",
+        ZERO_WORLD,
+        lambda: zero_configs(ZERO_WORLD, args.sets),
+        lambda runs: zero_raw(runs, args.steps, warmup),
+    )
 
 
 if __name__ == "__main__":

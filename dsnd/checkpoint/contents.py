@@ -45,18 +45,23 @@ def header_problem(path: str, expected: Expected) -> str | None:
         header = read_header(path)
     except HeaderError as e:
         return str(e)
-    wrong = [_tensor_problem(name, header.get(name), dtype, shape)
-             for name, (dtype, shape) in sorted(expected.items())]  # fmt: skip
+    wrong = [
+        _tensor_problem(name, header.get(name), dtype, shape)
+        for name, (dtype, shape) in sorted(expected.items())
+    ]
     wrong = [w for w in wrong if w]
-    wrong += [f"holds {name}, which {MANIFEST} does not list for it"
-              for name in sorted(set(header) - set(expected))]  # fmt: skip
+    wrong += [
+        f"holds {name}, which {MANIFEST} does not list for it"
+        for name in sorted(set(header) - set(expected))
+    ]
     if not wrong:
         return None
     return wrong[0] + _and_more(len(wrong) - 1, "problem")
 
 
-def _tensor_problem(name: str, found: tuple[str, list[int]] | None, dtype: str | None,
-                    shape: list[int]) -> str | None:  # fmt: skip
+def _tensor_problem(
+    name: str, found: tuple[str, list[int]] | None, dtype: str | None, shape: list[int]
+) -> str | None:
     if found is None:
         return f"has no tensor {name}, which {MANIFEST} lists"
     have_dtype, have_shape = found

@@ -57,25 +57,34 @@ def _pipeline_names(shapes: Shapes, model: ModelSpec, where: str) -> dict[str, s
             return int(pipe.group(1)), pipe.group(2)
         if tied:
             return f"tied_modules.{tied.group(1)}", tied.group(2)
-        raise UserError(f"{where}: parameter {name} is neither '<layer>.<name>' nor "
-                        "'tied_modules.<key>.<name>' (a PipelineModule's names)")  # fmt: skip
+        raise UserError(
+            f"{where}: parameter {name} is neither '<layer>.<name>' nor "
+            "'tied_modules.<key>.<name>' (a PipelineModule's names)"
+        )
 
     theirs = _slots(shapes, ds_key)
-    ours = {prefix: {n: tuple(p.shape) for n, p in layer.named_parameters()}
-            for _, prefix, layer in meta_layers(model) if layer is not None}  # fmt: skip
+    ours = {
+        prefix: {n: tuple(p.shape) for n, p in layer.named_parameters()}
+        for _, prefix, layer in meta_layers(model)
+        if layer is not None
+    }
     our_tied = [p for p in ours if p.startswith("tied_modules.")]
     our_plain = [p for p in ours if not p.startswith("tied_modules.")]
     their_tied = sorted(k for k in theirs if isinstance(k, str))
     their_plain = sorted(k for k in theirs if isinstance(k, int))
     if len(their_tied) != len(our_tied):
         tied = ", ".join(their_tied) or "none"
-        raise UserError(f"{where}: the checkpoint has {len(their_tied)} tied module(s) ({tied}) "
-                        f"but {model.source} has {len(our_tied)} "
-                        f"(tie_word_embeddings={model.tie_embeddings})")  # fmt: skip
+        raise UserError(
+            f"{where}: the checkpoint has {len(their_tied)} tied module(s) ({tied}) "
+            f"but {model.source} has {len(our_tied)} "
+            f"(tie_word_embeddings={model.tie_embeddings})"
+        )
     if len(their_plain) != len(our_plain):
-        raise UserError(f"{where}: the checkpoint's pipeline has {len(their_plain)} layers "
-                        f"holding parameters, {model.source} has {len(our_plain)} "
-                        f"(num_layers={model.num_layers})")  # fmt: skip
+        raise UserError(
+            f"{where}: the checkpoint's pipeline has {len(their_plain)} layers "
+            f"holding parameters, {model.source} has {len(our_plain)} "
+            f"(num_layers={model.num_layers})"
+        )
     out = {}
     pairs = [*zip(their_tied, our_tied, strict=True), *zip(their_plain, our_plain, strict=True)]
     for their, our in pairs:
@@ -90,17 +99,26 @@ def _same_layer(theirs: Shapes, ours: Shapes, where: str, our: str, model: Model
         if rest not in ours:
             raise UserError(f"{where} holds {rest}, which {model.source}'s {our}* has not")
         if rest not in theirs:
-            raise UserError(f"{where} has no {rest} (shape {list(ours[rest])}), which "
-                            f"{model.source}'s {our}* has")  # fmt: skip
+            raise UserError(
+                f"{where} has no {rest} (shape {list(ours[rest])}), which "
+                f"{model.source}'s {our}* has"
+            )
         _check_shape(where, rest, theirs[rest], f"{our}{rest}", ours[rest], model)
 
 
-def _check_shape(where: str, theirs: str, shape: Sequence[int], ours: str,
-                 want: tuple[int, ...], model: ModelSpec) -> None:  # fmt: skip
+def _check_shape(
+    where: str,
+    theirs: str,
+    shape: Sequence[int],
+    ours: str,
+    want: tuple[int, ...],
+    model: ModelSpec,
+) -> None:
     """UserError when the checkpoint's `theirs` and the model's `ours` differ in shape."""
     if tuple(shape) != want:
-        raise UserError(f"{where}: {theirs} has shape {list(shape)}, {model.source}'s {ours} "
-                        f"has {list(want)}")  # fmt: skip
+        raise UserError(
+            f"{where}: {theirs} has shape {list(shape)}, {model.source}'s {ours} has {list(want)}"
+        )
 
 
 def _hf_names(shapes: Shapes, model: ModelSpec, where: str) -> dict[str, str]:
@@ -109,8 +127,10 @@ def _hf_names(shapes: Shapes, model: ModelSpec, where: str) -> dict[str, str]:
         try:
             ours = from_hf_name(name, model)
         except KeyError:
-            raise UserError(f"{where}: parameter {name} is not one of a {model.family.name} "
-                            f"model's ({model.source})") from None  # fmt: skip
+            raise UserError(
+                f"{where}: parameter {name} is not one of a {model.family.name} "
+                f"model's ({model.source})"
+            ) from None
         if ours is not None:  # a tied head's second name, a buffer dsnd recomputes
             out[name] = ours
     return out
@@ -134,18 +154,25 @@ def dsnd_names(shapes: Shapes, model: ModelSpec, where: str) -> dict[str, str]:
             raise UserError(f"{where}: {seen[ours]} and {theirs} are both {ours}")
         seen[ours] = theirs
         if ours not in want:
-            raise UserError(f"{where}: parameter {theirs} is not one of {model.source}'s "
-                            f"({model.describe()})")  # fmt: skip
+            raise UserError(
+                f"{where}: parameter {theirs} is not one of {model.source}'s ({model.describe()})"
+            )
         _check_shape(where, theirs, shapes[theirs], ours, want[ours], model)
     missing = sorted(set(want) - set(seen))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UserError(f"{where}: the checkpoint has no {missing[0]} (shape "
-                        f"{list(want[missing[0]])}), which {model.source} has{more}")  # fmt: skip
+        raise UserError(
+            f"{where}: the checkpoint has no {missing[0]} (shape "
+            f"{list(want[missing[0]])}), which {model.source} has{more}"
+        )
     return mapping
 
 
 def layer_indices(model: ModelSpec) -> dict[str, int]:
     """{dsnd parameter name: its global layer} (a tied module's: its first layer's)."""
-    return {prefix + name: index for index, prefix, layer in meta_layers(model)
-            if layer is not None for name, _ in layer.named_parameters()}  # fmt: skip
+    return {
+        prefix + name: index
+        for index, prefix, layer in meta_layers(model)
+        if layer is not None
+        for name, _ in layer.named_parameters()
+    }

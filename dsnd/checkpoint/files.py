@@ -96,8 +96,9 @@ def committed(root: str) -> list[str]:
     never count)."""
     if not os.path.isdir(root):
         return []
-    names = [n for n in os.listdir(root)
-             if step_of(n) is not None and _real_dir(os.path.join(root, n))]  # fmt: skip
+    names = [
+        n for n in os.listdir(root) if step_of(n) is not None and _real_dir(os.path.join(root, n))
+    ]
     return [os.path.join(root, n) for n in sorted(names, key=step_of, reverse=True)]
 
 
@@ -111,14 +112,17 @@ def check_root(root: str) -> None:
         raise CheckpointError(f"{root}: exists and is not a directory (checkpoint.dir)")
     pointer = os.path.join(root, LATEST)
     if os.path.lexists(pointer) and not regular(pointer):
-        raise CheckpointError(f"{pointer}: is not a regular file (a save writes the newest "
-                              "step's name there); remove it")  # fmt: skip
+        raise CheckpointError(
+            f"{pointer}: is not a regular file (a save writes the newest "
+            "step's name there); remove it"
+        )
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
         if step_of(name.removeprefix(TMP_PREFIX)) is not None and not _real_dir(path):
             what = "a symbolic link" if os.path.islink(path) else "not a directory"
-            raise CheckpointError(f"{path}: is {what}; dsnd writes step directories itself "
-                                  "(move it away)")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: is {what}; dsnd writes step directories itself (move it away)"
+            )
 
 
 def regular(path: str) -> bool:
@@ -151,8 +155,10 @@ def read_text(path: str) -> str:
 
 def _refuse_link(step_dir: str) -> None:
     if os.path.islink(os.path.normpath(step_dir)):
-        raise CheckpointError(f"{step_dir}: is a symbolic link; give the step directory itself "
-                              "(a load reads only real directories)")  # fmt: skip
+        raise CheckpointError(
+            f"{step_dir}: is a symbolic link; give the step directory itself "
+            "(a load reads only real directories)"
+        )
 
 
 def resolve_step_dir(path: str) -> str:

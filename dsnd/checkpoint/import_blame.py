@@ -53,8 +53,11 @@ def walk(value: object, key: str = "") -> Iterator[tuple[str, object]]:
 
 
 def non_finite(_key: str, value: object) -> bool:
-    return torch.is_tensor(value) and value.is_floating_point() and \
-        not bool(torch.isfinite(value.float()).all())  # fmt: skip
+    return (
+        torch.is_tensor(value)
+        and value.is_floating_point()
+        and not bool(torch.isfinite(value.float()).all())
+    )
 
 
 def bad_step(key: str, value: object) -> bool:
@@ -86,10 +89,14 @@ def check_finite(value: torch.Tensor, tag_dir: str, name: str, key: str) -> None
     where = f"DeepSpeed's conversion carried them into parameter {name}'s {key}"
     found = find(tag_dir, non_finite)
     if found is None:
-        raise UserError(f"{tag_dir}: parameter {name}'s {key} holds NaN or infinite values "
-                        "after DeepSpeed's conversion; dsnd continues only a finite state")
-    raise UserError(f"{found[0]}: '{found[1]}' holds NaN or infinite values ({where}); dsnd "
-                    "continues only a finite state")  # fmt: skip
+        raise UserError(
+            f"{tag_dir}: parameter {name}'s {key} holds NaN or infinite values "
+            "after DeepSpeed's conversion; dsnd continues only a finite state"
+        )
+    raise UserError(
+        f"{found[0]}: '{found[1]}' holds NaN or infinite values ({where}); dsnd "
+        "continues only a finite state"
+    )
 
 
 def checked_step(value: object, tag_dir: str) -> int:
@@ -100,6 +107,7 @@ def checked_step(value: object, tag_dir: str) -> int:
         return count
     found = find(tag_dir, bad_step)
     if found is None:
-        raise UserError(f"{tag_dir}: the optimizer's step count is {shown(value)}, expected "
-                        f"{STEP_RULE}")  # fmt: skip
+        raise UserError(
+            f"{tag_dir}: the optimizer's step count is {shown(value)}, expected {STEP_RULE}"
+        )
     raise UserError(f"{found[0]}: '{found[1]}' is {shown(found[2])}, expected {STEP_RULE}")

@@ -58,8 +58,18 @@ from dsnd.secrets import mask_config
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 _LAYER_FILE = re.compile(r"layer_\d+-model_.*")  # a pipeline layer's weights (not the masters)
 # what the converter's errors are (its checks are asserts; a broken file is any of the others)
-_CONVERSION_ERRORS = (AssertionError, KeyError, IndexError, ValueError, TypeError, RuntimeError,
-                      OSError, EOFError, NotImplementedError, pickle.UnpicklingError)  # fmt: skip
+_CONVERSION_ERRORS = (
+    AssertionError,
+    KeyError,
+    IndexError,
+    ValueError,
+    TypeError,
+    RuntimeError,
+    OSError,
+    EOFError,
+    NotImplementedError,
+    pickle.UnpicklingError,
+)
 
 
 @dataclass
@@ -83,8 +93,15 @@ def _natural(path: str) -> list:
 
 def _model_files(tag_dir: str) -> list[str]:
     found = glob.glob(os.path.join(tag_dir, "*_model_states.pt"))
-    return sorted((f for f in found if not _LAYER_FILE.fullmatch(os.path.basename(f))
-                   and "_expert_" not in os.path.basename(f)), key=_natural)  # fmt: skip
+    return sorted(
+        (
+            f
+            for f in found
+            if not _LAYER_FILE.fullmatch(os.path.basename(f))
+            and "_expert_" not in os.path.basename(f)
+        ),
+        key=_natural,
+    )
 
 
 def find_tag(path: str) -> str:
@@ -96,14 +113,17 @@ def find_tag(path: str) -> str:
         return path
     pointer = os.path.join(path, "latest")
     if not os.path.isfile(pointer):
-        raise UserError(f"{path}: not a DeepSpeed checkpoint (no *_model_states.pt, and no "
-                        "'latest' naming a tag directory)")  # fmt: skip
+        raise UserError(
+            f"{path}: not a DeepSpeed checkpoint (no *_model_states.pt, and no "
+            "'latest' naming a tag directory)"
+        )
     with open(pointer, encoding="utf-8", errors="replace") as f:
         tag = f.read().strip()
     tag_dir = os.path.join(path, tag)
     if not tag or os.sep in tag or tag in (".", "..") or not _model_files(tag_dir):
-        raise UserError(f"{pointer}: names {tag!r}, which is not a tag directory holding "
-                        "*_model_states.pt")  # fmt: skip
+        raise UserError(
+            f"{pointer}: names {tag!r}, which is not a tag directory holding *_model_states.pt"
+        )
     return tag_dir
 
 
@@ -136,8 +156,10 @@ def _first_line(error: BaseException) -> str:
 def _shapes_of(state: dict, path: str) -> dict[str, tuple[int, ...]]:
     groups = state.get("param_shapes") if isinstance(state, dict) else None
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise UserError(f"{path}: no 'param_shapes' list (not written by DeepSpeed's "
-                        "save_checkpoint with a ZeRO optimizer)")  # fmt: skip
+        raise UserError(
+            f"{path}: no 'param_shapes' list (not written by DeepSpeed's "
+            "save_checkpoint with a ZeRO optimizer)"
+        )
     return {name: tuple(int(d) for d in size) for g in groups for name, size in g.items()}
 
 
@@ -145,9 +167,11 @@ def read_source(path: str) -> Source:
     """The tag `path` means, checked for what dsnd can import (one line if not)."""
     tag_dir = find_tag(path)
     if not glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
-        raise UserError(f"{tag_dir}: no ZeRO optimizer files (*_optim_states.pt): saved without "
-                        "ZeRO; DeepSpeed's universal-checkpoint conversion needs ZeRO stage 1, "
-                        "2 or 3")  # fmt: skip
+        raise UserError(
+            f"{tag_dir}: no ZeRO optimizer files (*_optim_states.pt): saved without "
+            "ZeRO; DeepSpeed's universal-checkpoint conversion needs ZeRO stage 1, "
+            "2 or 3"
+        )
     files = _model_files(tag_dir)
     shapes: Shapes = {}
     stage_names, first = [], {}
@@ -162,9 +186,11 @@ def read_source(path: str) -> Source:
     dims = first.get("checkpoint_parallel_dimensions") or {}
     tp = dims.get("tp_degree", 1) if isinstance(dims, dict) else 1
     if tp != 1:
-        raise UserError(f"{tag_dir}: saved with tensor parallelism (tp_degree {tp}); dsnd imports "
-                        "DeepSpeed checkpoints without it (its tensor parallelism is Megatron's, "
-                        "resumed from any layout once imported)")  # fmt: skip
+        raise UserError(
+            f"{tag_dir}: saved with tensor parallelism (tp_degree {tp}); dsnd imports "
+            "DeepSpeed checkpoints without it (its tensor parallelism is Megatron's, "
+            "resumed from any layout once imported)"
+        )
     frozen = first.get("frozen_param_shapes") or {}
     if frozen:
         name = next(iter(frozen))
@@ -173,8 +199,9 @@ def read_source(path: str) -> Source:
             "dsnd trains every parameter (it has no Adam state for these)"
         )
     if first.get("global_steps") is None:
-        raise UserError(f"{files[0]}: no 'global_steps' (not written by DeepSpeed's "
-                        "save_checkpoint)")  # fmt: skip
+        raise UserError(
+            f"{files[0]}: no 'global_steps' (not written by DeepSpeed's save_checkpoint)"
+        )
     for key, rule in _STATE_NUMBERS.items():
         _refuse_number(files[0], key, first.get(key), rule)
     return Source(tag_dir, files, first, shapes, stage_names)
@@ -182,8 +209,10 @@ def read_source(path: str) -> Source:
 
 # the model-state file's numbers the manifest takes as they are, with the manifest's own rules
 # (global_samples may be absent: the samples are then counted from the batch size)
-_STATE_NUMBERS: dict[str, Rule] = {"global_steps": STEP, "global_samples": ("null or " + COUNT[0],
-                                   lambda v: v is None or COUNT[1](v))}  # fmt: skip
+_STATE_NUMBERS: dict[str, Rule] = {
+    "global_steps": STEP,
+    "global_samples": ("null or " + COUNT[0], lambda v: v is None or COUNT[1](v)),
+}
 
 
 def _refuse_number(where: str, key: str, value: object, rule: Rule) -> None:
@@ -199,8 +228,10 @@ def check_out(out: str) -> str:
     """The directory OUT will be made in; UserError unless OUT is new (or an empty directory)
     and that directory is writable."""
     if os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out) or os.listdir(out)):
-        raise UserError(f"{out}: already exists and is not an empty directory (dsnd never writes "
-                        "over a checkpoint; name a new OUT)")  # fmt: skip
+        raise UserError(
+            f"{out}: already exists and is not an empty directory (dsnd never writes "
+            "over a checkpoint; name a new OUT)"
+        )
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{out}: cannot be created ({parent} is not a writable directory)")
@@ -214,29 +245,36 @@ def _scheduler_state(state: dict, where: str) -> dict | None:
     try:
         json.dumps(sched, allow_nan=False)
     except (TypeError, ValueError):
-        raise UserError(f"{where}: the LR scheduler's state is not plain data (only DeepSpeed's "
-                        "schedulers, from the JSON's 'scheduler' section, can be continued)"
-                        ) from None  # fmt: skip
+        raise UserError(
+            f"{where}: the LR scheduler's state is not plain data (only DeepSpeed's "
+            "schedulers, from the JSON's 'scheduler' section, can be continued)"
+        ) from None
     if not isinstance(sched, dict) or "last_batch_iteration" not in sched:
         keys = (
             ", ".join(sorted(map(str, sched))) if isinstance(sched, dict) else type(sched).__name__
         )
-        raise UserError(f"{where}: the LR scheduler's state ({keys}) is not one of DeepSpeed's "
-                        "schedulers (those of the JSON's 'scheduler' section, which dsnd "
-                        "continues)")  # fmt: skip
-    _refuse_number(where, "lr_scheduler.last_batch_iteration", sched["last_batch_iteration"],
-                   POSITION)  # fmt: skip
+        raise UserError(
+            f"{where}: the LR scheduler's state ({keys}) is not one of DeepSpeed's "
+            "schedulers (those of the JSON's 'scheduler' section, which dsnd "
+            "continues)"
+        )
+    _refuse_number(
+        where, "lr_scheduler.last_batch_iteration", sched["last_batch_iteration"], POSITION
+    )
     return sched
 
 
-def _tensor(universal: str, name: str, key: str, shape: tuple[int, ...],
-            tag_dir: str) -> torch.Tensor:  # fmt: skip
+def _tensor(
+    universal: str, name: str, key: str, shape: tuple[int, ...], tag_dir: str
+) -> torch.Tensor:
     """One full tensor the converter wrote for parameter `name`, in `shape`, fp32 and finite
     (else refused naming the optimizer file and key of `tag_dir` it came from)."""
     path = os.path.join(universal, "zero", name, f"{key}.pt")
     if not os.path.isfile(path):
-        raise UserError(f"{name}: DeepSpeed's conversion wrote no {key} for it (no optimizer "
-                        "state: was it ever trained?)")  # fmt: skip
+        raise UserError(
+            f"{name}: DeepSpeed's conversion wrote no {key} for it (no optimizer "
+            "state: was it ever trained?)"
+        )
     value = load_file(path)
     value = value.get("param") if isinstance(value, dict) else value
     if not torch.is_tensor(value) or value.numel() != torch.Size(shape).numel():
@@ -266,8 +304,10 @@ def _adam_step(universal: str, names: list[str], optim: dict, tag_dir: str) -> i
         if "step" in group:
             found.add(checked_step(group["step"], tag_dir))
     if len(found) != 1:
-        raise UserError(f"the optimizer's step count is {sorted(found) or 'missing'} (expected "
-                        "one value for every parameter)")  # fmt: skip
+        raise UserError(
+            f"the optimizer's step count is {sorted(found) or 'missing'} (expected "
+            "one value for every parameter)"
+        )
     return found.pop()
 
 
@@ -276,14 +316,23 @@ def _parts(source: Source, mapping: dict[str, str], layers: dict[str, int], tota
     stage, in order); [0, total] otherwise or when the stages do not cut the layers in order."""
     if not source.pipeline or len(source.stage_names) < 2:
         return [0, total]
-    firsts = [min((layers[mapping[n]] for n in names if not n.startswith("tied_modules.")),
-                  default=0) for names in source.stage_names]  # fmt: skip
+    firsts = [
+        min((layers[mapping[n]] for n in names if not n.startswith("tied_modules.")), default=0)
+        for names in source.stage_names
+    ]
     cuts = [0, *firsts[1:], total]  # stage 0 starts at 0 (its first may be a tied embedding)
     return cuts if cuts == sorted(set(cuts)) else [0, total]
 
 
-def _manifest(source: Source, run: RunConfig, model: ModelSpec, trainer: dict, zero_stage: int,
-              params: dict, parts: list) -> dict:  # fmt: skip
+def _manifest(
+    source: Source,
+    run: RunConfig,
+    model: ModelSpec,
+    trainer: dict,
+    zero_stage: int,
+    params: dict,
+    parts: list,
+) -> dict:
     state = source.state
     step = state["global_steps"]
     ds_config = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
@@ -309,7 +358,7 @@ def _manifest(source: Source, run: RunConfig, model: ModelSpec, trainer: dict, z
             "name": "not recorded (imported from a DeepSpeed checkpoint)",
             "tokens": 0,
             "sha256": "",
-        },  # fmt: skip
+        },
         "trainer": trainer,
         "params": params,
         "optim_keys": list(OPTIM_KEYS),
@@ -329,13 +378,16 @@ def _convert(source: Source, tmp: str) -> str:
     except pickle.UnpicklingError as e:
         raise UserError(_refusal(source.tag_dir, e)) from None
     except _CONVERSION_ERRORS as e:
-        raise UserError(f"{source.tag_dir}: DeepSpeed's universal-checkpoint conversion failed "
-                        f"({_first_line(e)})") from None  # fmt: skip
+        raise UserError(
+            f"{source.tag_dir}: DeepSpeed's universal-checkpoint conversion failed "
+            f"({_first_line(e)})"
+        ) from None
     return universal
 
 
-def _trainer_state(universal: str, names: list[str], optim: dict, sched: dict | None,
-                   tag_dir: str) -> dict:  # fmt: skip
+def _trainer_state(
+    universal: str, names: list[str], optim: dict, sched: dict | None, tag_dir: str
+) -> dict:
     group = optim["param_groups"][0]
     # float() only what is a number already: a string "0.1" is refused by _check_param_group,
     # as torch's optimizer would refuse it, not read as 0.1
@@ -376,8 +428,9 @@ def _check_param_group(trainer: dict, tag_dir: str, zero_stage: int) -> None:
         _refuse_number(_param_group_file(tag_dir), f"{group}.{key}", trainer[key], rule)
 
 
-def _write_layers(work: str, universal: str, source: Source, mapping: dict[str, str],
-                  layers: dict[str, int]) -> tuple[list[str], dict]:  # fmt: skip
+def _write_layers(
+    work: str, universal: str, source: Source, mapping: dict[str, str], layers: dict[str, int]
+) -> tuple[list[str], dict]:
     """Each layer's model and optimizer file in `work`; (the files, manifest["params"])."""
     by_layer: dict[int, list[str]] = {}
     for theirs in sorted(mapping):

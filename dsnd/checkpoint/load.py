@@ -72,8 +72,10 @@ def load_checkpoint(engine, res: Resolved, step_dir: str) -> dict:
             try:
                 value = read_part(stored(meta["file"], name), param, shape)
                 layer = layer_of(name, engine.module)
-                states = {k: read_part(stored(optim_file(layer), f"{name}.{k}"), param, shape)
-                          for k in keys}  # fmt: skip
+                states = {
+                    k: read_part(stored(optim_file(layer), f"{name}.{k}"), param, shape)
+                    for k in keys
+                }
             except (ValueError, SafetensorError) as e:
                 raise CheckpointError(f"{step_dir}: {name} {e}") from e
             set_full_state(engine, param, value, states, masters)

@@ -70,13 +70,25 @@ def choose_resume(run: RunConfig, job_id: str | None = None) -> str | None:
 # What a resumed run must share with the checkpoint's run, and what it may change. The layout
 # (parallel.*, ZeRO stage, micro-batch and accumulation) may change: checkpoints are layout-free.
 MUST_MATCH_ALWAYS = ("model",)  # the architecture: the tensors would not even fit
-MUST_MATCH_IMPLICITLY = ("train.seed", "data.path", "data.blend", "data.format",
-                         "data.text_field", "data.max_bytes")  # fmt: skip
+MUST_MATCH_IMPLICITLY = (
+    "train.seed",
+    "data.path",
+    "data.blend",
+    "data.format",
+    "data.text_field",
+    "data.max_bytes",
+)
 # eval.fraction and data.eval_path decide which samples train (dsnd.data.held_out);
 # model.moe_capacity_factor which tokens reach their experts (dropless <-> capped, or another
 # cap: the weights fit either way, so it is allowed, and said)
-WARN_RUN = ("model.seq_len", "train.lr_scaling", "train.lr_reference_batch", "eval.fraction",
-            "data.eval_path", "model.moe_capacity_factor")  # fmt: skip
+WARN_RUN = (
+    "model.seq_len",
+    "train.lr_scaling",
+    "train.lr_reference_batch",
+    "eval.fraction",
+    "data.eval_path",
+    "model.moe_capacity_factor",
+)
 WARN_DS = ("train_batch_size", "optimizer", "scheduler", "gradient_clipping", "bf16", "bfloat16")
 
 
@@ -115,14 +127,17 @@ def _check_same_optimizer(then_ds: dict, ds: dict, manifest: dict, step_dir: str
         return
     if SAME_STATE.get(then.lower(), then.lower()) != SAME_STATE.get(now.lower(), now.lower()):
         keys = ", ".join(manifest.get("optim_keys") or []) or "none"
-        raise CheckpointError(f"{step_dir}: written with optimizer {then} (state: {keys}); this "
-                              f"run's is {now}, which cannot continue that state: use {then}, "
-                              "or start fresh with checkpoint.resume=never or another "
-                              "checkpoint.dir")  # fmt: skip
+        raise CheckpointError(
+            f"{step_dir}: written with optimizer {then} (state: {keys}); this "
+            f"run's is {now}, which cannot continue that state: use {then}, "
+            "or start fresh with checkpoint.resume=never or another "
+            "checkpoint.dir"
+        )
 
 
-def compare_with_checkpoint(run: RunConfig, ds: dict, model: ModelSpec, manifest: dict,
-                            step_dir: str, explicit: bool) -> list[str]:  # fmt: skip
+def compare_with_checkpoint(
+    run: RunConfig, ds: dict, model: ModelSpec, manifest: dict, step_dir: str, explicit: bool
+) -> list[str]:
     """Refuse (CheckpointError) a resume that would be meaningless; return warnings for the rest.
 
     The model's shape must always match. The seed and the data must match when the checkpoint
@@ -133,12 +148,17 @@ def compare_with_checkpoint(run: RunConfig, ds: dict, model: ModelSpec, manifest
     then_run, then_ds = config.get("run") or {}, config.get("deepspeed") or {}
     now_run = dataclasses.asdict(run)
     now, then = model.math(), from_manifest(manifest["model"]).math()
-    changed = [f"{k} {then.get(k)!r} -> {now.get(k)!r}"
-               for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]  # fmt: skip
+    changed = [
+        f"{k} {then.get(k)!r} -> {now.get(k)!r}"
+        for k in sorted(set(now) | set(then))
+        if now.get(k) != then.get(k)
+    ]
     if changed:
-        raise CheckpointError(f"{step_dir}: written for another model ({', '.join(changed)}); "
-                              "resume it with the same model, or start fresh with "
-                              "checkpoint.resume=never or another checkpoint.dir")  # fmt: skip
+        raise CheckpointError(
+            f"{step_dir}: written for another model ({', '.join(changed)}); "
+            "resume it with the same model, or start fresh with "
+            "checkpoint.resume=never or another checkpoint.dir"
+        )
     _check_same_optimizer(then_ds, ds, manifest, step_dir)
     strict = _differences(MUST_MATCH_IMPLICITLY, now_run, then_run)
     if strict and not explicit:

@@ -47,8 +47,9 @@ def check_writable(path: str, what: str, keep: bool = True) -> None:
             f.write(b"ok")
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"{what} {path} is not writable ({e.strerror or e}); nothing "
-                              "was started") from None  # fmt: skip
+        raise CheckpointError(
+            f"{what} {path} is not writable ({e.strerror or e}); nothing was started"
+        ) from None
     finally:
         for directory in made:
             with contextlib.suppress(OSError):
@@ -93,8 +94,12 @@ class RootLock:
                 f"{self.what} {self.root} is in use by {_holder_text(self.path)}: one run writes "
                 f"to it at a time (wait for it to end, or set another {self.what})"
             ) from None
-        holder = {"job_id": job_id, "pid": os.getpid(), "host": socket.gethostname(),
-                  "since": time.time()}  # fmt: skip
+        holder = {
+            "job_id": job_id,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.time(),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self.fd = fd

@@ -19,11 +19,22 @@ MAX_HEADER_BYTES = 100 * 2**20  # far above any real header; a larger N is damag
 METADATA = "__metadata__"
 # bytes per element of every dtype the format defines with whole bytes per element
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 FLOAT_DTYPES = frozenset({"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"})
 
 
@@ -41,8 +52,10 @@ def read_header(path: str) -> dict[str, tuple[str, list[int]]]:
             raise HeaderError(f"{size} bytes: too short for a safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > min(size - 8, MAX_HEADER_BYTES):
-            raise HeaderError(f"header length {length} does not fit the file's {size} bytes "
-                              f"(limit {MAX_HEADER_BYTES})")  # fmt: skip
+            raise HeaderError(
+                f"header length {length} does not fit the file's {size} bytes "
+                f"(limit {MAX_HEADER_BYTES})"
+            )
         raw = f.read(length)
     return parse_header(raw, size - 8 - length)
 
@@ -62,15 +75,18 @@ def parse_header(raw: bytes, data_bytes: int) -> dict[str, tuple[str, list[int]]
     for name, entry in header.items():
         dtype, shape, span = _entry(name, entry)
         if span[1] > data_bytes:
-            raise HeaderError(f"{name}: data_offsets {list(span)} end past the data area "
-                              f"({data_bytes} bytes)")  # fmt: skip
+            raise HeaderError(
+                f"{name}: data_offsets {list(span)} end past the data area ({data_bytes} bytes)"
+            )
         tensors[name] = (dtype, shape)
         spans.append((span, name))
     end = 0
     for (begin, stop), name in sorted(spans):
         if begin != end:
-            raise HeaderError(f"{name}: data_offsets {[begin, stop]} leave a gap or overlap at "
-                              f"byte {end} of the data area")  # fmt: skip
+            raise HeaderError(
+                f"{name}: data_offsets {[begin, stop]} leave a gap or overlap at "
+                f"byte {end} of the data area"
+            )
         end = stop
     if end != data_bytes:
         raise HeaderError(f"tensors cover {end} bytes, the data area holds {data_bytes}")
@@ -90,8 +106,10 @@ def _entry(name: str, entry: object) -> tuple[str, list[int], tuple[int, int]]:
         raise HeaderError(f"{name}: data_offsets {str(span)[:40]} are not [begin, end]")
     want = math.prod(shape) * DTYPE_BYTES[dtype]
     if span[1] - span[0] != want:
-        raise HeaderError(f"{name}: data_offsets {span} hold {span[1] - span[0]} bytes, "
-                          f"{dtype} {shape} needs {want}")  # fmt: skip
+        raise HeaderError(
+            f"{name}: data_offsets {span} hold {span[1] - span[0]} bytes, "
+            f"{dtype} {shape} needs {want}"
+        )
     return dtype, shape, (span[0], span[1])
 
 

@@ -77,8 +77,15 @@ def software_versions() -> dict[str, str]:
     }
 
 
-def _manifest(res: Resolved, engine, step: int, corpus: Corpus | BlendedCorpus, params: dict,
-              keys: list, job_id: str | None) -> dict:  # fmt: skip
+def _manifest(
+    res: Resolved,
+    engine,
+    step: int,
+    corpus: Corpus | BlendedCorpus,
+    params: dict,
+    keys: list,
+    job_id: str | None,
+) -> dict:
     sched = engine.lr_scheduler
     group = engine.optimizer.param_groups[0]
     return {
@@ -92,7 +99,7 @@ def _manifest(res: Resolved, engine, step: int, corpus: Corpus | BlendedCorpus, 
             "dp": res.topology.dp,
             "cp": res.topology.cp,
             "world_size": res.topology.world_size,
-        },  # fmt: skip
+        },
         "zero_stage": res.plan.zero_stage,
         "parts": list(res.plan.parts),
         "model": res.model.manifest(),
@@ -118,9 +125,15 @@ def _all_finite(finite: bool, device) -> bool:
     return bool(flag.item() > 0)
 
 
-def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, root: str,
-                    corpus: Corpus | BlendedCorpus,
-                    job_id: str | None = None) -> str | None:  # fmt: skip
+def save_checkpoint(
+    engine,
+    res: Resolved,
+    groups: ProcessGroups,
+    step: int,
+    root: str,
+    corpus: Corpus | BlendedCorpus,
+    job_id: str | None = None,
+) -> str | None:
     """Write and commit `root/step_<step>`; returns its path on rank 0 (None elsewhere).
 
     A state holding NaN or infinity is never committed: Diverged on every rank instead, the
@@ -136,8 +149,10 @@ def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, roo
     if not _all_finite(finite, engine.device):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise Diverged(f"step {step}: the model or optimizer state holds NaN or infinite values; "
-                       "not saved (the last committed checkpoint stays latest)")  # fmt: skip
+        raise Diverged(
+            f"step {step}: the model or optimizer state holds NaN or infinite values; "
+            "not saved (the last committed checkpoint stays latest)"
+        )
     files: list[str] | None = None
     if failed is None:
         files, failed = attempt(lambda: _write_own(step, tmp, rank, layers))
@@ -149,8 +164,9 @@ def save_checkpoint(engine, res: Resolved, groups: ProcessGroups, step: int, roo
         all_files = sorted(f for fs, _ in everyone for f in fs)
         all_params = {k: v for _, ps in everyone for k, v in ps.items()}
         manifest = _manifest(res, engine, step, corpus, all_params, keys, job_id)
-        final, failed = attempt(lambda: _commit(tmp, manifest, all_files, root, name,
-                                                res.run.checkpoint.keep))  # fmt: skip
+        final, failed = attempt(
+            lambda: _commit(tmp, manifest, all_files, root, name, res.run.checkpoint.keep)
+        )
     agree(failed, root, tmp, name, engine.device)  # nobody moves on before the commit
     return final
 
@@ -176,8 +192,11 @@ def _own_state(engine, groups: ProcessGroups) -> tuple[list, dict, dict, bool]:
             model, optim = layers.setdefault(layer, ({}, {}))
             model[pname] = value.contiguous()
             optim.update({f"{pname}.{k}": v.contiguous() for k, v in states.items()})
-            params[pname] = {"file": model_file(layer), "shape": list(value.shape),
-                             "dtype": SAFETENSORS_DTYPES[value.dtype]}  # fmt: skip
+            params[pname] = {
+                "file": model_file(layer),
+                "shape": list(value.shape),
+                "dtype": SAFETENSORS_DTYPES[value.dtype],
+            }
     return keys, layers, params, finite
 
 

@@ -52,11 +52,18 @@ TABLE: Rule = ("an object", lambda v: isinstance(v, dict))
 TABLE_OR_NULL: Rule = ("an object or null", lambda v: v is None or isinstance(v, dict))
 COUNTS: Rule = ("a list of non-negative integers", _list_of(COUNT[1]))
 TEXTS: Rule = ("a list of strings", _list_of(TEXT[1]))
-STEP: Rule = (f"an integer in [0, {MAX_STEP}] (a step directory's name holds {STEP_DIGITS} "
-              "digits)", _int_in(0, MAX_STEP))  # fmt: skip
+STEP: Rule = (
+    f"an integer in [0, {MAX_STEP}] (a step directory's name holds {STEP_DIGITS} digits)",
+    _int_in(0, MAX_STEP),
+)
 LR: Rule = ("a finite number >= 0", lambda v: _finite(v) and v >= 0)
-BETAS: Rule = ("null or two numbers in [0, 1)", lambda v: v is None or (
-    isinstance(v, list) and len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v)))  # fmt: skip
+BETAS: Rule = (
+    "null or two numbers in [0, 1)",
+    lambda v: (
+        v is None
+        or (isinstance(v, list) and len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v))
+    ),
+)
 # an iteration DeepSpeed counts from -1 (none yet): a scheduler's position (one more per optimizer
 # step) and the loss scaler's last overflow
 POSITION: Rule = (f"an integer in [-1, {MAX_STEP}]", _int_in(-1, MAX_STEP))
@@ -66,10 +73,18 @@ SHA256: Rule = ("64 lowercase hex digits", lambda v: bool(_HEX64.fullmatch(str(v
 DTYPE: Rule = ("a safetensors dtype", lambda v: isinstance(v, str) and v in DTYPE_BYTES)
 
 TOP: dict[str, Rule] = {
-    "step": STEP, "consumed_samples": COUNT, "zero_stage": COUNT, "parts": COUNTS,
-    "topology": TABLE, "model": TABLE, "versions": TABLE, "corpus": TABLE, "trainer": TABLE,
-    "params": TABLE, "optim_keys": TEXTS,
-}  # fmt: skip
+    "step": STEP,
+    "consumed_samples": COUNT,
+    "zero_stage": COUNT,
+    "parts": COUNTS,
+    "topology": TABLE,
+    "model": TABLE,
+    "versions": TABLE,
+    "corpus": TABLE,
+    "trainer": TABLE,
+    "params": TABLE,
+    "optim_keys": TEXTS,
+}
 NESTED: dict[str, dict[str, Rule]] = {
     "topology": {"pp": SIZE, "tp": SIZE, "dp": SIZE, "world_size": SIZE},
     "trainer": {
@@ -77,7 +92,7 @@ NESTED: dict[str, dict[str, Rule]] = {
         "lr": LR,
         "lr_scheduler": TABLE_OR_NULL,
         "betas": BETAS,
-    },  # fmt: skip
+    },
     "corpus": {"name": TEXT, "tokens": COUNT, "sha256": TEXT},
 }
 NESTED_OPTIONAL: dict[str, dict[str, Rule]] = {
@@ -88,20 +103,31 @@ NESTED_OPTIONAL: dict[str, dict[str, Rule]] = {
 }
 # inside trainer: a DeepSpeed scheduler's state, and fp16's loss scaler (engine.loss_scale)
 SCHEDULER: dict[str, Rule] = {"last_batch_iteration": POSITION}
-SCALER: dict[str, Rule] = {"cur_scale": LOSS_SCALE, "cur_iter": COUNT,
-                           "last_overflow_iter": POSITION, "cur_hysteresis": SIZE,
-                           "skipped_steps": COUNT}  # fmt: skip
+SCALER: dict[str, Rule] = {
+    "cur_scale": LOSS_SCALE,
+    "cur_iter": COUNT,
+    "last_overflow_iter": POSITION,
+    "cur_hysteresis": SIZE,
+    "skipped_steps": COUNT,
+}
 FILE_ENTRY: dict[str, Rule] = {"bytes": COUNT, "sha256": SHA256}
 PARAM_ENTRY: dict[str, Rule] = {"file": TEXT, "shape": COUNTS}
 DEFAULT_DTYPE = "F32"  # what every checkpoint without a "dtype" per parameter holds
 LEGACY_MODEL: dict[str, Rule] = {
-    "hidden_size": SIZE, "num_layers": SIZE, "num_heads": SIZE, "num_kv_heads": SIZE,
-    "ffn_size": SIZE, "vocab_size": SIZE, "max_seq_len": SIZE, "tie_embeddings": FLAG,
-}  # fmt: skip
+    "hidden_size": SIZE,
+    "num_layers": SIZE,
+    "num_heads": SIZE,
+    "num_kv_heads": SIZE,
+    "ffn_size": SIZE,
+    "vocab_size": SIZE,
+    "max_seq_len": SIZE,
+    "tie_embeddings": FLAG,
+}
 
 
-def table_problems(where: str, table: object, rules: dict[str, Rule],
-                   optional: dict[str, Rule] | None = None) -> list[str]:  # fmt: skip
+def table_problems(
+    where: str, table: object, rules: dict[str, Rule], optional: dict[str, Rule] | None = None
+) -> list[str]:
     """Each way `table` (named `where`) breaks `rules` (required keys) or `optional` (keys that
     may be absent)."""
     if not isinstance(table, dict):
@@ -154,11 +180,13 @@ def model_problems(model: dict) -> list[str]:
     if unknown:
         return [f"model has '{unknown[0]}', which is not a dsnd model setting"]
     if legacy:  # written before configs were recorded: the shape only
-        out = table_problems("model", model, {"family": family, **LEGACY_MODEL},
-                             {"init_std": NUMBER})  # fmt: skip
+        out = table_problems(
+            "model", model, {"family": family, **LEGACY_MODEL}, {"init_std": NUMBER}
+        )
     else:
-        out = table_problems("model", model, {"family": family, "config": TABLE},
-                             {"source": TEXT, "directory": TEXT})  # fmt: skip
+        out = table_problems(
+            "model", model, {"family": family, "config": TABLE}, {"source": TEXT, "directory": TEXT}
+        )
     return out or _rebuild_problems(model, legacy)
 
 

@@ -70,12 +70,20 @@ def check_space(res: Resolved, root: str, resume: str | None) -> None:
     if free >= need:
         return
     every, keep = res.run.checkpoint.every, res.run.checkpoint.keep
-    which = ("the only one, at the end: checkpoint.every=0, so the whole run's work" if not every
-             else f"checkpoint.every={every}: the work since the last one")  # fmt: skip
-    rotation = (f"; checkpoint.keep={keep} removes the oldest only after a new one is "
-                "written") if keep else ""  # fmt: skip
+    which = (
+        "the only one, at the end: checkpoint.every=0, so the whole run's work"
+        if not every
+        else f"checkpoint.every={every}: the work since the last one"
+    )
+    rotation = (
+        (f"; checkpoint.keep={keep} removes the oldest only after a new one is written")
+        if keep
+        else ""
+    )
     source = f"the manifest of {resume}" if resume else "the model and optimizer"
-    raise UserError(f"checkpoint.dir {root}: {free / MIB:.1f} MiB free, but a checkpoint of "
-                    f"this run takes about {need / MIB:.1f} MiB ({source}): a save would fail "
-                    f"({which} lost){rotation}; free space there or set checkpoint.dir to a "
-                    "larger filesystem")  # fmt: skip
+    raise UserError(
+        f"checkpoint.dir {root}: {free / MIB:.1f} MiB free, but a checkpoint of "
+        f"this run takes about {need / MIB:.1f} MiB ({source}): a save would fail "
+        f"({which} lost){rotation}; free space there or set checkpoint.dir to a "
+        "larger filesystem"
+    )

@@ -52,8 +52,13 @@ def _checked_manifest(step_dir: str) -> tuple[dict, list[Problem]]:
     want = read_text(sum_path)
     have = sha256_file(path)
     if want != have + "\n":  # exactly what commit.write_manifest writes
-        return {}, [Problem(MANIFEST, f"SHA-256 {have[:16]}... does not match manifest.sha256 "
-                                      f"{want[:16]!r}... (one of the two is damaged)")]  # fmt: skip
+        return {}, [
+            Problem(
+                MANIFEST,
+                f"SHA-256 {have[:16]}... does not match manifest.sha256 "
+                f"{want[:16]!r}... (one of the two is damaged)",
+            )
+        ]
     try:
         manifest = json.loads(read_text(path))
     except ValueError as e:
@@ -99,11 +104,16 @@ def _reference_problems(manifest: dict) -> list[Problem]:
         if what:
             problems.append(Problem(rel, f"{what}; params['{name}'] names it"))
         elif keys and optim is None:
-            problems.append(Problem(rel, f"is not named *{MODEL_SUFFIX}, so it has no "
-                                         "optimizer file beside it"))  # fmt: skip
+            problems.append(
+                Problem(rel, f"is not named *{MODEL_SUFFIX}, so it has no optimizer file beside it")
+            )
         elif keys and optim not in files:
-            problems.append(Problem(optim, f"is not listed in {MANIFEST}'s files (it holds the "
-                                           f"optimizer state of {rel})"))  # fmt: skip
+            problems.append(
+                Problem(
+                    optim,
+                    f"is not listed in {MANIFEST}'s files (it holds the optimizer state of {rel})",
+                )
+            )
     return problems
 
 
@@ -115,8 +125,13 @@ def _step_problem(step_dir: str, manifest: dict) -> list[Problem]:
     named, step = step_of(name), manifest.get("step")
     if named is None or value_problem(step, STEP) or step == named:  # or refused as it is
         return []
-    return [Problem(MANIFEST, f"'step' is {step}, but the directory is named {name} (a resume "
-                              "would continue one step off)")]  # fmt: skip
+    return [
+        Problem(
+            MANIFEST,
+            f"'step' is {step}, but the directory is named {name} (a resume "
+            "would continue one step off)",
+        )
+    ]
 
 
 def verify(step_dir: str) -> list[Problem]:

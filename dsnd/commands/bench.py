@@ -38,9 +38,18 @@ PP4_SHARE = 4  # the pp=4 phase runs 1/4 of the repetitions
 PARTITION_SHARE = 2  # the partition bench runs 1/2 of them, each a step of both layouts
 
 
-DEFAULT_REPS = {"pipeline": (40, 10), "partition": (40, 10), "context": (3, 1),
-                "zero-memory": (1, 1), "activation-checkpointing": (10, 1), "overhead": (40, 5),
-                "zero-comm": (1, 1), "tp-comm": (1, 0), "gpu": (8, 2), "moe": (10, 2)}  # fmt: skip
+DEFAULT_REPS = {
+    "pipeline": (40, 10),
+    "partition": (40, 10),
+    "context": (3, 1),
+    "zero-memory": (1, 1),
+    "activation-checkpointing": (10, 1),
+    "overhead": (40, 5),
+    "zero-comm": (1, 1),
+    "tp-comm": (1, 0),
+    "gpu": (8, 2),
+    "moe": (10, 2),
+}
 """(timed, warm-up) repetitions of each bench unless --steps / --warmup say otherwise: a context
 step at 8192 tokens takes seconds, a pipeline step of the tiny model milliseconds."""
 
@@ -57,20 +66,38 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--micro-batches must be >= 1, got {args.micro_batches}")
 
 
-def _ranks(module: str, world: int, out: str, steps: int, warmup: int, micro_batches: int,
-           extra: Sequence[str] = ()) -> dict:  # fmt: skip
+def _ranks(
+    module: str,
+    world: int,
+    out: str,
+    steps: int,
+    warmup: int,
+    micro_batches: int,
+    extra: Sequence[str] = (),
+) -> dict:
     """Run rank program `module` on `world` ranks; the raw JSON its rank 0 wrote to `out`."""
     from dsnd.launcher.local_ranks import run_ranks
 
-    argv = ["-m", module, out, "--steps", str(steps), "--warmup", str(warmup),
-            "--micro-batches", str(micro_batches), *extra]  # fmt: skip
+    argv = [
+        "-m",
+        module,
+        out,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--micro-batches",
+        str(micro_batches),
+        *extra,
+    ]
     run_ranks(world, argv, TIMEOUT_S)
     with open(out, encoding="utf-8") as f:
         return json.load(f)
 
 
-def _phase(name: str, world: int, out: str, args: argparse.Namespace, steps: int,
-           warmup: int) -> dict:  # fmt: skip
+def _phase(
+    name: str, world: int, out: str, args: argparse.Namespace, steps: int, warmup: int
+) -> dict:
     """Run one phase of the pipeline rank program on `world` ranks; its raw JSON."""
     extra = ["--phase", name, *(f"--set={item}" for item in args.sets)]
     return _ranks(RANK_MODULE, world, out, steps, warmup, args.micro_batches, extra)
@@ -123,8 +150,15 @@ def _partition(args: argparse.Namespace, tmp: str) -> list:
     measure_profile(args.micro_batches, tmp, args.sets)
     steps, warmup = share_reps(args.steps, args.warmup, PARTITION_SHARE)
     extra = ["--log-dir", tmp, *(f"--set={item}" for item in args.sets)]
-    raw = _ranks(PARTITION_MODULE, PARTITION_WORLD, os.path.join(tmp, "raw.json"), steps, warmup,
-                 args.micro_batches, extra)  # fmt: skip
+    raw = _ranks(
+        PARTITION_MODULE,
+        PARTITION_WORLD,
+        os.path.join(tmp, "raw.json"),
+        steps,
+        warmup,
+        args.micro_batches,
+        extra,
+    )
     return partition_rows(raw)
 
 
@@ -134,8 +168,15 @@ def _context(args: argparse.Namespace, tmp: str) -> list:
     from dsnd.bench.context_results import context_rows
 
     extra = ["--seqs", args.seqs, *(f"--set={item}" for item in args.sets)]
-    raw = _ranks(CONTEXT_MODULE, CONTEXT_WORLD, os.path.join(tmp, "raw.json"), args.steps,
-                 args.warmup, args.micro_batches, extra)  # fmt: skip
+    raw = _ranks(
+        CONTEXT_MODULE,
+        CONTEXT_WORLD,
+        os.path.join(tmp, "raw.json"),
+        args.steps,
+        args.warmup,
+        args.micro_batches,
+        extra,
+    )
     return context_rows(raw)
 
 
@@ -147,8 +188,15 @@ def _moe(args: argparse.Namespace, tmp: str) -> list:
     from dsnd.bench.moe import grouped_rows
 
     extra = [f"--set={item}" for item in args.sets]
-    raw = _ranks("dsnd.bench.ep_rank", EP_WORLD, os.path.join(tmp, "ep.json"), args.steps,
-                 args.warmup, args.micro_batches, extra)  # fmt: skip
+    raw = _ranks(
+        "dsnd.bench.ep_rank",
+        EP_WORLD,
+        os.path.join(tmp, "ep.json"),
+        args.steps,
+        args.warmup,
+        args.micro_batches,
+        extra,
+    )
     return grouped_rows(args) + ep_rows(raw)
 
 

@@ -23,8 +23,15 @@ def _phase(name: str, args: argparse.Namespace, tmp: str) -> dict:
     from dsnd.bench.comm_results import WORLDS
 
     extra = ["--phase", name, *(f"--set={item}" for item in args.sets)]
-    return _ranks(RANK_MODULE, WORLDS[name], os.path.join(tmp, f"{name}.json"), args.steps,
-                  args.warmup, args.micro_batches, extra)  # fmt: skip
+    return _ranks(
+        RANK_MODULE,
+        WORLDS[name],
+        os.path.join(tmp, f"{name}.json"),
+        args.steps,
+        args.warmup,
+        args.micro_batches,
+        extra,
+    )
 
 
 def zero_comm(args: argparse.Namespace, tmp: str) -> list:

@@ -26,8 +26,15 @@ def zero_memory(args: argparse.Namespace, tmp: str) -> list:
     from dsnd.bench.memory_results import zero_memory_rows
     from dsnd.bench.zero_memory_rank import ZERO_WORLD
 
-    raw = _ranks("dsnd.bench.zero_memory_rank", ZERO_WORLD, os.path.join(tmp, "raw.json"),
-                 args.steps, args.warmup, args.micro_batches, _sets(args))  # fmt: skip
+    raw = _ranks(
+        "dsnd.bench.zero_memory_rank",
+        ZERO_WORLD,
+        os.path.join(tmp, "raw.json"),
+        args.steps,
+        args.warmup,
+        args.micro_batches,
+        _sets(args),
+    )
     return zero_memory_rows(raw)
 
 
@@ -35,9 +42,15 @@ def activation_checkpointing(args: argparse.Namespace, tmp: str) -> list:
     from dsnd.bench.checkpointing_rank import CHECKPOINTING_WORLD
     from dsnd.bench.memory_results import checkpointing_rows
 
-    raw = _ranks("dsnd.bench.checkpointing_rank", CHECKPOINTING_WORLD,
-                 os.path.join(tmp, "raw.json"), args.steps, args.warmup, args.micro_batches,
-                 _sets(args))  # fmt: skip
+    raw = _ranks(
+        "dsnd.bench.checkpointing_rank",
+        CHECKPOINTING_WORLD,
+        os.path.join(tmp, "raw.json"),
+        args.steps,
+        args.warmup,
+        args.micro_batches,
+        _sets(args),
+    )
     return checkpointing_rows(raw)
 
 
@@ -46,6 +59,13 @@ def overhead(args: argparse.Namespace, tmp: str) -> list:
     from dsnd.bench.overhead_results import overhead_rows
 
     extra = ["--log-dir", os.path.join(tmp, "run"), *_sets(args)]
-    raw = _ranks("dsnd.bench.overhead_rank", OVERHEAD_WORLD, os.path.join(tmp, "raw.json"),
-                 args.steps, args.warmup, args.micro_batches, extra)  # fmt: skip
+    raw = _ranks(
+        "dsnd.bench.overhead_rank",
+        OVERHEAD_WORLD,
+        os.path.join(tmp, "raw.json"),
+        args.steps,
+        args.warmup,
+        args.micro_batches,
+        extra,
+    )
     return overhead_rows(raw)

@@ -96,8 +96,11 @@ def _experts(step_dir: str, files: list[dict]) -> list[dict]:
         if row["status"] != "ok" or not row["file"].endswith(MODEL_SUFFIX):
             continue
         with safe_open(os.path.join(step_dir, row["file"]), framework="pt") as f:
-            found = {name: list(f.get_slice(name).get_shape()) for name in f.keys()
-                     if EXPERT_WEIGHTS.search(name)}  # fmt: skip
+            found = {
+                name: list(f.get_slice(name).get_shape())
+                for name in f.keys()
+                if EXPERT_WEIGHTS.search(name)
+            }
         if found:
             out.append({"file": row["file"], "tensors": found})
     return out
@@ -159,8 +162,9 @@ def format_report(r: dict) -> str:
         *[(f"stage {s}", f"layers {first}-{last}") for s, (first, last) in enumerate(r["stages"])],
     ]
     for layer in r["experts"]:  # a mixture of experts: E experts per layer, stored whole
-        shapes = ", ".join(f"{name.rsplit('.', 1)[-1]} {shape}"
-                           for name, shape in sorted(layer["tensors"].items()))  # fmt: skip
+        shapes = ", ".join(
+            f"{name.rsplit('.', 1)[-1]} {shape}" for name, shape in sorted(layer["tensors"].items())
+        )
         count = next(iter(layer["tensors"].values()))[0]
         rows.append((f"experts {layer['file'].split('-')[0]}", f"{count} experts: {shapes}"))
     width = max(len(key) for key, _ in rows)
@@ -188,10 +192,15 @@ def run_verify(path: str) -> int:
         if not problems or os.path.isdir(step_dir):
             break  # still there: what verify found is damage (a rotation renames it away first)
         if os.path.normpath(step_dir) == os.path.normpath(path):
-            raise CheckpointError(f"{step_dir}: removed while it was verified (rotated away by "
-                                  "checkpoint.keep?); nothing left to verify")  # fmt: skip
-        print(f"dsnd: {step_dir} was removed while it was verified (rotated away by "
-              "checkpoint.keep); verifying what latest names now", file=sys.stderr)  # fmt: skip
+            raise CheckpointError(
+                f"{step_dir}: removed while it was verified (rotated away by "
+                "checkpoint.keep?); nothing left to verify"
+            )
+        print(
+            f"dsnd: {step_dir} was removed while it was verified (rotated away by "
+            "checkpoint.keep); verifying what latest names now",
+            file=sys.stderr,
+        )
         step_dir = step_dir_of(path)
         problems = verify(step_dir)
     for p in problems:
@@ -219,8 +228,10 @@ def run_export(path: str, out: str) -> int:
 
     tensors = read_full_model(step_dir, manifest)
     earlier = write_hf_dir(out, model, tensors, model.directory, origin)
-    print(f"wrote {out}: {model.family.name}, {len(tensors)} tensors from {step_dir}"
-          f"{replacing(earlier)}")  # fmt: skip
+    print(
+        f"wrote {out}: {model.family.name}, {len(tensors)} tensors from {step_dir}"
+        f"{replacing(earlier)}"
+    )
     return 0
 
 
@@ -233,10 +244,12 @@ def run_import(path: str, out: str, config: str | None, sets: list[str]) -> int:
     model = run_model(loaded.run)
     step_dir, manifest = import_deepspeed(path, out, loaded.run, model)
     t, imported = manifest["topology"], manifest["imported"]
-    print(f"wrote {step_dir}: step {manifest['step']} of {imported['engine']} "
-          f"{imported['tag']} (pp={t['pp']} dp={t['dp']}, ZeRO-{manifest['zero_stage']}), "
-          f"{len(manifest['params'])} parameters of {model.describe()}; continue it with "
-          f"checkpoint.resume={out}")  # fmt: skip
+    print(
+        f"wrote {step_dir}: step {manifest['step']} of {imported['engine']} "
+        f"{imported['tag']} (pp={t['pp']} dp={t['dp']}, ZeRO-{manifest['zero_stage']}), "
+        f"{len(manifest['params'])} parameters of {model.describe()}; continue it with "
+        f"checkpoint.resume={out}"
+    )
     return 0
 
 

@@ -44,8 +44,10 @@ def _spec(source: str, fmt: str, text_field: str, split: str, tokenizer: str) ->
     if fmt == "tokens":
         raise UserError(f"{source}: already a token file")
     if fmt == "chat" and tokenizer == BYTE:
-        raise UserError("--format chat: byte tokens have no chat template; pass --tokenizer "
-                        "DIR, a tokenizer with one")  # fmt: skip
+        raise UserError(
+            "--format chat: byte tokens have no chat template; pass --tokenizer "
+            "DIR, a tokenizer with one"
+        )
     tok = None if tokenizer == BYTE else load_tokenizer(tokenizer)
     if fmt == "chat":
         check_template(tok, tokenizer, "--format chat")
@@ -54,16 +56,25 @@ def _spec(source: str, fmt: str, text_field: str, split: str, tokenizer: str) ->
     return Spec(source, fmt, text_field, split, named, tok)
 
 
-def run_prepare(source: str, out: str | None, fmt: str = "auto", text_field: str = "text",
-                tokenizer: str = BYTE, split: str = "train", workers: int | None = None,
-                preview: int = 0) -> int:  # fmt: skip
+def run_prepare(
+    source: str,
+    out: str | None,
+    fmt: str = "auto",
+    text_field: str = "text",
+    tokenizer: str = BYTE,
+    split: str = "train",
+    workers: int | None = None,
+    preview: int = 0,
+) -> int:
     if workers is not None and workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
     if preview < 0:
         raise UserError(f"--preview must be at least 1, got {preview}")
     if out is None and not preview:
-        raise UserError("OUT: name the token file to write (e.g. train.bin), or pass "
-                        "--preview N to look at the first N documents")  # fmt: skip
+        raise UserError(
+            "OUT: name the token file to write (e.g. train.bin), or pass "
+            "--preview N to look at the first N documents"
+        )
     if out is not None:
         _check_output(source, out)
     spec = _spec(source, fmt, text_field, split, tokenizer)
@@ -79,11 +90,14 @@ def run_prepare(source: str, out: str | None, fmt: str = "auto", text_field: str
         return EXIT_INTERRUPTED
     seconds = time.monotonic() - start
     eot = "no end-of-text id" if meta["eot"] is None else f"end-of-text id {meta['eot']}"
-    print(f"wrote {out}: {meta['tokens']} tokens ({meta['dtype']}, vocabulary "
-          f"{meta['vocab_size']}), {meta['documents']} documents, {eot}, {seconds:.1f} s")
+    print(
+        f"wrote {out}: {meta['tokens']} tokens ({meta['dtype']}, vocabulary "
+        f"{meta['vocab_size']}), {meta['documents']} documents, {eot}, {seconds:.1f} s"
+    )
     if meta.get("targets"):
-        print(f"counted: {counted} of {meta['tokens']} tokens "
-              f"({100 * counted / meta['tokens']:.1f}%)")
+        print(
+            f"counted: {counted} of {meta['tokens']} tokens ({100 * counted / meta['tokens']:.1f}%)"
+        )
     return 0
 
 
@@ -91,9 +105,11 @@ def run_verify(path: str) -> int:
     """``dsnd data verify PATH``: the check that reads every byte (training's start reads none)."""
     start = time.monotonic()
     meta = verify_token_file(path)
-    print(f"{path}: verified {meta['tokens']} tokens ({meta['dtype']}, vocabulary "
-          f"{meta['vocab_size']}): SHA-256, ids, document starts and mask as the sidecar "
-          f"records, {time.monotonic() - start:.1f} s")  # fmt: skip
+    print(
+        f"{path}: verified {meta['tokens']} tokens ({meta['dtype']}, vocabulary "
+        f"{meta['vocab_size']}): SHA-256, ids, document starts and mask as the sidecar "
+        f"records, {time.monotonic() - start:.1f} s"
+    )
     return 0
 
 
@@ -101,5 +117,13 @@ def run(args: argparse.Namespace) -> int:
     """``dsnd data prepare`` and ``dsnd data verify``."""
     if args.data_command == "verify":
         return run_verify(args.path)
-    return run_prepare(args.source, args.out, args.format, args.text_field, args.tokenizer,
-                       args.split, args.workers, args.preview)  # fmt: skip
+    return run_prepare(
+        args.source,
+        args.out,
+        args.format,
+        args.text_field,
+        args.tokenizer,
+        args.split,
+        args.workers,
+        args.preview,
+    )

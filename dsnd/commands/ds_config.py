@@ -49,8 +49,14 @@ def section_report(user: dict, notes: list[str]) -> list[str]:
             report(key, whole)
             continue
         for path in _leaves(value, key):
-            report(path, [n for n in notes if any(path == k or path.startswith(k + ".")
-                                                  for k in _keys_of(n))])  # fmt: skip
+            report(
+                path,
+                [
+                    n
+                    for n in notes
+                    if any(path == k or path.startswith(k + ".") for k in _keys_of(n))
+                ],
+            )
     lines.extend(f"  {n}" for n in notes if n not in shown)
     return lines
 
@@ -82,8 +88,10 @@ def explain_lines(res: Resolved) -> list[str]:
     zero = ds.get("zero_optimization") or {}
     stage = res.plan.zero_stage
     bf16 = bool((ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled"))
-    offload = {key: (zero.get(key) or {}).get("device", "none")
-               for key in ("offload_optimizer", "offload_param")}  # fmt: skip
+    offload = {
+        key: (zero.get(key) or {}).get("device", "none")
+        for key in ("offload_optimizer", "offload_param")
+    }
     offloaded = stage > 0 and offload["offload_optimizer"] in ("cpu", "nvme")
     optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
     ranks, shards = "data-parallel ranks", t.dp * t.cp
@@ -104,22 +112,32 @@ def explain_lines(res: Resolved) -> list[str]:
     ]
     ep = t.ep
     if ep > 1:
-        lines.append(f"  (expert parallel over {ep} ranks: a rank holds 1/{ep} of the routed "
-                     f"experts, sharded over the {shards // ep} ranks holding the same ones)")
+        lines.append(
+            f"  (expert parallel over {ep} ranks: a rank holds 1/{ep} of the routed "
+            f"experts, sharded over the {shards // ep} ranks holding the same ones)"
+        )
     counts = res.plan.stage_parameters(res.model)
-    for s, (psi, experts) in enumerate(zip(counts, res.plan.stage_experts(res.model),
-                                           strict=True)):  # fmt: skip
+    for s, (psi, experts) in enumerate(zip(counts, res.plan.stage_experts(res.model), strict=True)):
         # tensor parallelism splits the dense parameters; MoE blocks' experts stay whole
         local = (psi - experts) // t.tp + experts
-        where = model_state_bytes(stage, local, shards, bf16,
-                                  offload["offload_optimizer"] == "cpu",
-                                  offload["offload_param"] == "cpu", per_param,
-                                  experts=experts, ep=ep)  # fmt: skip
+        where = model_state_bytes(
+            stage,
+            local,
+            shards,
+            bf16,
+            offload["offload_optimizer"] == "cpu",
+            offload["offload_param"] == "cpu",
+            per_param,
+            experts=experts,
+            ep=ep,
+        )
         device = sum(where["device"].values()) / 2**20
         cpu = sum(where["cpu"].values()) / 2**20
         of_which = f" ({experts:,} in routed experts)" if experts else ""
-        lines.append(f"  stage {s}: {psi:,} parameters{of_which}{f' / tp {t.tp}' * (t.tp > 1)}: "
-                     f"{device:.1f} MiB on the device, {cpu:.1f} MiB in CPU memory")  # fmt: skip
+        lines.append(
+            f"  stage {s}: {psi:,} parameters{of_which}{f' / tp {t.tp}' * (t.tp > 1)}: "
+            f"{device:.1f} MiB on the device, {cpu:.1f} MiB in CPU memory"
+        )
     return lines
 
 

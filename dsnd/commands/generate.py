@@ -23,8 +23,14 @@ from dsnd.model.source import ModelSpec, from_manifest
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, max_seq_len: int,
-             temperature: float, generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+def generate(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    new_tokens: int,
+    max_seq_len: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """`ids` (1, n) continued by `new_tokens` tokens (no KV cache: the tiny models need none)."""
     for _ in range(new_tokens):
         logits = model(ids[:, -max_seq_len:])[0, -1].float()
@@ -45,8 +51,10 @@ def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, ModelSpec]:
     model = build_model(spec, seed=0).eval()
     missing, unexpected = model.load_state_dict(read_full_model(step_dir, manifest), strict=False)
     if missing or unexpected:
-        raise UserError(f"{step_dir}: does not fit {spec.family.name} (missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]})")  # fmt: skip
+        raise UserError(
+            f"{step_dir}: does not fit {spec.family.name} (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
     return model, spec
 
 
@@ -64,13 +72,13 @@ def run_generate(path: str, prompt: str, tokens: int, temperature: float, seed: 
     ids = torch.as_tensor(list(tok.encode(prompt)), dtype=torch.long).view(1, -1)
     if ids.numel() == 0:
         raise UserError("--prompt must not be empty")
-    out = generate(model, ids, tokens, spec.max_seq_len, temperature,
-                   torch.Generator().manual_seed(seed))  # fmt: skip
+    out = generate(
+        model, ids, tokens, spec.max_seq_len, temperature, torch.Generator().manual_seed(seed)
+    )
     print(tok.decode(out[0].tolist()))
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """``dsnd generate CKPT --prompt TEXT``."""
-    return run_generate(args.checkpoint, args.prompt, args.tokens, args.temperature,
-                        args.seed)  # fmt: skip
+    return run_generate(args.checkpoint, args.prompt, args.tokens, args.temperature, args.seed)

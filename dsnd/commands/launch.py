@@ -77,26 +77,33 @@ def absolute_path_sets(run: RunConfig, sets: list[str], cwd: str) -> list[str]:
     """`--set KEY=/abs/path` for each relative path of the run config (and a relative
     `--set deepspeed=`), resolved against the launch's directory once: every attempt of the job
     then reads and writes the same files, even when that directory is gone by a restart."""
-    values = {key: getattr(getattr(run, key.split(".")[0]), key.split(".")[1])
-              for key in PATH_KEYS}  # fmt: skip
+    values = {key: getattr(getattr(run, key.split(".")[0]), key.split(".")[1]) for key in PATH_KEYS}
     if run.checkpoint.resume not in ("auto", "never"):
         values["checkpoint.resume"] = run.checkpoint.resume
     if any(item.partition("=")[0].strip() == "deepspeed" for item in sets):
         values["deepspeed"] = run.deepspeed
-    out = [f"{key}={os.path.join(cwd, value)}" for key, value in values.items()
-           if value and not os.path.isabs(value)]  # fmt: skip
+    out = [
+        f"{key}={os.path.join(cwd, value)}"
+        for key, value in values.items()
+        if value and not os.path.isabs(value)
+    ]
     blend = run.data.blend
     if isinstance(blend, list) and any(_relative_entry(e) for e in blend):  # data.blend's files
-        pinned = [{**e, "path": os.path.join(cwd, e["path"])} if _relative_entry(e) else e
-                  for e in blend]  # fmt: skip
+        pinned = [
+            {**e, "path": os.path.join(cwd, e["path"])} if _relative_entry(e) else e for e in blend
+        ]
         out.append(f"data.blend={json.dumps(pinned)}")
     return out
 
 
 def _relative_entry(entry: object) -> bool:
     """A `data.blend` entry naming a relative path (a malformed one is left for the check)."""
-    return isinstance(entry, dict) and isinstance(entry.get("path"), str) \
-        and bool(entry["path"]) and not os.path.isabs(entry["path"])  # fmt: skip
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("path"), str)
+        and bool(entry["path"])
+        and not os.path.isabs(entry["path"])
+    )
 
 
 def _train_args(args: argparse.Namespace, sets: list[str]) -> list[str]:
@@ -139,8 +146,10 @@ def _slots(args: argparse.Namespace) -> dict[str, list[int]]:
         return {"localhost": list(range(args.nprocs))}
     if args.hostfile is None:
         if args.launcher != "slurm":
-            raise UserError("dsnd launch needs --nprocs N or --hostfile FILE (or --launcher "
-                            "slurm inside a Slurm allocation)")  # fmt: skip
+            raise UserError(
+                "dsnd launch needs --nprocs N or --hostfile FILE (or --launcher "
+                "slurm inside a Slurm allocation)"
+            )
         return select_slots(allocation_hosts(dict(os.environ)), args.include, args.exclude)
     hostfile = os.path.abspath(args.hostfile)
     return select_slots(parse_hostfile(hostfile), args.include, args.exclude)
@@ -161,23 +170,40 @@ def external_argv(
     addr = _master_addr(args, slots)
     if args.launcher == "slurm":
         argv = command_lines.srun_argv(
-            None if args.nprocs is not None else slots, args.nprocs, addr, args.master_port,
-            step_name(args.job_id), sys.executable, train_args,
-        )  # fmt: skip
+            None if args.nprocs is not None else slots,
+            args.nprocs,
+            addr,
+            args.master_port,
+            step_name(args.job_id),
+            sys.executable,
+            train_args,
+        )
         return [_tool("srun"), *argv[1:]]
     if args.nprocs is not None:
         argv = command_lines.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
         return [_tool("deepspeed"), *argv[1:]]
     if args.launcher == "pdsh":
         argv = command_lines.deepspeed_hostfile_argv(
-            os.path.abspath(args.hostfile), "pdsh", addr, args.master_port, args.include,
-            args.exclude, train_args, force_multi=not _only_this_machine(slots),
-        )  # fmt: skip
+            os.path.abspath(args.hostfile),
+            "pdsh",
+            addr,
+            args.master_port,
+            args.include,
+            args.exclude,
+            train_args,
+            force_multi=not _only_this_machine(slots),
+        )
         return [_tool("deepspeed"), *argv[1:]]
     argv = command_lines.mpirun_argv(
-        args.launcher, slots, addr, args.master_port, env, sys.executable, train_args,
+        args.launcher,
+        slots,
+        addr,
+        args.master_port,
+        env,
+        sys.executable,
+        train_args,
         as_root=os.geteuid() == 0,
-    )  # fmt: skip
+    )
     return [_tool("mpirun"), *argv[1:]]
 
 
@@ -195,25 +221,42 @@ def agent_launches(
     for host, host_slots in slots.items():
         ranks = list(range(first, first + len(host_slots)))
         first += len(host_slots)
-        spec = AgentSpec(host, ranks, world, _master_addr(args, slots), args.master_port, program,
-                         args.cwd, env, res.run.dist.timeout_s, devices=host_slots)  # fmt: skip
+        spec = AgentSpec(
+            host,
+            ranks,
+            world,
+            _master_addr(args, slots),
+            args.master_port,
+            program,
+            args.cwd,
+            env,
+            res.run.dist.timeout_s,
+            devices=host_slots,
+        )
         argv = _module_argv(args, slots, host, "dsnd.launcher.agent")
         launches.append(AgentLaunch(host, argv, spec))
     return launches
 
 
-def _module_argv(args: argparse.Namespace, slots: dict[str, list[int]], host: str,
-                 module: str) -> list[str]:  # fmt: skip
+def _module_argv(
+    args: argparse.Namespace, slots: dict[str, list[int]], host: str, module: str
+) -> list[str]:
     remote = None if _only_this_machine(slots) else host
-    return command_lines.python_module_argv(remote, sys.executable, module, args.cwd,
-                                       os.environ.get("PYTHONPATH"))  # fmt: skip
+    return command_lines.python_module_argv(
+        remote, sys.executable, module, args.cwd, os.environ.get("PYTHONPATH")
+    )
 
 
 def _ask(argv: list[str], request: dict) -> dict | str:
     """A preflight report from one host, or the reason there is none."""
     try:
-        proc = subprocess.run(argv, input=json.dumps(request) + "\n", capture_output=True,
-                              text=True, timeout=PREFLIGHT_TIMEOUT_S)  # fmt: skip
+        proc = subprocess.run(
+            argv,
+            input=json.dumps(request) + "\n",
+            capture_output=True,
+            text=True,
+            timeout=PREFLIGHT_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         return f"no answer within {PREFLIGHT_TIMEOUT_S} s"
     try:
@@ -223,8 +266,12 @@ def _ask(argv: list[str], request: dict) -> dict | str:
         return f"{shlex.join(argv[:4])} ... exited with code {proc.returncode}: {said}".rstrip()
 
 
-def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
-                  slots: dict[str, list[int]], res: Resolved) -> list[str]:  # fmt: skip
+def run_preflight(
+    args: argparse.Namespace,
+    launches: list[AgentLaunch],
+    slots: dict[str, list[int]],
+    res: Resolved,
+) -> list[str]:
     """Every host's report, checked; the marker file in the checkpoint directory is removed.
     Problems of this machine's own (a checkpoint directory it cannot write, one another run
     holds) are lines too, never a traceback."""
@@ -237,11 +284,16 @@ def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
             f.write(nonce)
     except OSError as e:
         return [f"checkpoint directory {root} is not writable here ({e.strerror or e})"]
-    held = [line for path, what in run_dirs(root, os.path.abspath(res.run.log.dir))
-            if (line := probe_lock(path, what))]  # fmt: skip
+    held = [
+        line
+        for path, what in run_dirs(root, os.path.abspath(res.run.log.dir))
+        if (line := probe_lock(path, what))
+    ]
     base = {"port": launches[0].spec.master_port, "dir": root, "marker": marker, "nonce": nonce}
-    requests = {a.host: {**base, "addr": a.spec.master_addr if i == 0 else None}
-                for i, a in enumerate(launches)}  # fmt: skip
+    requests = {
+        a.host: {**base, "addr": a.spec.master_addr if i == 0 else None}
+        for i, a in enumerate(launches)
+    }
     try:
         with concurrent.futures.ThreadPoolExecutor(max(1, len(launches))) as pool:
             futures = {}
@@ -254,8 +306,9 @@ def run_preflight(args: argparse.Namespace, launches: list[AgentLaunch],
             reports = {host: f.result() for host, f in futures.items()}
     finally:
         os.remove(path)
-    lines = preflight.problems(reports, preflight.versions(),
-                               {**base, "addr": launches[0].spec.master_addr})  # fmt: skip
+    lines = preflight.problems(
+        reports, preflight.versions(), {**base, "addr": launches[0].spec.master_addr}
+    )
     return lines + held
 
 
@@ -273,14 +326,17 @@ def _stop_slurm_step(name: str) -> bool:
     if steps:
         subprocess.run(command_lines.scancel_argv("TERM", steps))
         return True
-    print(f"dsnd: no running Slurm step named {name} to stop "
-          f"({found.stderr.strip() or 'squeue lists none'}): signalling srun",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"dsnd: no running Slurm step named {name} to stop "
+        f"({found.stderr.strip() or 'squeue lists none'}): signalling srun",
+        file=sys.stderr,
+    )
     return False
 
 
-def _run(argv: list[str], env: dict[str, str], forwarded: list[str],
-         slurm_step: str | None = None) -> int:  # fmt: skip
+def _run(
+    argv: list[str], env: dict[str, str], forwarded: list[str], slurm_step: str | None = None
+) -> int:
     """Run an external launcher; Ctrl-C and SIGTERM are passed on to it (to the tasks of
     `slurm_step` with srun) and their names added to `forwarded`; its exit code is returned."""
     proc = subprocess.Popen(argv, env=env)
@@ -298,8 +354,9 @@ def _run(argv: list[str], env: dict[str, str], forwarded: list[str],
             signal.signal(s, handler)
 
 
-def with_restarts(attempt: Callable[[list[str]], tuple[str | None, bool]], sets: list[str],
-                  max_restarts: int) -> int:  # fmt: skip
+def with_restarts(
+    attempt: Callable[[list[str]], tuple[str | None, bool]], sets: list[str], max_restarts: int
+) -> int:
     """Run `attempt(sets)` -> (failure line or None, final) until it succeeds, or fails in a
     way a restart cannot mend (`final`: stopped on request, or training diverged), or
     `max_restarts` relaunches have failed too. Every attempt runs with the same `--job-id`, so
@@ -311,20 +368,33 @@ def with_restarts(attempt: Callable[[list[str]], tuple[str | None, bool]], sets:
             return 0
         if final or i == max_restarts:
             break
-        print(f"dsnd: attempt {i + 1} of {max_restarts + 1} failed: {failure}; restarting from "
-              "this job's last committed checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"dsnd: attempt {i + 1} of {max_restarts + 1} failed: {failure}; restarting from "
+            "this job's last committed checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
     print(f"dsnd: job failed: {failure}", file=sys.stderr, flush=True)
     return 1
 
 
-def _print_plan(command: list[str], rows: list[dict], as_json: bool,
-                agents: list[dict] | None = None, plan: Plan | None = None) -> int:  # fmt: skip
+def _print_plan(
+    command: list[str],
+    rows: list[dict],
+    as_json: bool,
+    agents: list[dict] | None = None,
+    plan: Plan | None = None,
+) -> int:
     """--dry-run: the command every rank (or the launcher) runs, each dsnd agent's command, the
     rank table and the run's plan (stages, schedule, a timeline per stage); as one JSON object
     with --json."""
     if as_json:
-        out = {"command": command, **({"agents": agents} if agents is not None else {}),
-               "world_size": len(rows), "ranks": rows}  # fmt: skip
+        out = {
+            "command": command,
+            **({"agents": agents} if agents is not None else {}),
+            "world_size": len(rows),
+            "ranks": rows,
+        }
         if plan is not None:
             out["plan"] = plan_json(plan)
         print(json.dumps(out, indent=2))
@@ -342,9 +412,11 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     _settle(args)
-    env_file = read_deepspeed_env(deepspeed_env_paths(
-        os.path.expanduser("~"), args.cwd, os.environ.get("DS_ENV_FILE", ".deepspeed_env")
-    ))  # fmt: skip
+    env_file = read_deepspeed_env(
+        deepspeed_env_paths(
+            os.path.expanduser("~"), args.cwd, os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+        )
+    )
     slots = _slots(args)
     world = sum(len(s) for s in slots.values())
     res = resolve(load(args.config, args.sets), world)
@@ -393,7 +465,9 @@ def _launch_external(args, slots, env_file, rows, res) -> int:
         slurm_step = step_name(args.job_id) if args.launcher == "slurm" else None
         rc = _run(argv, {**os.environ, **env_file}, forwarded, slurm_step)
         said = describe_exit(rc) if aborted(rc) else f"exited with code {rc}"
-        return (None if rc == 0 else f"{os.path.basename(argv[0])} {said}",
-                bool(forwarded) or rc == EXIT_DIVERGED)  # fmt: skip
+        return (
+            None if rc == 0 else f"{os.path.basename(argv[0])} {said}",
+            bool(forwarded) or rc == EXIT_DIVERGED,
+        )
 
     return with_restarts(attempt, args.sets, args.max_restarts)

@@ -14,8 +14,10 @@ def run_list() -> int:
     for name in presets():
         model = load_model(name, "preset")
         total = sum(n for _, _, n in layer_table(model))
-        print(f"{name:<16} {model.family.name:<8} {total:>15,} parameters  "
-              f"{model.num_layers} layers, hidden {model.hidden_size}")  # fmt: skip
+        print(
+            f"{name:<16} {model.family.name:<8} {total:>15,} parameters  "
+            f"{model.num_layers} layers, hidden {model.hidden_size}"
+        )
     return 0
 
 
@@ -27,11 +29,15 @@ def run_show(name: str) -> int:
     print(f"model: {model.describe()}")
     print(f"parameters: {sum(n for _, _, n in table):,}")
     print(f"matmul parameters (FLOPs 6N): {matmul_params(model):,}")
-    print(f"layers: {model.num_layers} blocks (+ embedding, final norm, head: "
-          f"{len(table)} pipeline layers)")  # fmt: skip
-    print(f"heads: {model.num_heads} x {model.head_dim} (kv {model.num_kv_heads}), "
-          f"ffn {model.ffn_size}, tied head: {model.tie_embeddings}, "
-          f"max positions {model.max_seq_len}")  # fmt: skip
+    print(
+        f"layers: {model.num_layers} blocks (+ embedding, final norm, head: "
+        f"{len(table)} pipeline layers)"
+    )
+    print(
+        f"heads: {model.num_heads} x {model.head_dim} (kv {model.num_kv_heads}), "
+        f"ffn {model.ffn_size}, tied head: {model.tie_embeddings}, "
+        f"max positions {model.max_seq_len}"
+    )
     rope = getattr(c, "rope_parameters", None)
     if rope:
         print(f"rope: {rope}")

@@ -50,8 +50,11 @@ def _offloaded(ds: dict[str, Any]) -> bool:
     CPU with its CPU optimizers."""
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
     section = zero.get("offload_optimizer")
-    return zero.get("stage") in (1, 2, 3) and isinstance(section, dict) and \
-        section.get("device") in ("cpu", "nvme")  # fmt: skip
+    return (
+        zero.get("stage") in (1, 2, 3)
+        and isinstance(section, dict)
+        and section.get("device") in ("cpu", "nvme")
+    )
 
 
 OPTIMIZER_OPS = {
@@ -140,8 +143,10 @@ def run_build(names: list[str], deepspeed: str | None = None) -> int:
 
     unknown = [n for n in names if n not in KNOWN_BUILDERS]
     if unknown:
-        raise UserError(f"dsnd ops build: unknown op builder {', '.join(unknown)} "
-                        f"(known: {', '.join(KNOWN_BUILDERS)})")  # fmt: skip
+        raise UserError(
+            f"dsnd ops build: unknown op builder {', '.join(unknown)} "
+            f"(known: {', '.join(KNOWN_BUILDERS)})"
+        )
     ds = load_json(deepspeed or packaged_json(0))  # the default run's JSON (zero0.json)
     log_op_builds()
     accelerator = get_accelerator()

@@ -15,8 +15,17 @@ GIB = 1024**3
 DEFAULT_GLOBAL_BATCH = 1024  # sequences
 MAX_DEFAULT_SEQ = 4096
 TOP = 5
-FIXABLE = ("pp", "tp", "dp", "cp", "ep", "zero_stage", "micro_batch", "activation_checkpointing",
-           "schedule")  # fmt: skip
+FIXABLE = (
+    "pp",
+    "tp",
+    "dp",
+    "cp",
+    "ep",
+    "zero_stage",
+    "micro_batch",
+    "activation_checkpointing",
+    "schedule",
+)
 
 
 def fixed(items: list[str]) -> dict[str, str]:
@@ -25,8 +34,9 @@ def fixed(items: list[str]) -> dict[str, str]:
     for item in items:
         knob, sep, value = item.partition("=")
         if not sep or knob not in FIXABLE or not value:
-            raise UserError(f"--fix {item!r}: expected KNOB=VALUE with KNOB one of "
-                            f"{', '.join(FIXABLE)}")  # fmt: skip
+            raise UserError(
+                f"--fix {item!r}: expected KNOB=VALUE with KNOB one of {', '.join(FIXABLE)}"
+            )
         out[knob] = value.lower()
     return out
 
@@ -39,9 +49,11 @@ def check_out(out: str) -> None:
     names = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if names:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise UserError(f"--out {out}: holds {shown}; dsnd plan writes run.yaml and "
-                        "ds_config.json into a new or empty directory only (nothing is "
-                        "overwritten): name another one, or remove what is there")  # fmt: skip
+        raise UserError(
+            f"--out {out}: holds {shown}; dsnd plan writes run.yaml and "
+            "ds_config.json into a new or empty directory only (nothing is "
+            "overwritten): name another one, or remove what is there"
+        )
 
 
 def _keeps(lay, knobs: dict[str, str]) -> bool:
@@ -59,8 +71,12 @@ def global_batch(requested: int | None, world: int) -> int:
 MAX_WORLD = 2**20
 """The largest --world planned: past a million devices the divisor search alone (every pp, tp,
 cp and ep dividing the world) runs for minutes, and no cluster is that large."""
-_FIGURES = (("gpu_mem", "--gpu-mem"), ("gpu_flops", "--gpu-flops"), ("intra_bw", "--intra-bw"),
-            ("inter_bw", "--inter-bw"))  # fmt: skip
+_FIGURES = (
+    ("gpu_mem", "--gpu-mem"),
+    ("gpu_flops", "--gpu-flops"),
+    ("intra_bw", "--intra-bw"),
+    ("inter_bw", "--inter-bw"),
+)
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -68,9 +84,11 @@ def check_numbers(args: argparse.Namespace) -> None:
     MAX_WORLD, a device figure that is not a finite number > 0 (argparse reads "nan"), a
     --top that would show nothing."""
     if not 1 <= args.world <= MAX_WORLD:
-        raise UserError(f"--world {args.world} is above {MAX_WORLD} devices (the most dsnd plan "
-                        "searches)" if args.world > MAX_WORLD else
-                        f"--world must be >= 1, got {args.world}")  # fmt: skip
+        raise UserError(
+            f"--world {args.world} is above {MAX_WORLD} devices (the most dsnd plan searches)"
+            if args.world > MAX_WORLD
+            else f"--world must be >= 1, got {args.world}"
+        )
     for attr, flag in _FIGURES:
         value = getattr(args, attr)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -84,9 +102,14 @@ def _device(args: argparse.Namespace):
 
     if args.gpu is not None and args.gpu.lower() == "cpu":
         return hardware.this_cpu(args.world)
-    return hardware.device(args.gpu, memory_gib=args.gpu_mem, tflops=args.gpu_flops,
-                           intra_gbps=args.intra_bw, inter_gbps=args.inter_bw,
-                           per_node=args.gpus_per_node)  # fmt: skip
+    return hardware.device(
+        args.gpu,
+        memory_gib=args.gpu_mem,
+        tflops=args.gpu_flops,
+        intra_gbps=args.intra_bw,
+        inter_gbps=args.inter_bw,
+        per_node=args.gpus_per_node,
+    )
 
 
 def problem(args: argparse.Namespace):
@@ -102,8 +125,16 @@ def problem(args: argparse.Namespace):
     if seq < 1 or seq > model.max_seq_len:
         raise UserError(f"--seq {seq} must be 1..{model.max_seq_len} (the model's positions)")
     bf16 = device.name != "cpu"
-    pr = Problem(shape, split, args.world, device, seq, global_batch(args.global_batch, args.world),
-                 bf16, estimate=estimate_model_states)  # fmt: skip
+    pr = Problem(
+        shape,
+        split,
+        args.world,
+        device,
+        seq,
+        global_batch(args.global_batch, args.world),
+        bf16,
+        estimate=estimate_model_states,
+    )
     return model, pr
 
 
@@ -111,8 +142,11 @@ def header(pr, count: int, fitting: int) -> list[str]:
     from dsnd.layout_search.render import device_lines
 
     d = pr.device
-    precision = ("bf16 mixed precision, Adam (K = 12: fp32 master and two moments)" if pr.bf16
-                 else "fp32, Adam (DeepSpeed's fp32 master and two moments)")  # fmt: skip
+    precision = (
+        "bf16 mixed precision, Adam (K = 12: fp32 master and two moments)"
+        if pr.bf16
+        else "fp32, Adam (DeepSpeed's fp32 master and two moments)"
+    )
     figures, *fit = device_lines(d, pr.bf16)
     return [
         f"model: {pr.shape.name}; {pr.shape.params / 1e9:.3g}B parameters",
@@ -143,9 +177,11 @@ def run_plan(args: argparse.Namespace) -> int:
     knobs = fixed(args.fix)
     layouts = [x for x in plan(pr) if _keeps(x, knobs)]
     if not layouts:
-        raise UserError(f"no layout of world {args.world} runs {args.model} "
-                        f"(seq {pr.seq}, global batch {pr.global_batch}"
-                        f"{''.join(f', {k}={v}' for k, v in knobs.items())})")  # fmt: skip
+        raise UserError(
+            f"no layout of world {args.world} runs {args.model} "
+            f"(seq {pr.seq}, global batch {pr.global_batch}"
+            f"{''.join(f', {k}={v}' for k, v in knobs.items())})"
+        )
     fitting = [x for x in layouts if x.fits]
     shown = layouts if args.all else fitting[: args.top]
     validation = []
@@ -155,8 +191,16 @@ def run_plan(args: argparse.Namespace) -> int:
         validation = validate(args.model, pr, fitting[: args.validate], args.steps)
     if args.out and fitting:
         preset = args.model in _presets()
-        emit.write(args.out, fitting[0], args.model, preset, pr.seq, pr.global_batch, pr.bf16,
-                   sized_hidden(pr.device.name, pr.shape.hidden))  # fmt: skip
+        emit.write(
+            args.out,
+            fitting[0],
+            args.model,
+            preset,
+            pr.seq,
+            pr.global_batch,
+            pr.bf16,
+            sized_hidden(pr.device.name, pr.shape.hidden),
+        )
     if args.json:
         print(json.dumps({"layouts": [x.as_json() for x in shown], "validation": validation}))
         return 0
@@ -165,14 +209,20 @@ def run_plan(args: argparse.Namespace) -> int:
     if fitting:
         print("\n".join(explain(fitting + [x for x in layouts if not x.fits])))
     else:
-        print(f"nothing fits: the smallest needs {min(x.total_bytes for x in layouts) / GIB:.1f} "
-              "GiB per device")  # fmt: skip
+        print(
+            f"nothing fits: the smallest needs {min(x.total_bytes for x in layouts) / GIB:.1f} "
+            "GiB per device"
+        )
     for row in validation:
-        print(f"validate {row['layout']}: memory predicted/measured {row['memory_ratio']:.3f}, "
-              f"time {row['time_ratio']:.3f}")  # fmt: skip
+        print(
+            f"validate {row['layout']}: memory predicted/measured {row['memory_ratio']:.3f}, "
+            f"time {row['time_ratio']:.3f}"
+        )
     if args.out and fitting:
-        print(f"wrote {args.out}/run.yaml and ds_config.json: dsnd launch --config "
-              f"{args.out}/run.yaml --nprocs {args.world} (or --hostfile)")  # fmt: skip
+        print(
+            f"wrote {args.out}/run.yaml and ds_config.json: dsnd launch --config "
+            f"{args.out}/run.yaml --nprocs {args.world} (or --hostfile)"
+        )
     return 0
 
 

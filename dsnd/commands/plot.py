@@ -54,8 +54,18 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
 
 def _mark(ax, x: float, text: str, color: str) -> None:
     ax.axvline(x, color=color, linestyle="--", linewidth=0.8, alpha=0.7, gid="mark")
-    ax.text(x, 0.98, f" {text}", transform=ax.get_xaxis_transform(), rotation=90, va="top",
-            ha="right", fontsize=7, color=color, clip_on=True)  # fmt: skip
+    ax.text(
+        x,
+        0.98,
+        f" {text}",
+        transform=ax.get_xaxis_transform(),
+        rotation=90,
+        va="top",
+        ha="right",
+        fontsize=7,
+        color=color,
+        clip_on=True,
+    )
 
 
 def _draw_run(panels: dict, label: str, rows: list[dict]) -> float:
@@ -68,8 +78,15 @@ def _draw_run(panels: dict, label: str, rows: list[dict]) -> float:
     if held[0]:
         panels["loss"].plot(*held, "o--", color=color, markersize=3, label=f"{label} (held out)")
     speed = panels["speed"]
-    speed.plot(steps, [r["tokens_per_s"] for r in rows], color=color, alpha=0.25, linewidth=0.8,
-               label=f"_{label} per step", gid="raw")  # fmt: skip
+    speed.plot(
+        steps,
+        [r["tokens_per_s"] for r in rows],
+        color=color,
+        alpha=0.25,
+        linewidth=0.8,
+        label=f"_{label} per step",
+        gid="raw",
+    )
     smooth = smoothed_rates(rows)
     speed.plot(steps, smooth, color=color, label=label)
     for key in ("lr", "grad_norm"):
@@ -99,26 +116,38 @@ def plot_runs(log_dirs: list[str]):
 
     runs = [(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in log_dirs]
     moe = any(worst_load(rows[0]) is not None for _, rows in runs)
-    fig, grid = plt.subplots(2, 3 if moe else 2, figsize=(16 if moe else 11, 7.5),
-                             constrained_layout=True)  # fmt: skip
+    fig, grid = plt.subplots(
+        2, 3 if moe else 2, figsize=(16 if moe else 11, 7.5), constrained_layout=True
+    )
     axes = list(grid.flat)
-    names = ["loss", "speed", "load", "lr", "grad_norm"] if moe else ["loss", "speed", "lr",
-                                                                      "grad_norm"]  # fmt: skip
+    names = (
+        ["loss", "speed", "load", "lr", "grad_norm"]
+        if moe
+        else ["loss", "speed", "lr", "grad_norm"]
+    )
     if moe:
         fig.delaxes(axes.pop())
     panels = dict(zip(names, axes, strict=True))
     top = max(_draw_run(panels, label, rows) for label, rows in runs)
     panels["speed"].set_ylim(0, top)
-    panels["loss"].set(title="Training loss (dots: held out)", xlabel="step",
-                       ylabel="loss (cross-entropy, nats)")  # fmt: skip
-    panels["speed"].set(title=f"Throughput (over the last {WINDOW} steps; faint: each step)",
-                        xlabel="step", ylabel="tokens / s")  # fmt: skip
+    panels["loss"].set(
+        title="Training loss (dots: held out)", xlabel="step", ylabel="loss (cross-entropy, nats)"
+    )
+    panels["speed"].set(
+        title=f"Throughput (over the last {WINDOW} steps; faint: each step)",
+        xlabel="step",
+        ylabel="tokens / s",
+    )
     panels["lr"].set(title="Learning rate", xlabel="step", ylabel="lr")
-    panels["grad_norm"].set(title="Gradient norm (before clipping)", xlabel="step",
-                            ylabel="global L2 norm")  # fmt: skip
+    panels["grad_norm"].set(
+        title="Gradient norm (before clipping)", xlabel="step", ylabel="global L2 norm"
+    )
     if moe:
-        panels["load"].set(title="Expert load (most unbalanced MoE layer)", xlabel="step",
-                           ylabel="busiest expert's tokens / mean")  # fmt: skip
+        panels["load"].set(
+            title="Expert load (most unbalanced MoE layer)",
+            xlabel="step",
+            ylabel="busiest expert's tokens / mean",
+        )
     for ax in panels.values():
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # an older metrics.jsonl may have no lr, say

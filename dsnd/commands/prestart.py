@@ -53,8 +53,10 @@ def _check_export_target(run) -> None:
     for other, key in ((run.log.dir, "log.dir"), (checkpoint_root(run), "checkpoint.dir")):
         mine, theirs = os.path.realpath(path), os.path.realpath(other)
         if os.path.commonpath([mine, theirs]) == mine:  # the same directory, or holding it
-            raise UserError(f"{where}: holds {key} {other} (an export replaces its directory "
-                            "whole); name a directory of its own")  # fmt: skip
+            raise UserError(
+                f"{where}: holds {key} {other} (an export replaces its directory "
+                "whole); name a directory of its own"
+            )
     check_target(path, ExportOrigin(checkpoint_root(run), run.train.steps), where)
 
 
@@ -76,8 +78,7 @@ def check_before_start(res: Resolved, job_id: str | None) -> str | None:
         manifest = read_manifest(resume)
         own = job_id is not None and manifest.get("job_id") == job_id
         explicit = own or run.checkpoint.resume not in ("auto", "never")
-        for line in compare_with_checkpoint(run, res.ds, res.model, manifest,
-                                            resume, explicit):  # fmt: skip
+        for line in compare_with_checkpoint(run, res.ds, res.model, manifest, resume, explicit):
             log.warning("resuming %s with a change: %s", os.path.basename(resume), line)
     elif run.model.init_from:  # a resume takes its weights from the checkpoint instead
         check_init_from(run.model.init_from, res.model)

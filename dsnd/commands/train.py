@@ -62,31 +62,44 @@ def peer_failed(exc: BaseException) -> bool:
     )
 
 
-def run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None],
-              job_id: str | None = None) -> int:  # fmt: skip
+def run_train(
+    config: str | None,
+    sets: list[str],
+    setup_logging: Callable[[int], None],
+    job_id: str | None = None,
+) -> int:
     # from here on SIGTERM / Ctrl-C, or the exit of the launcher that started this rank, mean
     # "save at the next step boundary and exit 0"
     with StopRequest(LauncherWatch.start(os.environ)) as stop:
         return _run_train(config, sets, setup_logging, stop, job_id)
 
 
-def _run_train(config: str | None, sets: list[str], setup_logging: Callable[[int], None],
-               stop: StopRequest, job_id: str | None) -> int:  # fmt: skip
+def _run_train(
+    config: str | None,
+    sets: list[str],
+    setup_logging: Callable[[int], None],
+    stop: StopRequest,
+    job_id: str | None,
+) -> int:
     env = dict(os.environ)
     info = world_info(env)
     setup_logging(info.rank)
     res = resolve(load(config, sets), info.world_size)
     coord = res.topology.coord(info.rank)
-    use_console_prefix(rank_prefix(info.rank, coord, res.topology.cp),
-                       logging.INFO if info.rank == 0 else logging.WARNING)  # fmt: skip
+    use_console_prefix(
+        rank_prefix(info.rank, coord, res.topology.cp),
+        logging.INFO if info.rank == 0 else logging.WARNING,
+    )
     job_id = job_id or job_id_from_env(env)
     resume = check_before_start(res, job_id)  # a checksum failure of a given path ends here
     if resume is not None:
         step = read_manifest(resume)["step"]
         if step >= res.run.train.steps:
             if info.rank == 0:
-                print(f"dsnd: {resume} is at step {step}, train.steps={res.run.train.steps}: "
-                      "nothing to train")  # fmt: skip
+                print(
+                    f"dsnd: {resume} is at step {step}, train.steps={res.run.train.steps}: "
+                    "nothing to train"
+                )
             return 0
     named = job_id is not None
     with contextlib.ExitStack() as locks:
@@ -123,23 +136,36 @@ def _train_in_world(res, info, resume, stop, job_id, share_id: bool) -> int:
         print(f"dsnd: error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
     except WriteFailed as e:  # a full disk: the previous checkpoint is kept (dsnd.errors)
-        said = f"rank {info.rank}: a peer failed first ({e})" if e.code == EXIT_PEER_FAILED \
-            else f"error: {e}"  # fmt: skip
+        said = (
+            f"rank {info.rank}: a peer failed first ({e})"
+            if e.code == EXIT_PEER_FAILED
+            else f"error: {e}"
+        )
         print(f"dsnd: {said}", file=sys.stderr, flush=True)
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C: at once, but never inside a save
-        print("dsnd: interrupted (a second Ctrl-C); the last committed checkpoint stays latest",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            "dsnd: interrupted (a second Ctrl-C); the last committed checkpoint stays latest",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_INTERRUPTED
     except Exception as e:
         if peer_failed(e):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"dsnd: rank {info.rank}: a peer failed first ({first[:200]}); traceback in "
-                  f"{logfile}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"dsnd: rank {info.rank}: a peer failed first ({first[:200]}); traceback in "
+                f"{logfile}",
+                file=sys.stderr,
+                flush=True,
+            )
             return EXIT_PEER_FAILED
         traceback.print_exc()
-        print(f"dsnd: rank {info.rank} failed; traceback also in {logfile}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"dsnd: rank {info.rank} failed; traceback also in {logfile}",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_FAILED
     finally:
         shutdown()

@@ -36,22 +36,48 @@ DsSet = tuple[str, Any, str]
 
 # Top-level keys dsnd passes to DeepSpeed as they are.
 SUPPORTED = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "gradient_clipping", "zero_optimization", "bf16", "bfloat16", "fp16",
-    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
-    "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "comms_logger",
-    "flops_profiler", "data_types", "timers", "disable_allgather",
-}  # fmt: skip
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "zero_optimization",
+    "bf16",
+    "bfloat16",
+    "fp16",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "memory_breakdown",
+    "dump_state",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "comms_logger",
+    "flops_profiler",
+    "data_types",
+    "timers",
+    "disable_allgather",
+}
 
 # Types of top-level scalars; DeepSpeed reads these without checking them.
 TOP_TYPES: dict[str, tuple[type, ...]] = {
-    "gradient_clipping": (int, float), "steps_per_print": (int,), "wall_clock_breakdown": (bool,),
-    "memory_breakdown": (bool,), "dump_state": (bool,), "prescale_gradients": (bool,),
-    "gradient_predivide_factor": (int, float), "zero_allow_untested_optimizer": (bool,),
-    "zero_force_ds_cpu_optimizer": (bool,), "disable_allgather": (bool,),
-    "zero_optimization": (dict,), "optimizer": (dict,), "scheduler": (dict,),
-}  # fmt: skip
+    "gradient_clipping": (int, float),
+    "steps_per_print": (int,),
+    "wall_clock_breakdown": (bool,),
+    "memory_breakdown": (bool,),
+    "dump_state": (bool,),
+    "prescale_gradients": (bool,),
+    "gradient_predivide_factor": (int, float),
+    "zero_allow_untested_optimizer": (bool,),
+    "zero_force_ds_cpu_optimizer": (bool,),
+    "disable_allgather": (bool,),
+    "zero_optimization": (dict,),
+    "optimizer": (dict,),
+    "scheduler": (dict,),
+}
 
 # Top-level keys DeepSpeed knows and dsnd refuses, with the reason — when they turn something on
 # (`inactive`): a section at its do-nothing value is accepted with a note.
@@ -132,8 +158,11 @@ ZERO_REFUSED = {
     "each shard group",
 }
 
-ZERO_OFF = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False,
-            "zero_quantized_gradients": False}  # fmt: skip
+ZERO_OFF = {
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False,
+    "zero_quantized_gradients": False,
+}
 """The values at which ZeRO++'s switches turn nothing on: accepted."""
 
 
@@ -145,8 +174,10 @@ def check_hpz(ds: dict[str, Any], where: str) -> None:
     zero = ds.get("zero_optimization") or {}
     size = zero.get("zero_hpz_partition_size") or 1
     if size > 1 and zero.get("stage") != 3:
-        raise UserError(f"{where}: zero_optimization.zero_hpz_partition_size={size} needs "
-                        f"zero_optimization.stage 3, got {zero.get('stage', 0)}")  # fmt: skip
+        raise UserError(
+            f"{where}: zero_optimization.zero_hpz_partition_size={size} needs "
+            f"zero_optimization.stage 3, got {zero.get('stage', 0)}"
+        )
 
 
 def load_json(path: str) -> dict[str, Any]:
@@ -158,8 +189,9 @@ def load_json(path: str) -> dict[str, Any]:
     except OSError as e:
         raise UserError(f"{path}: cannot read DeepSpeed config: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: cannot read DeepSpeed config: not UTF-8 text ({e.reason} at "
-                        f"byte {e.start})") from None  # fmt: skip
+        raise UserError(
+            f"{path}: cannot read DeepSpeed config: not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     try:
         data = json_lines.loads(text)
     except json.JSONDecodeError as e:
@@ -214,9 +246,11 @@ def _failure(check: Callable[[dict[str, Any], str], Any], ds: dict, where: str) 
 
 
 def check_blamed(
-    check: Callable[[dict[str, Any], str], T], ds: dict[str, Any], where: str,
+    check: Callable[[dict[str, Any], str], T],
+    ds: dict[str, Any],
+    where: str,
     sets: Sequence[DsSet],
-) -> tuple[dict[str, Any], T]:  # fmt: skip
+) -> tuple[dict[str, Any], T]:
     """`ds` with `sets` applied, and what `check(merged, where)` returns.
 
     When the merged dict fails, the error names its cause: the file (`where`) when the file alone
@@ -263,11 +297,15 @@ def _top_level(ds: dict[str, Any], path: str, notes: list[str]) -> None:
         if key == "fp16" and not fp16_enabled(ds):
             notes.append(f"{key}: at its do-nothing value, ignored")
         elif key == "fp16" and not half_precision_support()[1]:
-            problems.append(f"{path}: fp16 is not supported on this device (DeepSpeed: Type "
-                            "fp16 is not supported on your device); use bf16 or fp32")  # fmt: skip
+            problems.append(
+                f"{path}: fp16 is not supported on this device (DeepSpeed: Type "
+                "fp16 is not supported on your device); use bf16 or fp32"
+            )
         elif key == "fp16":
-            notes.append("fp16: dynamic loss scaling by DeepSpeed; the scale and skipped steps "
-                         "are in metrics.jsonl and checkpoints")  # fmt: skip
+            notes.append(
+                "fp16: dynamic loss scaling by DeepSpeed; the scale and skipped steps "
+                "are in metrics.jsonl and checkpoints"
+            )
         if key in SUPPORTED:
             continue
         if key == "aio" and uses_nvme(ds):
@@ -308,8 +346,9 @@ def check_values(value: Any, where: str) -> None:
     while stack:
         path, node = stack.pop()
         if isinstance(node, float) and not math.isfinite(node):
-            raise UserError(f"{where}: {json_lines.dotted(path)} must be a finite number, "
-                            f"got {node}")  # fmt: skip
+            raise UserError(
+                f"{where}: {json_lines.dotted(path)} must be a finite number, got {node}"
+            )
         if isinstance(node, (dict, list)):
             if len(path) >= MAX_DEPTH:
                 raise UserError(f"{where}: nested deeper than {MAX_DEPTH} levels")
@@ -327,8 +366,9 @@ def _check_ranges(ds: dict[str, Any], path: str) -> None:
     if ds.get("steps_per_print") is not None and ds["steps_per_print"] < 1:
         raise UserError(f"{path}: steps_per_print must be >= 1, got {ds['steps_per_print']}")
     if ds.get("gradient_clipping") is not None and ds["gradient_clipping"] < 0:
-        raise UserError(f"{path}: gradient_clipping must be >= 0 (0 = off), got "
-                        f"{ds['gradient_clipping']}")  # fmt: skip
+        raise UserError(
+            f"{path}: gradient_clipping must be >= 0 (0 = off), got {ds['gradient_clipping']}"
+        )
 
 
 def _check_types(ds: dict[str, Any], path: str) -> None:
@@ -351,8 +391,11 @@ def _check_sections(ds: dict[str, Any], path: str) -> None:
         check_section_keys(active, known, refused, f"{path}: zero_optimization")
     for name in ("bf16", "bfloat16", "fp16"):
         if isinstance(ds.get(name), dict):
-            model = deepspeed_api.fp16_config_model() if name == "fp16" else \
-                deepspeed_api.bf16_config_model()  # fmt: skip
+            model = (
+                deepspeed_api.fp16_config_model()
+                if name == "fp16"
+                else deepspeed_api.bf16_config_model()
+            )
             check_section_keys(ds[name], _pydantic_keys(model), {}, f"{path}: {name}")
 
 
@@ -369,11 +412,17 @@ def check_keys(ds: dict[str, Any], path: str) -> list[str]:
     problems: list[str] = []
     autos = remaining_autos(ds)
     if autos:
-        problems.append(f"{path}: {', '.join(autos)}: 'auto' is not a value dsnd can fill "
-                        "here; set a value")  # fmt: skip
-    for check in (partial(_top_level, notes=notes), _check_types, _check_sections, _check_ranges,
-                  lambda d, p: check_optimizer(d.get("optimizer"), p, d),
-                  lambda d, p: check_scheduler(d.get("scheduler"), p)):  # fmt: skip
+        problems.append(
+            f"{path}: {', '.join(autos)}: 'auto' is not a value dsnd can fill here; set a value"
+        )
+    for check in (
+        partial(_top_level, notes=notes),
+        _check_types,
+        _check_sections,
+        _check_ranges,
+        lambda d, p: check_optimizer(d.get("optimizer"), p, d),
+        lambda d, p: check_scheduler(d.get("scheduler"), p),
+    ):
         try:
             check(ds, path)
         except UserError as e:
@@ -408,10 +457,12 @@ def check_with_deepspeed(ds: dict[str, Any], path: str) -> None:
 
 # DeepSpeed's pydantic models, by title -> the JSON section their error locations start in
 MODEL_SECTIONS = {
-    "DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedBF16Config": "bf16",
     "DeepSpeedFP16Config": "fp16",
-    "CommsLoggerConfig": "comms_logger", "DeepSpeedThroughputTimerConfig": "timers.throughput",
-}  # fmt: skip
+    "CommsLoggerConfig": "comms_logger",
+    "DeepSpeedThroughputTimerConfig": "timers.throughput",
+}
 
 
 def describe(error: Any, ds: dict[str, Any]) -> str:

@@ -45,9 +45,16 @@ def packaged() -> dict[str, Any]:
         return json.load(f)
 
 
-def fill_auto(ds: dict[str, Any], hidden: int, steps: int, pp: int = 1, dp: int = 1,
-              train: TrainConfig | None = None, fine_tune: bool = False,
-              where: str = "the DeepSpeed JSON") -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+def fill_auto(
+    ds: dict[str, Any],
+    hidden: int,
+    steps: int,
+    pp: int = 1,
+    dp: int = 1,
+    train: TrainConfig | None = None,
+    fine_tune: bool = False,
+    where: str = "the DeepSpeed JSON",
+) -> tuple[dict[str, Any], list[str]]:
     """(a copy of `ds` with the above filled in, one note per decision), for a model of hidden
     size `hidden` trained `steps` steps on `pp` pipeline stages x `dp` data-parallel ranks, with
     the run's learning-rate keys `train` (`fine_tune`: model.init_from is set); errors name
@@ -86,11 +93,15 @@ def _batch(ds: dict[str, Any], pp: int, dp: int, notes: list[str]) -> None:
     free = GAS not in ds and not (TRAIN in ds and MICRO in ds)
     if pp > 1 and free and (TRAIN not in ds or ds[TRAIN] % (gas * dp) == 0):
         ds[GAS] = gas
-        chosen.append(f"{GAS} {gas} (2 x parallel.pp={pp}: micro-batches enough to keep "
-                      "every pipeline stage busy; one would leave the step mostly bubble)")
+        chosen.append(
+            f"{GAS} {gas} (2 x parallel.pp={pp}: micro-batches enough to keep "
+            "every pipeline stage busy; one would leave the step mostly bubble)"
+        )
     elif pp > 1 and free:
-        chosen.append(f"{GAS} from {TRAIN}={ds[TRAIN]}, which {gas} x dp={dp} does not divide: "
-                      f"fewer than 2 x parallel.pp={pp} micro-batches, mostly bubble")
+        chosen.append(
+            f"{GAS} from {TRAIN}={ds[TRAIN]}, which {gas} x dp={dp} does not divide: "
+            f"fewer than 2 x parallel.pp={pp} micro-batches, mostly bubble"
+        )
     rest = ", then the batch rule" if chosen else ""
     notes.append(f"{', '.join(autos)}: 'auto' -> {'; '.join(chosen) or 'the batch rule'}{rest}")
 
@@ -104,8 +115,10 @@ def _legacy_zero(ds: dict[str, Any], notes: list[str]) -> None:
     if isinstance(ds.get("zero_optimization"), bool):
         stage = int(ds["zero_optimization"])
         ds["zero_optimization"] = {"stage": stage}
-        notes.append(f"zero_optimization: {str(bool(stage)).lower()} (the legacy form, as "
-                     f"DeepSpeed reads it) -> stage {stage}")  # fmt: skip
+        notes.append(
+            f"zero_optimization: {str(bool(stage)).lower()} (the legacy form, as "
+            f"DeepSpeed reads it) -> stage {stage}"
+        )
     zero = ds.get("zero_optimization")
     if not isinstance(zero, dict):
         return
@@ -113,10 +126,14 @@ def _legacy_zero(ds: dict[str, Any], notes: list[str]) -> None:
         if old in zero:
             on = zero.pop(old)
             if on and new not in zero:
-                zero[new] = {"device": "cpu", "pin_memory": bool(zero.get(
-                    "cpu_offload_use_pin_memory", False))}  # fmt: skip
-            notes.append(f"zero_optimization.{old}: {str(bool(on)).lower()} (deprecated, as "
-                         f"DeepSpeed reads it) -> {new}: {zero.get(new, 'none')}")  # fmt: skip
+                zero[new] = {
+                    "device": "cpu",
+                    "pin_memory": bool(zero.get("cpu_offload_use_pin_memory", False)),
+                }
+            notes.append(
+                f"zero_optimization.{old}: {str(bool(on)).lower()} (deprecated, as "
+                f"DeepSpeed reads it) -> {new}: {zero.get(new, 'none')}"
+            )
     zero.pop("cpu_offload_use_pin_memory", None)
 
 
@@ -127,22 +144,29 @@ def _default_clipping(ds: dict[str, Any], notes: list[str]) -> None:
     from dsnd.engine.deepspeed_api import default_gradient_clipping
 
     ds["gradient_clipping"] = default_gradient_clipping()
-    notes.append(f"gradient_clipping: none in the JSON -> DeepSpeed's default "
-                 f"{ds['gradient_clipping']:g} (clipping by the global norm; set 0 to turn it "
-                 "off)")  # fmt: skip
+    notes.append(
+        f"gradient_clipping: none in the JSON -> DeepSpeed's default "
+        f"{ds['gradient_clipping']:g} (clipping by the global norm; set 0 to turn it "
+        "off)"
+    )
 
 
 def _precision(ds: dict[str, Any], notes: list[str]) -> None:
     """Precision "auto" is off, as the Hugging Face Trainer fills it from its --bf16 / --fp16
     flags (off unless given): a JSON turns bf16 on only by saying so."""
-    autos = [name for name in ("bf16", "bfloat16", "fp16")
-             if isinstance(ds.get(name), dict) and ds[name].get("enabled") == AUTO]  # fmt: skip
+    autos = [
+        name
+        for name in ("bf16", "bfloat16", "fp16")
+        if isinstance(ds.get(name), dict) and ds[name].get("enabled") == AUTO
+    ]
     for name in autos:
         ds[name]["enabled"] = False
     if autos:
-        notes.append(f"{', '.join(autos)}: 'auto' -> fp32, as the Hugging Face Trainer does "
-                     "without --bf16 / --fp16 (\"enabled\": true, or --set "
-                     f"ds.{autos[0]}.enabled=true, asks for it)")  # fmt: skip
+        notes.append(
+            f"{', '.join(autos)}: 'auto' -> fp32, as the Hugging Face Trainer does "
+            'without --bf16 / --fp16 ("enabled": true, or --set '
+            f"ds.{autos[0]}.enabled=true, asks for it)"
+        )
 
 
 HF_BUCKETS = {
@@ -175,8 +199,10 @@ def _zero_defaults(zero: Any, notes: list[str]) -> None:
         if value == AUTO and default is not None:
             # DeepSpeed's pp_int prints with commas: store a plain number
             zero[key] = int(default) if isinstance(default, int) else default
-            notes.append(f"zero_optimization.{key}: 'auto' -> {zero[key]} (DeepSpeed's "
-                         "default, which DeepSpeed itself would use)")  # fmt: skip
+            notes.append(
+                f"zero_optimization.{key}: 'auto' -> {zero[key]} (DeepSpeed's "
+                "default, which DeepSpeed itself would use)"
+            )
 
 
 def remaining_autos(value: Any, path: str = "") -> list[str]:
@@ -184,6 +210,9 @@ def remaining_autos(value: Any, path: str = "") -> list[str]:
     if value == AUTO:
         return [path]
     if isinstance(value, dict):
-        return [k for key, v in value.items()
-                for k in remaining_autos(v, f"{path}.{key}" if path else str(key))]  # fmt: skip
+        return [
+            k
+            for key, v in value.items()
+            for k in remaining_autos(v, f"{path}.{key}" if path else str(key))
+        ]
     return []

@@ -36,8 +36,12 @@ def check_param_type(where: str, key: str, value: Any, like: Any) -> None:
 
 def check_section_keys(section: dict, known: set[str], refused: dict[str, str], where: str) -> None:
     """Every unknown or refused key of a section DeepSpeed checks strictly, all at once."""
-    raise_all([
-        f"{where}: '{key}' is refused: {refused[key]}" if key in refused
-        else f"{where}: unknown key '{key}'" + did_you_mean(key, known | set(refused))
-        for key in section if key in refused or key not in known
-    ])  # fmt: skip
+    raise_all(
+        [
+            f"{where}: '{key}' is refused: {refused[key]}"
+            if key in refused
+            else f"{where}: unknown key '{key}'" + did_you_mean(key, known | set(refused))
+            for key in section
+            if key in refused or key not in known
+        ]
+    )

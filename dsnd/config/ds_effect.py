@@ -13,23 +13,43 @@ from __future__ import annotations
 from typing import Any
 
 STAGE3_ONLY = {
-    "sub_group_size", "offload_param", "zero_hpz_partition_size",
-    "zero_quantized_nontrainable_weights", "memory_efficient_linear",
-    "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
-    "leaf_module", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_model_persistence_threshold", "stage3_max_live_parameters",
-    "stage3_max_reuse_distance", "stage3_module_granularity_threshold",
-    "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
-    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-    "max_live_parameters", "max_reuse_distance", "module_granularity_threshold",
-    "use_all_reduce_for_fetch_params", "allgather_sequential",
-}  # fmt: skip
+    "sub_group_size",
+    "offload_param",
+    "zero_hpz_partition_size",
+    "zero_quantized_nontrainable_weights",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "log_trace_cache_warnings",
+    "leaf_module",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential",
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+}
 """Keys (DeepSpeed's names and their ``stage3_`` aliases) only ZeRO-3 reads."""
 
 STAGE12_ONLY = {
-    "use_multi_rank_bucket_allreduce", "allgather_bucket_size", "allgather_partitions",
-    "round_robin_gradients", "ignore_unused_parameters", "parameter_alignment", "legacy_stage1",
-}  # fmt: skip
+    "use_multi_rank_bucket_allreduce",
+    "allgather_bucket_size",
+    "allgather_partitions",
+    "round_robin_gradients",
+    "ignore_unused_parameters",
+    "parameter_alignment",
+    "legacy_stage1",
+}
 """Keys only ZeRO-1/2's optimizer reads."""
 
 NOT_CALLED = {
@@ -54,8 +74,9 @@ def zero_notes(ds: dict[str, Any]) -> list[str]:
     if not isinstance(zero, dict):
         return []
     stage = zero.get("stage", 0)
-    bf16 = any(isinstance(ds.get(k), dict) and ds[k].get("enabled") is True
-               for k in ("bf16", "bfloat16"))  # fmt: skip
+    bf16 = any(
+        isinstance(ds.get(k), dict) and ds[k].get("enabled") is True for k in ("bf16", "bfloat16")
+    )
     notes = []
     for key in zero:
         if key in NOT_CALLED:

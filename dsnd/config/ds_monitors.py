@@ -31,8 +31,10 @@ def check_monitor(key: str, value: Any, path: str, notes: list[str]) -> list[str
         elif not isinstance(v, fields[k]):
             problems.append(f"{path}: {key}.{k} must be {fields[k].__name__}, got {v!r}")
     if value.get("enabled") and key == "wandb" and importlib.util.find_spec("wandb") is None:
-        problems.append(f"{path}: wandb.enabled needs the wandb package, which is not installed "
-                        "(pip install wandb)")  # fmt: skip
+        problems.append(
+            f"{path}: wandb.enabled needs the wandb package, which is not installed "
+            "(pip install wandb)"
+        )
     if not problems:
         notes.append(f"{key}: {_monitor_note(key, value)}")
     return problems
@@ -42,8 +44,10 @@ def _monitor_note(key: str, section: dict[str, Any]) -> str:
     if not section.get("enabled"):
         return "off"
     if key == "wandb":
-        return (f"written by dsnd to project {section.get('project', 'deepspeed')!r} "
-                "(WANDB_MODE=offline keeps the run on disk, under log.dir)")  # fmt: skip
+        return (
+            f"written by dsnd to project {section.get('project', 'deepspeed')!r} "
+            "(WANDB_MODE=offline keeps the run on disk, under log.dir)"
+        )
     return f"written by dsnd into {monitor_dir(section)}"
 
 

@@ -26,12 +26,15 @@ def check_offload(zero: dict[str, Any], stage: int, path: str) -> None:
             _check_nvme_path(section.get("nvme_path"), f"{where}.nvme_path")
             problem = deepspeed_api.async_io_problem()
             if problem:
-                raise UserError(f"{where}.device='nvme' needs DeepSpeed's async_io op, which "
-                                f"cannot be built here: {problem}")  # fmt: skip
+                raise UserError(
+                    f"{where}.device='nvme' needs DeepSpeed's async_io op, which "
+                    f"cannot be built here: {problem}"
+                )
         if device == "cpu" and (stage == 0 or (key == "offload_param" and stage != 3)):
             needs = "3" if key == "offload_param" else "1, 2 or 3"
-            raise UserError(f"{where}.device='cpu' needs zero_optimization.stage {needs}, "
-                            f"got {stage}")  # fmt: skip
+            raise UserError(
+                f"{where}.device='cpu' needs zero_optimization.stage {needs}, got {stage}"
+            )
 
 
 def _check_nvme_path(value: Any, where: str) -> None:
@@ -51,19 +54,26 @@ def check_aio(value: Any, path: str, notes: list[str]) -> list[str]:
     problems = []
     for k, v in value.items():
         if k not in defaults:
-            notes.append(f"aio.{k}: not a key DeepSpeed reads; ignored, as DeepSpeed does"
-                         + did_you_mean(k, defaults))  # fmt: skip
+            notes.append(
+                f"aio.{k}: not a key DeepSpeed reads; ignored, as DeepSpeed does"
+                + did_you_mean(k, defaults)
+            )
         elif type(v) is not type(defaults[k]) and not (is_number(v) and is_number(defaults[k])):
             problems.append(f"{path}: aio.{k} must be {type(defaults[k]).__name__}, got {v!r}")
         elif k == "use_gds" and v:
-            problems.append(f"{path}: aio.use_gds needs CUDA (GPUDirect Storage); this machine's "
-                            "DeepSpeed accelerator is not CUDA")  # fmt: skip
+            problems.append(
+                f"{path}: aio.use_gds needs CUDA (GPUDirect Storage); this machine's "
+                "DeepSpeed accelerator is not CUDA"
+            )
     return problems
 
 
 def uses_nvme(ds: dict[str, Any]) -> bool:
     """Whether the JSON offloads anything to NVMe (then its `aio` section is used)."""
     zero = ds.get("zero_optimization")
-    sections = [zero.get(k) for k in ("offload_optimizer", "offload_param")] \
-        if isinstance(zero, dict) else []  # fmt: skip
+    sections = (
+        [zero.get(k) for k in ("offload_optimizer", "offload_param")]
+        if isinstance(zero, dict)
+        else []
+    )
     return any(isinstance(s, dict) and s.get("device") == "nvme" for s in sections)

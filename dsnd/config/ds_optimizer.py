@@ -17,9 +17,20 @@ OPTIMIZERS = {"adam", "adamw"}
 optimizer DeepSpeed builds (dsnd.engine.optimizers) is checked against its class's constructor,
 unless refused by name below or for a kernel this device lacks."""
 OPTIMIZER_PARAMS = {
-    "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
-    "foreach", "fused", "maximize", "capturable", "differentiable",
-}  # fmt: skip
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "torch_adam",
+    "adam_w_mode",
+    "bias_correction",
+    "foreach",
+    "fused",
+    "maximize",
+    "capturable",
+    "differentiable",
+}
 _NUMBER_PARAMS = {"lr", "eps", "weight_decay"}
 _BOOL_PARAMS = OPTIMIZER_PARAMS - _NUMBER_PARAMS - {"betas"}
 
@@ -127,8 +138,9 @@ def check_optimizer(opt: Any, path: str, ds: dict[str, Any] | None = None) -> No
 
 
 def _class_name(cls: type) -> str:
-    return f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else \
-        cls.__name__  # fmt: skip
+    return (
+        f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__name__
+    )
 
 
 def _optimizer_class(kind: str, offload: bool, path: str) -> type:
@@ -140,24 +152,35 @@ def _optimizer_class(kind: str, offload: bool, path: str) -> type:
     missing = optimizers.missing_kernel(kind, offload)
     if missing:
         cls, error = missing
-        also = (" (with zero_optimization.offload_optimizer.device 'cpu' DeepSpeed builds "
-                "DeepSpeedCPULion, which runs here)") if name == "lion" else ""  # fmt: skip
-        raise UserError(f"{refuse} needs DeepSpeed's {cls} CUDA kernel, which this device lacks "
-                        f"(DeepSpeed: {error}){also}")  # fmt: skip
+        also = (
+            (
+                " (with zero_optimization.offload_optimizer.device 'cpu' DeepSpeed builds "
+                "DeepSpeedCPULion, which runs here)"
+            )
+            if name == "lion"
+            else ""
+        )
+        raise UserError(
+            f"{refuse} needs DeepSpeed's {cls} CUDA kernel, which this device lacks "
+            f"(DeepSpeed: {error}){also}"
+        )
     cls = optimizers.optimizer_class(kind, offload)
     if name in optimizers.MUP:
         raise UserError(
             f"{refuse} needs mup's base shapes on every parameter (mup.set_base_shapes), which "
-            "dsnd's models do not carry" if cls else
-            f"{refuse} needs the mup package, which is not installed (DeepSpeed: cannot access "
-            f"local variable '{optimizers.MUP[name]}' where it is not associated with a value)"
-        )  # fmt: skip
+            "dsnd's models do not carry"
+            if cls
+            else f"{refuse} needs the mup package, which is not installed (DeepSpeed: cannot "
+            f"access local variable '{optimizers.MUP[name]}' where it is not associated with a "
+            "value)"
+        )
     if cls is None:
         names = optimizers.torch_names()
         by_case = [n for n in names if n.lower() == kind.lower()]
         hint = f" (did you mean '{by_case[0]}'?)" if by_case else did_you_mean(kind, names)
-        raise UserError(f"{refuse} is neither one of DeepSpeed's optimizers nor a torch.optim "
-                        f"optimizer{hint}")  # fmt: skip
+        raise UserError(
+            f"{refuse} is neither one of DeepSpeed's optimizers nor a torch.optim optimizer{hint}"
+        )
     return cls
 
 
@@ -166,10 +189,12 @@ def _check_optimizer_param(where: str, key: str, value: Any, param: inspect.Para
     bool or null (for a ``bool | None`` defaulting to None)."""
     default = param.default
     if isinstance(default, tuple):
-        if not (isinstance(value, list) and len(value) == len(default)
-                and all(map(is_number, value))):  # fmt: skip
-            raise UserError(f"{where}.{key} must be a list of {len(default)} numbers, got "
-                            f"{value!r}")  # fmt: skip
+        if not (
+            isinstance(value, list) and len(value) == len(default) and all(map(is_number, value))
+        ):
+            raise UserError(
+                f"{where}.{key} must be a list of {len(default)} numbers, got {value!r}"
+            )
     elif default is None:
         if "bool" in str(param.annotation) and value is not None and not isinstance(value, bool):
             raise UserError(f"{where}.{key} must be bool or null, got {value!r}")

@@ -13,8 +13,10 @@ QUANTIZED = {
     "zero_quantized_weights": "ZeRO++ quantized weights (qwZ)",
     "zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ)",
 }
-_CPU = ("which its CPU accelerator does not implement (DeepSpeed: 'This op had not been "
-        "implemented on CPU backend.')")  # fmt: skip
+_CPU = (
+    "which its CPU accelerator does not implement (DeepSpeed: 'This op had not been "
+    "implemented on CPU backend.')"
+)
 
 
 def quantized_refusals(accelerator: str, problem: str | None) -> dict[str, str]:
@@ -22,10 +24,16 @@ def quantized_refusals(accelerator: str, problem: str | None) -> dict[str, str]:
     QuantizerBuilder cannot build for `problem`; none when it can (`problem` None)."""
     if problem is None:
         return {}
-    why = _CPU if accelerator == "cpu" else \
-        f"which DeepSpeed's {accelerator} accelerator cannot build here ({problem})"  # fmt: skip
-    return {key: f"{what} need DeepSpeed's quantizer op (QuantizerBuilder), {why}; not supported "
-            "by dsnd" for key, what in QUANTIZED.items()}  # fmt: skip
+    why = (
+        _CPU
+        if accelerator == "cpu"
+        else f"which DeepSpeed's {accelerator} accelerator cannot build here ({problem})"
+    )
+    return {
+        key: f"{what} need DeepSpeed's quantizer op (QuantizerBuilder), {why}; not supported "
+        "by dsnd"
+        for key, what in QUANTIZED.items()
+    }
 
 
 def quantizer_problem() -> str | None:

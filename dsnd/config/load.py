@@ -123,7 +123,16 @@ def load(config_path: str | None, sets: list[str] | None = None) -> LoadedConfig
     # again for the model and world)
     ds, _ = deepspeed_json.check_blamed(
         lambda d, where: deepspeed_json.check_keys(fill_auto(d, 1, 1)[0], where),
-        ds_file, ds_path, ds_sets,
-    )  # fmt: skip
-    return LoadedConfig(run=run, ds=ds, yaml_path=yaml_path, ds_path=ds_path, sets=sets,
-                        ds_file=ds_file, ds_sets=ds_sets)  # fmt: skip
+        ds_file,
+        ds_path,
+        ds_sets,
+    )
+    return LoadedConfig(
+        run=run,
+        ds=ds,
+        yaml_path=yaml_path,
+        ds_path=ds_path,
+        sets=sets,
+        ds_file=ds_file,
+        ds_sets=ds_sets,
+    )

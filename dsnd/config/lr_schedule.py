@@ -63,11 +63,24 @@ class Recipe:
     optimizer: dict  # the other optimizer "auto"s
 
 
-DSND = Recipe("dsnd's default", 3e-3, 5, "constant", 3e-4, 0.1,
-              {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True})
-FINE_TUNE = Recipe("the Hugging Face Trainer's fine-tuning default, with model.init_from", 5e-5,
-                   0, "linear", 0.0, 0.0, {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
-                                      "torch_adam": True})  # fmt: skip
+DSND = Recipe(
+    "dsnd's default",
+    3e-3,
+    5,
+    "constant",
+    3e-4,
+    0.1,
+    {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+)
+FINE_TUNE = Recipe(
+    "the Hugging Face Trainer's fine-tuning default, with model.init_from",
+    5e-5,
+    0,
+    "linear",
+    0.0,
+    0.0,
+    {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+)
 
 
 def check_lr_keys(train: TrainConfig) -> None:
@@ -144,8 +157,9 @@ def _json_numbers(opt: dict, kind: Any, sched: dict) -> dict[str, tuple[Any, str
     return out
 
 
-def _plan(keys: dict[str, Any], json_values: dict, defaults: dict[str, tuple[Any, str]],
-          recipe: Recipe) -> Plan:  # fmt: skip
+def _plan(
+    keys: dict[str, Any], json_values: dict, defaults: dict[str, tuple[Any, str]], recipe: Recipe
+) -> Plan:
     """Each value from its train.* key, else the JSON's number, else `defaults` (min_lr: in
     the recipe's proportion to lr; "min_ratio": min_lr / lr where a ratio gave it)."""
     values, sources = {}, {}
@@ -171,22 +185,29 @@ def _plan(keys: dict[str, Any], json_values: dict, defaults: dict[str, tuple[Any
 
 def _clash(where: str, path: str, value: Any, key: str, want: Any) -> None:
     if _finite(value) and not math.isclose(value, want, rel_tol=1e-12):
-        raise UserError(f"{where}: {path} is {value:g}, and train.{key} is {want:g}: set one of "
-                        "them (\"auto\" in the JSON takes the run's)")  # fmt: skip
+        raise UserError(
+            f"{where}: {path} is {value:g}, and train.{key} is {want:g}: set one of "
+            'them ("auto" in the JSON takes the run\'s)'
+        )
 
 
-def _refuse(keys: dict[str, Any], opt: dict, kind: Any, json_values: dict, plan: Plan,
-            where: str) -> None:  # fmt: skip
+def _refuse(
+    keys: dict[str, Any], opt: dict, kind: Any, json_values: dict, plan: Plan, where: str
+) -> None:
     """A train.* key set where the JSON says otherwise: one line naming both."""
     if kind in OTHER_SCHEDULERS and keys:
         key = next(iter(keys))
-        raise UserError(f"{where}: scheduler.type is {kind}, which sets the learning rate by its "
-                        f"own params; train.{key}={keys[key]} applies to WarmupLR, "
-                        "WarmupDecayLR and WarmupCosineLR only: remove one of them")  # fmt: skip
+        raise UserError(
+            f"{where}: scheduler.type is {kind}, which sets the learning rate by its "
+            f"own params; train.{key}={keys[key]} applies to WarmupLR, "
+            "WarmupDecayLR and WarmupCosineLR only: remove one of them"
+        )
     if kind in DECAYS.values() and "lr_decay" in keys and DECAYS[keys["lr_decay"]] != kind:
-        raise UserError(f"{where}: scheduler.type is {kind}, and train.lr_decay="
-                        f"{keys['lr_decay']} is {DECAYS[keys['lr_decay']]}: set one of them "
-                        "(\"type\": \"auto\" in the JSON takes the run's)")  # fmt: skip
+        raise UserError(
+            f"{where}: scheduler.type is {kind}, and train.lr_decay="
+            f"{keys['lr_decay']} is {DECAYS[keys['lr_decay']]}: set one of them "
+            '("type": "auto" in the JSON takes the run\'s)'
+        )
     if "lr" in keys:
         _clash(where, "optimizer.params.lr", opt.get("lr"), "lr", keys["lr"])
     for key, (value, path) in json_values.items():
@@ -195,16 +216,28 @@ def _refuse(keys: dict[str, Any], opt: dict, kind: Any, json_values: dict, plan:
             _clash(where, path, value, key, want)
     lr, min_lr = plan.values["lr"], plan.values["min_lr"]
     if "min_lr" in keys and "min_ratio" in json_values:
-        _clash(where, f"scheduler.params.cos_min_ratio x lr {lr:g}",
-               json_values["min_ratio"][0] * lr, "min_lr", min_lr)
+        _clash(
+            where,
+            f"scheduler.params.cos_min_ratio x lr {lr:g}",
+            json_values["min_ratio"][0] * lr,
+            "min_lr",
+            min_lr,
+        )
     if "min_lr" in keys and min_lr > lr:
-        raise UserError(f"{where}: train.min_lr={min_lr:g} is above the learning rate {lr:g} "
-                        f"({plan.sources['lr']})")  # fmt: skip
-    if "min_lr" in keys and plan.values["lr_decay"] == "constant" and \
-            plan.values["warmup_steps"] == 0:  # fmt: skip
-        raise UserError(f"{where}: train.min_lr={min_lr:g} has no effect: the rate is constant "
-                        "(lr_decay constant) without a warm-up; set train.lr_decay or "
-                        "train.warmup_steps, or remove train.min_lr")  # fmt: skip
+        raise UserError(
+            f"{where}: train.min_lr={min_lr:g} is above the learning rate {lr:g} "
+            f"({plan.sources['lr']})"
+        )
+    if (
+        "min_lr" in keys
+        and plan.values["lr_decay"] == "constant"
+        and plan.values["warmup_steps"] == 0
+    ):
+        raise UserError(
+            f"{where}: train.min_lr={min_lr:g} has no effect: the rate is constant "
+            "(lr_decay constant) without a warm-up; set train.lr_decay or "
+            "train.warmup_steps, or remove train.min_lr"
+        )
 
 
 def scheduler_params(kind: str, plan: Plan, steps: int) -> dict[str, tuple[Any, str]]:
@@ -214,22 +247,33 @@ def scheduler_params(kind: str, plan: Plan, steps: int) -> dict[str, tuple[Any, 
     linear = ("linear", plan.recipe.source)
     if kind == "WarmupCosineLR":
         ratio = v.get("min_ratio", min_lr / lr if lr else 0.0)
-        return {"total_num_steps": (steps, "train.steps"),
-                "warmup_min_ratio": (ratio, src["min_lr"]) if warmup else
-                (1.0, src["warmup_steps"]),
-                "warmup_num_steps": (max(warmup, 1), src["warmup_steps"]),
-                "cos_min_ratio": (ratio, src["min_lr"]), "warmup_type": linear}  # fmt: skip
-    start = (min_lr, src["min_lr"]) if warmup or kind == "WarmupDecayLR" else \
-        (lr, src["warmup_steps"])  # fmt: skip
-    params = {"warmup_min_lr": start, "warmup_max_lr": (lr, src["lr"]),
-              "warmup_num_steps": (max(warmup, 1), src["warmup_steps"]), "warmup_type": linear}
+        return {
+            "total_num_steps": (steps, "train.steps"),
+            "warmup_min_ratio": (ratio, src["min_lr"]) if warmup else (1.0, src["warmup_steps"]),
+            "warmup_num_steps": (max(warmup, 1), src["warmup_steps"]),
+            "cos_min_ratio": (ratio, src["min_lr"]),
+            "warmup_type": linear,
+        }
+    start = (
+        (min_lr, src["min_lr"]) if warmup or kind == "WarmupDecayLR" else (lr, src["warmup_steps"])
+    )
+    params = {
+        "warmup_min_lr": start,
+        "warmup_max_lr": (lr, src["lr"]),
+        "warmup_num_steps": (max(warmup, 1), src["warmup_steps"]),
+        "warmup_type": linear,
+    }
     if kind == "WarmupDecayLR":
         return {"total_num_steps": (steps, "train.steps"), **params}
     return params
 
 
-FILLED_BY_KEY = {"warmup_max_lr": "lr", "warmup_min_lr": "min_lr",
-                 "warmup_num_steps": "warmup_steps", "cos_min_ratio": "min_lr"}  # fmt: skip
+FILLED_BY_KEY = {
+    "warmup_max_lr": "lr",
+    "warmup_min_lr": "min_lr",
+    "warmup_num_steps": "warmup_steps",
+    "cos_min_ratio": "min_lr",
+}
 """A named scheduler's parameters that a train.* key set fills where the JSON has none (where
 DeepSpeed's default would otherwise win over the key)."""
 
@@ -292,8 +336,15 @@ def _chosen(kind: Any, keys: dict, defaults: dict) -> tuple[Any, tuple[str, str]
     return (DECAYS[decay[0]] if kind == AUTO else kind), decay
 
 
-def _fill_scheduler(ds: dict[str, Any], chosen: Any, plan: Plan, keys: dict, steps: int,
-                    added: bool, notes: list[str]) -> None:  # fmt: skip
+def _fill_scheduler(
+    ds: dict[str, Any],
+    chosen: Any,
+    plan: Plan,
+    keys: dict,
+    steps: int,
+    added: bool,
+    notes: list[str],
+) -> None:
     """The scheduler section as the plan says: built whole for "type": "auto" (with the JSON's
     numbers kept), its "auto"s filled for a named one, none kept none."""
     kind, sched = _section(ds, "scheduler")
@@ -303,7 +354,8 @@ def _fill_scheduler(ds: dict[str, Any], chosen: Any, plan: Plan, keys: dict, ste
     elif kind == AUTO:
         want = scheduler_params(chosen, plan, steps)
         params = {k: v for k, (v, _) in want.items()} | {
-            k: v for k, v in sched.items() if v != AUTO or k not in want}  # fmt: skip
+            k: v for k, v in sched.items() if v != AUTO or k not in want
+        }
         ds["scheduler"] = {"type": chosen, "params": params}
         was = "none in the JSON" if added else "'auto'"
         notes.append(f"scheduler: {was} -> {chosen} {json.dumps(params)} ({_why(plan)})")
@@ -312,13 +364,21 @@ def _fill_scheduler(ds: dict[str, Any], chosen: Any, plan: Plan, keys: dict, ste
     elif "scheduler" not in ds and isinstance(ds.get("optimizer"), dict):
         opt = _section(ds, "optimizer")[1]
         rate = f"lr {opt['lr']}" if "lr" in opt else "default lr"
-        notes.append(f"scheduler: none in the JSON -> the optimizer's {rate}, constant, as "
-                     "DeepSpeed runs it (train.warmup_steps, train.lr_decay or train.min_lr add "
-                     "a schedule)")  # fmt: skip
+        notes.append(
+            f"scheduler: none in the JSON -> the optimizer's {rate}, constant, as "
+            "DeepSpeed runs it (train.warmup_steps, train.lr_decay or train.min_lr add "
+            "a schedule)"
+        )
 
 
-def fill_lr(ds: dict[str, Any], train: TrainConfig, fine_tune: bool, steps: int, where: str,
-            notes: list[str]) -> None:  # fmt: skip
+def fill_lr(
+    ds: dict[str, Any],
+    train: TrainConfig,
+    fine_tune: bool,
+    steps: int,
+    where: str,
+    notes: list[str],
+) -> None:
     """Fill `ds` (in place) as the module docstring says, one note per decision."""
     keys = {k: getattr(train, k) for k in KEYS if getattr(train, k) is not None}
     recipe = FINE_TUNE if fine_tune else DSND
@@ -334,8 +394,10 @@ def fill_lr(ds: dict[str, Any], train: TrainConfig, fine_tune: bool, steps: int,
     _refuse(keys, opt, kind, json_values, plan, where)
     _fill_optimizer(opt, plan, keys, None if "optimizer" in added else notes)
     if "optimizer" in added:
-        notes.append(f"optimizer: none in the JSON -> {ds['optimizer']['type']} "
-                     f"{json.dumps(opt)} ({plan.used(plan.recipe.source)})")  # fmt: skip
+        notes.append(
+            f"optimizer: none in the JSON -> {ds['optimizer']['type']} "
+            f"{json.dumps(opt)} ({plan.used(plan.recipe.source)})"
+        )
     _fill_scheduler(ds, chosen, plan, keys, steps, "scheduler" in added, notes)
     if plan.fine_tune_used:
         notes.append(FINE_TUNE_LINE)

@@ -38,8 +38,10 @@ def render() -> str:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for top in dataclasses.fields(schema.RunConfig):
         if not dataclasses.is_dataclass(hints[top.name]):
-            lines.append(f"| `{top.name}` | {_type_name(hints[top.name])} | "
-                         f"`{_value(top.default)}` | {top.metadata['doc']} |")  # fmt: skip
+            lines.append(
+                f"| `{top.name}` | {_type_name(hints[top.name])} | "
+                f"`{_value(top.default)}` | {top.metadata['doc']} |"
+            )
             continue
         section = hints[top.name]
         section_hints = typing.get_type_hints(section)
@@ -49,8 +51,10 @@ def render() -> str:
             if key in schema.CHOICES:
                 meaning += " One of: " + ", ".join(schema.CHOICES[key]) + "."
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            lines.append(f"| `{key}` | {_type_name(section_hints[f.name])} | "
-                         f"`{_value(default)}` | {meaning} |")  # fmt: skip
+            lines.append(
+                f"| `{key}` | {_type_name(section_hints[f.name])} | "
+                f"`{_value(default)}` | {meaning} |"
+            )
     return "\n".join(lines) + "\n"
 
 

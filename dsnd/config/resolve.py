@@ -61,18 +61,30 @@ class Resolved:
         return self.batch.train * self.run.model.seq_len
 
 
-SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size",
-                "vocab_size", "max_position_embeddings")  # fmt: skip
+SHAPE_FIELDS = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "ffn_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 def model_source(m: ModelConfig) -> tuple[str, str]:
     """(what names the architecture, the run key that names it)."""
     if m.config is not None and m.preset is not None and m.config != m.preset:
-        raise UserError(f"model.config={m.config!r} and model.preset={m.preset!r} name two "
-                        "models; set one of them")  # fmt: skip
+        raise UserError(
+            f"model.config={m.config!r} and model.preset={m.preset!r} name two "
+            "models; set one of them"
+        )
     if m.preset is not None and m.preset not in presets():
-        raise UserError(f"model.preset={m.preset!r} is not a preset ({', '.join(presets())}); "
-                        "name a model directory or config.json with model.config")  # fmt: skip
+        raise UserError(
+            f"model.preset={m.preset!r} is not a preset ({', '.join(presets())}); "
+            "name a model directory or config.json with model.config"
+        )
     if m.config is not None:
         return m.config, "model.config"
     if m.preset is not None:
@@ -123,8 +135,9 @@ def check_cp(model: ModelSpec, par: ParallelConfig, seq_len: int) -> None:
         how = f"2 * parallel.cp = {2 * cp}" if impl == "ring" else f"parallel.cp = {cp}"
         if parts != divisor(cp, impl):
             how += f" times parallel.tp = {tp} (sequence parallelism)"
-        raise UserError(f"parallel.cp={cp} ({impl}): model.seq_len={seq_len} is not divisible "
-                        f"by {how}")  # fmt: skip
+        raise UserError(
+            f"parallel.cp={cp} ({impl}): model.seq_len={seq_len} is not divisible by {how}"
+        )
     if impl == "ulysses":
         for name, heads in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
             if (heads // tp) % cp:
@@ -148,11 +161,17 @@ def scale_lr(ds: dict[str, Any], factor: float) -> None:
 
 # Integer run keys: key -> (lowest, highest or None)
 BOUNDS: dict[str, tuple[int, int | None]] = {
-    "train.steps": (0, None), "train.seed": (0, 2**63 - 1), "train.lr_reference_batch": (1, None),
-    "checkpoint.every": (0, None), "checkpoint.keep": (0, None),
-    "parallel.activation_checkpoint_interval": (0, None), "data.max_bytes": (1, None),
-    "eval.every": (0, None), "eval.batches": (1, None), "log.every": (1, None),
-}  # fmt: skip
+    "train.steps": (0, None),
+    "train.seed": (0, 2**63 - 1),
+    "train.lr_reference_batch": (1, None),
+    "checkpoint.every": (0, None),
+    "checkpoint.keep": (0, None),
+    "parallel.activation_checkpoint_interval": (0, None),
+    "data.max_bytes": (1, None),
+    "eval.every": (0, None),
+    "eval.batches": (1, None),
+    "log.every": (1, None),
+}
 
 YEAR_S = 365 * 24 * 3600
 
@@ -162,12 +181,16 @@ def _check_eval(run: RunConfig) -> None:
     if not 0 <= run.eval.fraction < 1:
         raise UserError(f"eval.fraction must be in [0, 1), got {run.eval.fraction}")
     if run.eval.every and not run.eval.fraction and not run.data.eval_path:
-        raise UserError(f"eval.every={run.eval.every}: nothing to evaluate on (eval.fraction is "
-                        "0 and data.eval_path is unset)")  # fmt: skip
+        raise UserError(
+            f"eval.every={run.eval.every}: nothing to evaluate on (eval.fraction is "
+            "0 and data.eval_path is unset)"
+        )
     warn = run.log.expert_load_warn
     if not (math.isfinite(warn) and (warn == 0 or warn > 1)):
-        raise UserError("log.expert_load_warn must be > 1 (times the mean expert load) or 0 "
-                        f"(never), got {warn}")  # fmt: skip
+        raise UserError(
+            "log.expert_load_warn must be > 1 (times the mean expert load) or 0 "
+            f"(never), got {warn}"
+        )
 
 
 def check_ranges(run: RunConfig) -> None:
@@ -197,8 +220,9 @@ def check_ranges(run: RunConfig) -> None:
         raise UserError("log.dir must not be empty")
 
 
-def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
-              hidden: int) -> tuple[dict, Batch, list[str], dict[str, str]]:  # fmt: skip
+def derive_ds(
+    ds: dict[str, Any], where: str, run: RunConfig, dp: int, hidden: int
+) -> tuple[dict, Batch, list[str], dict[str, str]]:
     """The DeepSpeed dict for `dp` data-parallel ranks — "auto" values and missing optimizer /
     scheduler filled (`ds_auto`), batch keys derived, learning rates scaled by
     train.lr_scaling, checked by dsnd and then by DeepSpeed itself — and the notes on what was
@@ -206,8 +230,16 @@ def derive_ds(ds: dict[str, Any], where: str, run: RunConfig, dp: int,
 
     Checks the keys first, so every intermediate dict a blame search tries fails as a UserError.
     """
-    ds, notes = fill_auto(ds, hidden, run.train.steps, run.parallel.pp, dp, run.train,
-                          run.model.init_from is not None, where)  # fmt: skip
+    ds, notes = fill_auto(
+        ds,
+        hidden,
+        run.train.steps,
+        run.parallel.pp,
+        dp,
+        run.train,
+        run.model.init_from is not None,
+        where,
+    )
     notes += check_keys(ds, where) + zero_notes(ds)
     monitors = take_monitors(ds)
     batch = resolve_batch(ds.get(TRAIN), ds.get(MICRO), ds.get(GAS), dp, where)
@@ -224,8 +256,9 @@ def zero_stage(ds: dict[str, Any]) -> int:
     return int((ds.get("zero_optimization") or {}).get("stage", 0))
 
 
-def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str, Any],
-             batch: Batch) -> Plan:  # fmt: skip
+def run_plan(
+    run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str, Any], batch: Batch
+) -> Plan:
     """The run's `Plan`: stages, schedule and every stage's instructions."""
     par = run.parallel
     balance_profile = None
@@ -239,9 +272,16 @@ def run_plan(run: RunConfig, model: ModelSpec, topology: Topology, ds: dict[str,
             cache = os.path.join(run.log.dir, "profile-cache")
             # on the device and in the dtype the run trains in: CPU fp32 costs are not a GPU's
             device = target_device(dict(os.environ), torch.cuda.is_available())
-            return profile_partition(model, run.model.seq_len, batch.micro, stages, cache,
-                                     cap_bytes, dtype=DTYPES[precision(ds)],
-                                     device=device)[0]  # fmt: skip
+            return profile_partition(
+                model,
+                run.model.seq_len,
+                batch.micro,
+                stages,
+                cache,
+                cap_bytes,
+                dtype=DTYPES[precision(ds)],
+                device=device,
+            )[0]
 
     return make_plan(
         model,
@@ -265,19 +305,24 @@ def check_ep(model: ModelSpec, ep: int) -> None:
     if ep <= 1:
         return
     if not model.family.moe:
-        raise UserError(f"parallel.ep={ep}: {model.source} is a dense model "
-                        f"({model.family.name}), with no experts to split; use parallel.ep=1")
+        raise UserError(
+            f"parallel.ep={ep}: {model.source} is a dense model "
+            f"({model.family.name}), with no experts to split; use parallel.ep=1"
+        )
     if not expert_layers(model.config):
         config = model.config
-        raise UserError(f"parallel.ep={ep}: {model.source} has no layer with experts "
-                        f"(decoder_sparse_step={getattr(config, 'decoder_sparse_step', None)}, "
-                        f"mlp_only_layers={getattr(config, 'mlp_only_layers', None)} of "
-                        f"{config.num_hidden_layers} layers: every layer is dense); use "
-                        "parallel.ep=1")  # fmt: skip
+        raise UserError(
+            f"parallel.ep={ep}: {model.source} has no layer with experts "
+            f"(decoder_sparse_step={getattr(config, 'decoder_sparse_step', None)}, "
+            f"mlp_only_layers={getattr(config, 'mlp_only_layers', None)} of "
+            f"{config.num_hidden_layers} layers: every layer is dense); use "
+            "parallel.ep=1"
+        )
     experts = num_experts(model.config)
     if experts % ep:
-        raise UserError(f"parallel.ep={ep} must divide the {experts} experts per layer of "
-                        f"{model.source}")  # fmt: skip
+        raise UserError(
+            f"parallel.ep={ep} must divide the {experts} experts per layer of {model.source}"
+        )
 
 
 def check_router_aux(model: ModelSpec, par: ParallelConfig) -> None:
@@ -300,21 +345,27 @@ def check_capacity(run: RunConfig, model: ModelSpec) -> None:
     if factor is None:
         return
     if not model.family.moe:
-        raise UserError(f"model.moe_capacity_factor={factor}: {model.source} is a dense model "
-                        f"({model.family.name}), with no experts; set it to null")  # fmt: skip
+        raise UserError(
+            f"model.moe_capacity_factor={factor}: {model.source} is a dense model "
+            f"({model.family.name}), with no experts; set it to null"
+        )
     if not factor > 0:
         raise UserError(f"model.moe_capacity_factor={factor} must be > 0 (null = dropless)")
     experts, top_k = num_experts(model.config), model.config.num_experts_per_tok
     if not factor <= experts / top_k:  # past it the capacity only grows (1e300: an overflow)
-        raise UserError(f"model.moe_capacity_factor={factor} must be in (0, {experts / top_k:g}] "
-                        f"for {model.source} ({experts} experts, top-{top_k}): at "
-                        f"{experts / top_k:g} an expert may take every token of a forward and "
-                        "nothing is dropped (null = dropless)")  # fmt: skip
+        raise UserError(
+            f"model.moe_capacity_factor={factor} must be in (0, {experts / top_k:g}] "
+            f"for {model.source} ({experts} experts, top-{top_k}): at "
+            f"{experts / top_k:g} an expert may take every token of a forward and "
+            "nothing is dropped (null = dropless)"
+        )
     if par.cp > 1 or (par.sequence_parallel and par.tp > 1):
         key = f"parallel.cp={par.cp}" if par.cp > 1 else "parallel.sequence_parallel=true"
-        raise UserError(f"model.moe_capacity_factor={factor}: not with {key}, which gives each "
-                        "rank a slice of every sequence (the capacity counts a rank's whole "
-                        "micro-batch)")  # fmt: skip
+        raise UserError(
+            f"model.moe_capacity_factor={factor}: not with {key}, which gives each "
+            "rank a slice of every sequence (the capacity counts a rank's whole "
+            "micro-batch)"
+        )
 
 
 def check_zero_degrees(topology: Topology, ds: dict[str, Any], ds_path: str) -> None:
@@ -330,31 +381,45 @@ def check_zero_degrees(topology: Topology, ds: dict[str, Any], ds_path: str) -> 
     5.4989)."""
     zero, stage = ds.get("zero_optimization") or {}, zero_stage(ds)
     if topology.dp_shard and stage != 3:
-        raise UserError(f"parallel.dp_shard={topology.dp_shard} needs ZeRO stage 3 (shards "
-                        f"parameters within groups of {topology.dp_shard} ranks); {ds_path} sets "
-                        f"zero_optimization.stage={stage}")  # fmt: skip
+        raise UserError(
+            f"parallel.dp_shard={topology.dp_shard} needs ZeRO stage 3 (shards "
+            f"parameters within groups of {topology.dp_shard} ranks); {ds_path} sets "
+            f"zero_optimization.stage={stage}"
+        )
     if topology.ep == 1 or stage not in (1, 2):
         return
     where = f"parallel.ep={topology.ep} at ZeRO stage {stage} ({ds_path})"
     if zero.get("reduce_scatter") is False:
-        raise UserError(f"{where} needs zero_optimization.reduce_scatter=true (DeepSpeed reduces "
-                        "expert gradients over their own ranks only with it); it is false")
+        raise UserError(
+            f"{where} needs zero_optimization.reduce_scatter=true (DeepSpeed reduces "
+            "expert gradients over their own ranks only with it); it is false"
+        )
     if zero.get("contiguous_gradients") is False:
-        raise UserError(f"{where} needs zero_optimization.contiguous_gradients=true (DeepSpeed's "
-                        "ZeRO 1-2 keep expert gradients apart only with it); it is false")
+        raise UserError(
+            f"{where} needs zero_optimization.contiguous_gradients=true (DeepSpeed's "
+            "ZeRO 1-2 keep expert gradients apart only with it); it is false"
+        )
 
 
 def check_reshard(par: Any, ds: dict[str, Any], ds_path: str) -> None:
     """`parallel.reshard_after_forward: false` keeps ZeRO-3's gathered parameters: only ZeRO-3
     partitions parameters at all."""
     if not par.reshard_after_forward and zero_stage(ds) != 3:
-        raise UserError(f"parallel.reshard_after_forward=false needs ZeRO stage 3 (only it "
-                        f"partitions parameters); {ds_path} sets zero_optimization.stage="
-                        f"{zero_stage(ds)}")  # fmt: skip
+        raise UserError(
+            f"parallel.reshard_after_forward=false needs ZeRO stage 3 (only it "
+            f"partitions parameters); {ds_path} sets zero_optimization.stage="
+            f"{zero_stage(ds)}"
+        )
 
 
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT")  # fmt: skip
+RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 """Set per rank by every launcher; never copied from the launching environment."""
 
 
@@ -372,11 +437,14 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
     if run.data.packing == "documents" and par.cp > 1:
         # each rank would hold a slice of every document mask, and ring / Ulysses attention
         # take none: refused rather than attending across documents
-        raise UserError(f"data.packing=documents: not with parallel.cp={par.cp} (context "
-                        "parallel attention takes no document mask); use parallel.cp: 1")
+        raise UserError(
+            f"data.packing=documents: not with parallel.cp={par.cp} (context "
+            "parallel attention takes no document mask); use parallel.cp: 1"
+        )
     if par.pp > model.num_layers:
-        raise UserError(f"parallel.pp={par.pp} exceeds the {model.num_layers} blocks of "
-                        f"{model.source}")  # fmt: skip
+        raise UserError(
+            f"parallel.pp={par.pp} exceeds the {model.num_layers} blocks of {model.source}"
+        )
     check_ranges(run)
     check_lr_keys(run.train)
     for name in run.launch.env:
@@ -396,8 +464,7 @@ def resolve(loaded: LoadedConfig, world_size: int) -> Resolved:
         hpz = (out[0].get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1
         return out, replace(topology, hpz=hpz, hpz_from=where)
 
-    _, ((ds, batch, notes, monitors), topology) = check_blamed(derived, file, loaded.ds_path,
-                                                               sets)  # fmt: skip
+    _, ((ds, batch, notes, monitors), topology) = check_blamed(derived, file, loaded.ds_path, sets)
     check_zero_degrees(topology, ds, loaded.ds_path)
     plan = run_plan(run, model, topology, ds, batch)
     check_reshard(par, ds, loaded.ds_path)

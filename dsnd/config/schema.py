@@ -230,7 +230,7 @@ class TrainConfig:
     steps: int = doc("Optimizer steps to train (counted from the start of training).", 20)
     seed: int = doc("Seed of weights and sample order; the layout never changes either.", 1234)
     lr: float | None = doc(
-        "Peak learning rate, for the DeepSpeed JSON's \"auto\" optimizer.params.lr and "
+        'Peak learning rate, for the DeepSpeed JSON\'s "auto" optimizer.params.lr and '
         "scheduler.params.warmup_max_lr (refused where the JSON sets another number). null = "
         "the JSON's, else 3e-3, or 5e-5 (the Hugging Face Trainer's) with model.init_from.",
         None,
@@ -244,7 +244,7 @@ class TrainConfig:
     lr_decay: str | None = doc(
         "After the warm-up: constant (DeepSpeed's WarmupLR), linear down to min_lr at "
         "train.steps (WarmupDecayLR) or cosine down to min_lr (WarmupCosineLR), for a JSON "
-        "scheduler of \"type\": \"auto\" or none. null = the JSON's, else constant, or linear "
+        'scheduler of "type": "auto" or none. null = the JSON\'s, else constant, or linear '
         "with model.init_from.",
         None,
     )
@@ -270,7 +270,8 @@ class CheckpointConfig:
     every: int = doc("Steps between checkpoints; 0 = only at the end of training.", 0)
     at_end: bool = doc(
         "Save a checkpoint when training ends (false: only every checkpoint.every steps, and on "
-        "a stop request; benchmarks and plan --validate measure without one).", True
+        "a stop request; benchmarks and plan --validate measure without one).",
+        True,
     )
     keep: int = doc("Keep the newest N committed checkpoints; 0 = keep all.", 0)
     resume: str = doc(
@@ -344,18 +345,28 @@ class DistConfig:
 
 @dataclass
 class LaunchConfig:
-    env: list = field(default_factory=list, metadata={"doc": (
-        "Names of variables that `dsnd launch` copies from its own environment to every rank on "
-        "every host, byte for byte (with .deepspeed_env's KEY=VALUE lines). Values never enter "
-        "the config, logs or checkpoints; those of names containing KEY, TOKEN, SECRET or "
-        "PASSWORD are masked wherever dsnd prints them."
-    )})  # fmt: skip
+    env: list = field(
+        default_factory=list,
+        metadata={
+            "doc": (
+                "Names of variables that `dsnd launch` copies from its own environment to every "
+                "rank on "
+                "every host, byte for byte (with .deepspeed_env's KEY=VALUE lines). Values never "
+                "enter "
+                "the config, logs or checkpoints; those of names containing KEY, TOKEN, SECRET or "
+                "PASSWORD are masked wherever dsnd prints them."
+            )
+        },
+    )
 
 
 @dataclass
 class RunConfig:
-    deepspeed: str = doc("DeepSpeed JSON, relative to this YAML file (--set: to the current "
-                         "directory). Absent: dsnd's packaged zero0.json.", "zero0.json")
+    deepspeed: str = doc(
+        "DeepSpeed JSON, relative to this YAML file (--set: to the current "
+        "directory). Absent: dsnd's packaged zero0.json.",
+        "zero0.json",
+    )
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "The model."})
     parallel: ParallelConfig = field(
         default_factory=ParallelConfig, metadata={"doc": "The parallel layout."}

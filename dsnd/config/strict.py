@@ -70,8 +70,9 @@ def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             return None
         if not isinstance(value, tuple(members)):
             names = " or ".join(_a(m) for m in members)
-            raise UserError(f"{where}: {key} must be {names}, got {type(value).__name__} "
-                            f"{shown(value)}")
+            raise UserError(
+                f"{where}: {key} must be {names}, got {type(value).__name__} {shown(value)}"
+            )
         return value
     optional, base = _is_optional(tp)
     if value is None:
@@ -87,8 +88,9 @@ def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     if base is int and isinstance(value, bool):
         raise UserError(f"{where}: {key} must be an int, got bool {shown(value)}")
     if not isinstance(value, base):
-        raise UserError(f"{where}: {key} must be {_a(base)}, got {type(value).__name__} "
-                        f"{shown(value)}")
+        raise UserError(
+            f"{where}: {key} must be {_a(base)}, got {type(value).__name__} {shown(value)}"
+        )
     if key in CHOICES and value not in CHOICES[key]:
         raise UserError(
             f"{where}: {key} must be one of {', '.join(CHOICES[key])}, got {shown(value)}"

@@ -11,9 +11,11 @@ from dsnd.topology import Topology
 
 def batch_line(batch: Batch, t: Topology) -> str:
     context = f", cp={t.cp}: context-parallel ranks share their samples" if t.cp > 1 else ""
-    return (f"batch: train_batch_size {batch.train} = micro {batch.micro} x "
-            f"gradient_accumulation_steps {batch.gas} x dp {t.dp} (pp={t.pp}, tp={t.tp}"
-            f"{context})")  # fmt: skip
+    return (
+        f"batch: train_batch_size {batch.train} = micro {batch.micro} x "
+        f"gradient_accumulation_steps {batch.gas} x dp {t.dp} (pp={t.pp}, tp={t.tp}"
+        f"{context})"
+    )
 
 
 def precision(ds: dict[str, Any]) -> str:

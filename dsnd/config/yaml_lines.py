@@ -24,9 +24,11 @@ class _Loader(yaml.SafeLoader):
             return super().construct_yaml_int(node)
         except ValueError:
             raise yaml.constructor.ConstructorError(
-                None, None, f"an integer of {len(node.value)} digits is out of range",
+                None,
+                None,
+                f"an integer of {len(node.value)} digits is out of range",
                 node.start_mark,
-            ) from None  # fmt: skip
+            ) from None
 
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
@@ -45,8 +47,12 @@ def _add(path: str, event: yaml.Event, open_: list[list], values: int, depth: in
         parent[1] += values
         parent[2] = max(parent[2], depth)
         if parent[1] > MAX_VALUES:
-            raise _refuse(path, event, f"aliases expand to more than {MAX_VALUES} values (a run "
-                                       "config has about a hundred)")  # fmt: skip
+            raise _refuse(
+                path,
+                event,
+                f"aliases expand to more than {MAX_VALUES} values (a run "
+                "config has about a hundred)",
+            )
 
 
 def check_shape(text: str, path: str) -> None:
@@ -111,8 +117,9 @@ def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, int]]:
     except OSError as e:
         raise UserError(f"{path}: cannot read run config: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: cannot read run config: not UTF-8 text ({e.reason} at byte "
-                        f"{e.start})") from None  # fmt: skip
+        raise UserError(
+            f"{path}: cannot read run config: not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     try:
         data, node = _parse(text, path)
     except yaml.YAMLError as e:

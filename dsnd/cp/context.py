@@ -30,24 +30,32 @@ class ContextParallel(RankGroup):
 
     def positions(self, seq: int, device: torch.device | None = None) -> torch.Tensor:
         """Global positions (indices into a `seq`-token sequence) of this rank's slice."""
-        return torch.tensor(slice_positions(seq, self.size, self.rank, self.impl),
-                            dtype=torch.long, device=device)  # fmt: skip
+        return torch.tensor(
+            slice_positions(seq, self.size, self.rank, self.impl), dtype=torch.long, device=device
+        )
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a (batch, seq, ...) tensor of whole sequences."""
         return tensor.index_select(1, self.positions(tensor.shape[1], tensor.device))
 
-    def attention(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    def attention(
+        self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
         if self.impl == "ulysses":
             return ulysses_attention(module, q, k, v, self.group, **kwargs)
         scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
         return ring_attention(q, k, v, self.group, scale)
 
 
-def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, context_parallel: ContextParallel,
-               **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+def _attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context_parallel: ContextParallel,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; causal, no mask (as dsnd's SDPA path)."""
     if attention_mask is not None:
         raise ValueError("context-parallel attention is causal and takes no attention mask")

@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 
 
-def context_parallel_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                          group: dist.ProcessGroup,
-                          ignore_index: int = -100) -> Callable[..., torch.Tensor]:  # fmt: skip
+def context_parallel_loss(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: dist.ProcessGroup,
+    ignore_index: int = -100,
+) -> Callable[..., torch.Tensor]:
     """`loss_fn` (a mean over this rank's labels other than `ignore_index`) made this rank's
     share of the mean over the group's whole sequences, times the group size (see above)."""
     size = dist.get_world_size(group)

@@ -63,8 +63,10 @@ class _Ring:
     def start(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Begin sending `tensor` on and receiving its successor; (buffer, handles)."""
         incoming = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group),
-               dist.P2POp(dist.irecv, incoming, self.prev, self.group)]  # fmt: skip
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next, self.group),
+            dist.P2POp(dist.irecv, incoming, self.prev, self.group),
+        ]
         return incoming, dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -92,49 +94,91 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
     return s
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                  kernel: str = "math") -> tuple[torch.Tensor, torch.Tensor, tuple]:  # fmt: skip
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    kernel: str = "math",
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """(softmax(q kᵀ·scale) v, its log-sum-exp (.., 1), what the kernel's backward needs back)
     of one block, output and log-sum-exp fp32, (b, h, c, d); `kernel` as `kernel_for` names
     them ("cuda" takes q, k, v in bf16/fp16, k and v at their own head count; the others fp32
     at q's)."""
     if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)  # fmt: skip
+            q, k, v, 0.0, causal, scale=scale
+        )
         return out, lse.unsqueeze(-1), ()
     if kernel == "cuda":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
             torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, causal, False, scale=scale))  # fmt: skip
+                q, k, v, 0.0, causal, False, scale=scale
+            )
+        )
         return out.float(), lse.unsqueeze(-1), (cum_q, cum_k, max_q, max_k, seed, offset)
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     return torch.matmul(torch.exp(s - lse), v), lse, ()
 
 
-def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
-                   kernel: str = "math", aux: tuple = ()) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def block_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    kernel: str = "math",
+    aux: tuple = (),
+) -> tuple[torch.Tensor, ...]:
     """One block's share of (dq, dk, dv), given the rows' global output `out` and
     log-sum-exp `lse` (so p = exp(s − lse) are the block's final probabilities) and what its
     `block_forward` returned for the kernel (`aux`); fp32."""
     if kernel == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale)  # fmt: skip
+            do, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale
+        )
     if kernel == "cuda":
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do.to(q.dtype), q, k, v, out.to(q.dtype), lse.squeeze(-1).contiguous(), cum_q,
-            cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)  # fmt: skip
+            do.to(q.dtype),
+            q,
+            k,
+            v,
+            out.to(q.dtype),
+            lse.squeeze(-1).contiguous(),
+            cum_q,
+            cum_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=scale,
+        )
         return tuple(g.float() for g in grads)
     p = torch.exp(_scores(q, k, scale, causal) - lse)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
-    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
-            torch.matmul(p.transpose(-1, -2), do))  # fmt: skip
+    return (
+        torch.matmul(ds, k) * scale,
+        torch.matmul(ds.transpose(-1, -2), q) * scale,
+        torch.matmul(p.transpose(-1, -2), do),
+    )
 
 
-def kernels_agree(kernel: str, device: torch.device, dtype: torch.dtype, groups: int,
-                  head_dim: int = 64, tokens: int = 128) -> str | None:  # fmt: skip
+def kernels_agree(
+    kernel: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    groups: int,
+    head_dim: int = 64,
+    tokens: int = 128,
+) -> str | None:
     """None where `kernel` gives the written-out form's forward and block gradients (a causal
     block merged with a full one, as the ring merges them) within `dtype`'s tolerance on
     `device`, with `groups` query heads per key/value head; else why not."""
@@ -152,16 +196,16 @@ def kernels_agree(kernel: str, device: torch.device, dtype: torch.dtype, groups:
             o2, l2, _ = block_forward(cast(q), kb2, vb2, scale, False, name)
             lse = torch.logaddexp(l1, l2)
             out = o1 * torch.exp(l1 - lse) + o2 * torch.exp(l2 - lse)
-            dq, dk, dv = block_backward(cast(do), cast(q), kb, vb, out, lse, scale, True, name,
-                                        aux)  # fmt: skip
+            dq, dk, dv = block_backward(cast(do), cast(q), kb, vb, out, lse, scale, True, name, aux)
             if name != "cuda":
                 dk, dv = _fold(dk, groups), _fold(dv, groups)
             got[name] = (out, lse, dq, dk, dv)
     except RuntimeError as e:  # no such kernel on this device, dtype or head size
         return f"{type(e).__name__}: {str(e).splitlines()[0]}"
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 keeps 8 bits of mantissa
-    for part, a, b in zip(("output", "lse", "dq", "dk", "dv"), got[kernel], got["math"],
-                          strict=True):  # fmt: skip
+    for part, a, b in zip(
+        ("output", "lse", "dq", "dk", "dv"), got[kernel], got["math"], strict=True
+    ):
         err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
         if not err <= tol:
             return f"{part} differs from the written-out form by {err:.2g} (relative)"
@@ -172,8 +216,14 @@ def kernels_agree(kernel: str, device: torch.device, dtype: torch.dtype, groups:
 def _cuda_flash(device: torch.device, dtype: torch.dtype, groups: int, head_dim: int) -> bool:
     why = kernels_agree("cuda", device, dtype, groups, head_dim)
     if why is not None:
-        log.warning("ring attention: torch's CUDA flash kernel failed its trial on %s (%s, "
-                    "head dim %d): %s; the written-out form runs", device, dtype, head_dim, why)
+        log.warning(
+            "ring attention: torch's CUDA flash kernel failed its trial on %s (%s, "
+            "head dim %d): %s; the written-out form runs",
+            device,
+            dtype,
+            head_dim,
+            why,
+        )
     return why is None
 
 
@@ -183,8 +233,13 @@ def kernel_for(q: torch.Tensor, groups: int) -> str:
     if q.device.type == "cpu":
         return "cpu"
     head_dim = q.shape[-1]
-    if (q.device.type == "cuda" and q.dtype in HALF and head_dim <= 256 and head_dim % 8 == 0
-            and _cuda_flash(q.device, q.dtype, groups, head_dim)):  # fmt: skip
+    if (
+        q.device.type == "cuda"
+        and q.dtype in HALF
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and _cuda_flash(q.device, q.dtype, groups, head_dim)
+    ):
         return "cuda"
     return "math"
 
@@ -225,8 +280,14 @@ class RingAttention(torch.autograd.Function):
     sequence; q (b, heads, S, d), k and v (b, kv_heads, S, d), S = two chunks."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: dist.ProcessGroup, scale: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        scale: float,
+    ) -> torch.Tensor:
         ring = _Ring(group)
         groups = q.shape[1] // k.shape[1]
         half = q.shape[2] // 2
@@ -242,10 +303,12 @@ class RingAttention(torch.autograd.Function):
             kf, vf = (_chunks(_keys(t, groups, kernel), half) for t in kv)
             for qa, kb, causal in _pairs(ring.size, ring.rank, src):
                 block_out, block_lse, ctx.aux[step, qa, kb] = block_forward(
-                    qf[qa], kf[kb], vf[kb], scale, causal, kernel)  # fmt: skip
+                    qf[qa], kf[kb], vf[kb], scale, causal, kernel
+                )
                 new_lse = torch.logaddexp(lse[qa], block_lse)
-                out[qa] = (out[qa] * torch.exp(lse[qa] - new_lse)
-                           + block_out * torch.exp(block_lse - new_lse))  # fmt: skip
+                out[qa] = out[qa] * torch.exp(lse[qa] - new_lse) + block_out * torch.exp(
+                    block_lse - new_lse
+                )
                 lse[qa] = new_lse
             if pending is not None:
                 kv, handles = pending
@@ -280,26 +343,43 @@ class RingAttention(torch.autograd.Function):
             dv = [torch.zeros_like(vf[0], dtype=torch.float32) for _ in range(2)]
             for qa, kb, causal in _pairs(ring.size, ring.rank, src):
                 aux = ctx.aux[step, qa, kb]
-                grads = block_backward(do[qa], qf[qa], kf[kb], vf[kb], outs[qa], lses[qa],
-                                       ctx.scale, causal, kernel, aux)  # fmt: skip
+                grads = block_backward(
+                    do[qa],
+                    qf[qa],
+                    kf[kb],
+                    vf[kb],
+                    outs[qa],
+                    lses[qa],
+                    ctx.scale,
+                    causal,
+                    kernel,
+                    aux,
+                )
                 dq[qa] += grads[0]
                 dk[kb] += grads[1]
                 dv[kb] += grads[2]
             fold = 1 if kernel == "cuda" else groups  # the CUDA kernel sums a group's heads
-            dkv += torch.stack([_fold(torch.cat(dk, dim=2), fold),
-                                _fold(torch.cat(dv, dim=2), fold)])  # fmt: skip
+            dkv += torch.stack(
+                [_fold(torch.cat(dk, dim=2), fold), _fold(torch.cat(dv, dim=2), fold)]
+            )
             if pending is not None:  # (received before the next message to the same peer)
                 kv, handles = pending
                 _Ring.finish(handles)
             # this step's key/value gradients travel on with the keys/values they belong to
             dkv, handles = ring.start(dkv)
             _Ring.finish(handles)
-        return (torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None)  # fmt: skip
+        return (
+            torch.cat(dq, dim=2).to(q.dtype),
+            dkv[0].to(k.dtype),
+            dkv[1].to(v.dtype),
+            None,
+            None,
+        )
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   group: dist.ProcessGroup, scale: float) -> torch.Tensor:  # fmt: skip
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, scale: float
+) -> torch.Tensor:
     """Causal attention over the cp group's whole sequence; (b, S, heads, d) as transformers'
     attention functions return it."""
     return RingAttention.apply(q, k, v, group, scale)

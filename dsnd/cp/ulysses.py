@@ -18,15 +18,22 @@ import torch.distributed as dist
 from dsnd.engine.public import distributed_attention
 
 
-def ulysses_attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      group: dist.ProcessGroup, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+def ulysses_attention(
+    module: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    **kwargs: Any,
+) -> torch.Tensor:
     """Causal attention of (b, heads, s/cp, d) slices over the group's whole sequence;
     (b, s/cp, heads, d) as transformers' attention functions return it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def local(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
-        out, _ = sdpa_attention_forward(module, q_.transpose(1, 2), k_.transpose(1, 2),
-                                        v_.transpose(1, 2), None, **kwargs)  # fmt: skip
+        out, _ = sdpa_attention_forward(
+            module, q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), None, **kwargs
+        )
         return out  # (b, s, heads/cp, d)
 
     # scatter heads (dim 2), gather the sequence (dim 1); batch is dim 0

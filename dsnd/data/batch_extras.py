@@ -33,8 +33,9 @@ class BatchExtras:
     documents: tuple[torch.Tensor, ...] | None = None
 
 
-def batch_extras(samples: Samples, seed: int, step: int, global_batch: int, dp_rank: int,
-                dp: int, micro: int) -> BatchExtras | None:  # fmt: skip
+def batch_extras(
+    samples: Samples, seed: int, step: int, global_batch: int, dp_rank: int, dp: int, micro: int
+) -> BatchExtras | None:
     """Rank `dp_rank`'s `BatchExtras` of global step `step` (None where every label counts and
     no documents are kept apart: the plain mean, as without it), for the micro-batches
     `batch_for_step` gives with the same arguments."""
@@ -49,8 +50,10 @@ def batch_extras(samples: Samples, seed: int, step: int, global_batch: int, dp_r
     docs = None
     if samples.document_ids(indices[:1]) is not None:
         first = dp_rank * per_rank * micro
-        docs = tuple(samples.document_ids(indices[first + k * micro : first + (k + 1) * micro])
-                     for k in range(per_rank))  # fmt: skip
+        docs = tuple(
+            samples.document_ids(indices[first + k * micro : first + (k + 1) * micro])
+            for k in range(per_rank)
+        )
     return BatchExtras(weights, docs)
 
 
@@ -61,8 +64,9 @@ def fewest_samples(corpus: Corpus | BlendedCorpus, seq_len: int) -> int:
     return min(len(p.tokens) for p in parts) // (seq_len + 1)
 
 
-def sample_sets(corpus: Corpus | BlendedCorpus, seq_len: int, packing: str,
-                held_out: float | None = None) -> tuple[Samples, Samples | None]:  # fmt: skip
+def sample_sets(
+    corpus: Corpus | BlendedCorpus, seq_len: int, packing: str, held_out: float | None = None
+) -> tuple[Samples, Samples | None]:
     """The corpus's training samples and, with a `held_out` fraction, the held-out last share
     of its windows (at least one; of each file, for a blend, blended by the same weights).
     `packing` "documents" keeps documents apart. Nothing here reads the tokens: a token file's
@@ -72,13 +76,15 @@ def sample_sets(corpus: Corpus | BlendedCorpus, seq_len: int, packing: str,
         train = BlendedSamples([p[0] for p in pairs], corpus.weights, corpus.name)
         if held_out is None:
             return train, None
-        return train, BlendedSamples([p[1] for p in pairs], corpus.weights,
-                                     f"{corpus.name} (held out)")  # fmt: skip
+        return train, BlendedSamples(
+            [p[1] for p in pairs], corpus.weights, f"{corpus.name} (held out)"
+        )
     documents = corpus.documents if packing == "documents" else None
     vocab = corpus.vocab_size
     if held_out is None:
-        return SampleSet(corpus.tokens, seq_len, corpus.name, corpus.targets, documents,
-                         vocab), None  # fmt: skip
+        return SampleSet(
+            corpus.tokens, seq_len, corpus.name, corpus.targets, documents, vocab
+        ), None
     window = seq_len + 1
     count = len(corpus.tokens) // window
     cut = (count - max(1, int(count * held_out))) * window

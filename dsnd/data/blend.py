@@ -92,8 +92,9 @@ class BlendedSamples:
     def step_indices(self, global_batch: int, seed: int, step: int) -> np.ndarray:
         """The global sample ids of global batch `step`: positions ``[step*B, (step+1)*B)``."""
         if global_batch < 1 or step < 0 or seed < 0:
-            raise ValueError(f"need global_batch >= 1, step >= 0, seed >= 0, got "
-                             f"{global_batch}, {step}, {seed}")  # fmt: skip
+            raise ValueError(
+                f"need global_batch >= 1, step >= 0, seed >= 0, got {global_batch}, {step}, {seed}"
+            )
         positions = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
         which, draw = self.schedule.draws(positions)
         out = np.empty(global_batch, dtype=np.int64)
@@ -107,8 +108,9 @@ class BlendedSamples:
         """(part, which rows of `indices` are its, its own sample ids) for each part present."""
         indices = np.asarray(indices, dtype=np.int64)
         part = np.searchsorted(self._offsets, indices, side="right") - 1
-        return [(d, part == d, indices[part == d] - self._offsets[d])
-                for d in np.unique(part).tolist()]  # fmt: skip
+        return [
+            (d, part == d, indices[part == d] - self._offsets[d]) for d in np.unique(part).tolist()
+        ]
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         # on the host, as every part's batch: the runner moves the micro-batches to the device
@@ -167,8 +169,10 @@ class BlendedCorpus:
 
     def files(self) -> list[dict]:
         """Path, weight, tokens and fingerprint of each file: what a checkpoint records."""
-        return [{"path": p.name, "weight": w, "tokens": int(len(p.tokens)), "sha256": p.fingerprint}
-                for p, w in zip(self.parts, self.weights, strict=True)]  # fmt: skip
+        return [
+            {"path": p.name, "weight": w, "tokens": int(len(p.tokens)), "sha256": p.fingerprint}
+            for p, w in zip(self.parts, self.weights, strict=True)
+        ]
 
     @property
     def fingerprint(self) -> str:
@@ -177,8 +181,12 @@ class BlendedCorpus:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def manifest(self) -> dict:
-        return {"name": self.name, "tokens": sum(int(len(p.tokens)) for p in self.parts),
-                "sha256": self.fingerprint, "blend": self.files()}  # fmt: skip
+        return {
+            "name": self.name,
+            "tokens": sum(int(len(p.tokens)) for p in self.parts),
+            "sha256": self.fingerprint,
+            "blend": self.files(),
+        }
 
 
 def normalised(weights: Sequence[float]) -> tuple[float, ...]:

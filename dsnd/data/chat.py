@@ -29,8 +29,9 @@ from dsnd.errors import UserError
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def chat_corpus(values: Iterable[tuple[str, Any]], tok: Any, max_bytes: int | None, name: str,
-                tokenizer: str) -> Corpus:  # fmt: skip
+def chat_corpus(
+    values: Iterable[tuple[str, Any]], tok: Any, max_bytes: int | None, name: str, tokenizer: str
+) -> Corpus:
     """Every conversation of `values` ((where, messages) pairs) rendered, until `max_bytes` of
     message text are read, as one corpus whose targets are the assistant tokens."""
     check_template(tok, tokenizer)
@@ -48,8 +49,10 @@ def chat_corpus(values: Iterable[tuple[str, Any]], tok: Any, max_bytes: int | No
 def check_template(tok: Any, tokenizer: str, what: str = "data.format=chat") -> None:
     """Refuse a tokenizer without a chat template (`what` names the setting that asked)."""
     if not getattr(tok, "chat_template", None):
-        raise UserError(f"{what}: the tokenizer {tokenizer} has no chat template "
-                        "(tokenizer_config.json chat_template or chat_template.jinja)")  # fmt: skip
+        raise UserError(
+            f"{what}: the tokenizer {tokenizer} has no chat template "
+            "(tokenizer_config.json chat_template or chat_template.jinja)"
+        )
 
 
 def render_conversation(tok: Any, messages: Any, where: str) -> tuple[list[int], list[bool]]:
@@ -64,13 +67,16 @@ def _check_messages(messages: Any, where: str) -> None:
     """A non-empty list of {role: str, content: str} objects, or one line naming `where`."""
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if messages == [] else type(messages).__name__
-        raise UserError(f"{where}: messages must be a non-empty list of {{role, content}} "
-                        f"objects, got {got}")  # fmt: skip
+        raise UserError(
+            f"{where}: messages must be a non-empty list of {{role, content}} objects, got {got}"
+        )
     for k, m in enumerate(messages):
-        if not isinstance(m, dict) or not all(isinstance(m.get(f), str)
-                                              for f in ("role", "content")):  # fmt: skip
-            raise UserError(f"{where}: message {k} must have string role and content, got "
-                            f"{str(m)[:80]}")  # fmt: skip
+        if not isinstance(m, dict) or not all(
+            isinstance(m.get(f), str) for f in ("role", "content")
+        ):
+            raise UserError(
+                f"{where}: message {k} must have string role and content, got {str(m)[:80]}"
+            )
 
 
 def _render(tok: Any, messages: list, where: str, **kwargs: Any) -> Any:
@@ -79,8 +85,10 @@ def _render(tok: Any, messages: list, where: str, **kwargs: Any) -> Any:
         return tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
     except Exception as e:  # a template error: jinja's, or the template's own raise_exception
         first = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(f"{where}: the chat template cannot render this conversation "
-                        f"({type(e).__name__}: {first})") from e  # fmt: skip
+        raise UserError(
+            f"{where}: the chat template cannot render this conversation "
+            f"({type(e).__name__}: {first})"
+        ) from e
 
 
 def _marked(tok: Any, messages: list, where: str) -> tuple[list[int], list[bool]]:
@@ -105,8 +113,10 @@ def _by_prefixes(tok: Any, messages: list, where: str) -> tuple[list[int], list[
 def _prefix(tok: Any, messages: list, whole: list[int], where: str, **kwargs: Any) -> list[int]:
     part = list(_render(tok, messages, where, **kwargs)["input_ids"])
     if whole[: len(part)] != part:
-        raise UserError(f"{where}: the chat template renders the first {len(messages)} "
-                        "messages as other tokens than the start of the whole conversation, so "
-                        "the assistant's tokens cannot be told apart; use a template with "
-                        "{% generation %} blocks")  # fmt: skip
+        raise UserError(
+            f"{where}: the chat template renders the first {len(messages)} "
+            "messages as other tokens than the start of the whole conversation, so "
+            "the assistant's tokens cannot be told apart; use a template with "
+            "{% generation %} blocks"
+        )
     return part

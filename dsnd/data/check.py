@@ -48,8 +48,9 @@ def check_data(data: DataConfig, model_vocab: int, model: ModelConfig | None = N
         counted_line(corpus, sample_sets(corpus, model.seq_len, data.packing)[0], data.packing)
 
 
-def check_tokenizer_match(data: DataConfig, model: ModelConfig, tokenizer: str,
-                          said: str, key: str | None = None) -> None:  # fmt: skip
+def check_tokenizer_match(
+    data: DataConfig, model: ModelConfig, tokenizer: str, said: str, key: str | None = None
+) -> None:
     """Pretrained weights read ids as their tokenizer's: data with ids of another (bytes, by
     default) trains them on scrambled text, so it is refused unless
     data.allow_vocab_mismatch says it is meant. `key` names the data (default data.path's)."""
@@ -57,22 +58,27 @@ def check_tokenizer_match(data: DataConfig, model: ModelConfig, tokenizer: str,
     if own is None or data.allow_vocab_mismatch or same_tokenizer(tokenizer, own):
         return
     if key is None:
-        path = data.path if data.path is not None else \
-            "null (the Python standard library's sources)"  # fmt: skip
+        path = (
+            data.path if data.path is not None else "null (the Python standard library's sources)"
+        )
         key = f"data.path={path}"
     what = "byte tokens" if tokenizer == BYTE else f"the tokenizer of {tokenizer}"
-    raise UserError(f"{key}: {said} {what}, but model.init_from={own} has its own "
-                    "tokenizer; set data.vocab: model to tokenize the data with it, or "
-                    "data.allow_vocab_mismatch: true to train on it as is")  # fmt: skip
+    raise UserError(
+        f"{key}: {said} {what}, but model.init_from={own} has its own "
+        "tokenizer; set data.vocab: model to tokenize the data with it, or "
+        "data.allow_vocab_mismatch: true to train on it as is"
+    )
 
 
-def _check_token_corpus(corpus: Corpus, data: DataConfig, model: ModelConfig, model_vocab: int,
-                        key: str = "data.path") -> None:  # fmt: skip
+def _check_token_corpus(
+    corpus: Corpus, data: DataConfig, model: ModelConfig, model_vocab: int, key: str = "data.path"
+) -> None:
     """A token file's checks, none of which reads its tokens (`dsnd.data.verify` does): the
     sidecar and the sizes (`token_corpus`), its tokenizer against model.init_from's, document
     boundaries for document packing, its vocabulary against the model's, and one sample."""
-    check_tokenizer_match(data, model, corpus.tokenizer, f"{meta_path(corpus.name)} names",
-                          f"{key}={corpus.name}")  # fmt: skip
+    check_tokenizer_match(
+        data, model, corpus.tokenizer, f"{meta_path(corpus.name)} names", f"{key}={corpus.name}"
+    )
     _check_packing(data, corpus.documents, f"{key}={corpus.name}")
     check_vocab(corpus.vocab_size, model_vocab, corpus.name)
     SampleSet(corpus.tokens, model.seq_len, corpus.name)  # refuses fewer tokens than a sample
@@ -83,9 +89,11 @@ def _check_packing(data: DataConfig, documents: object, name: str | None = None)
         if name is None:
             path = data.path if data.path is not None else "null (the Python standard library)"
             name = f"data.path={path}"
-        raise UserError(f"data.packing=documents: {name} records no document boundaries; use "
-                        "JSONL, a Hugging Face dataset, chat data or a token file prepared "
-                        "with its documents")  # fmt: skip
+        raise UserError(
+            f"data.packing=documents: {name} records no document boundaries; use "
+            "JSONL, a Hugging Face dataset, chat data or a token file prepared "
+            "with its documents"
+        )
 
 
 def check_byte_vocab(path: str | None, model_vocab: int) -> None:
@@ -94,6 +102,8 @@ def check_byte_vocab(path: str | None, model_vocab: int) -> None:
     need = ByteTokenizer.vocab_size
     if model_vocab < need:
         name = path if path is not None else "null (the Python standard library's sources)"
-        raise UserError(f"data.path={name}: byte tokens have ids up to {need - 1} >= "
-                        f"model.vocab_size {model_vocab} (set model.vocab_size to at "
-                        f"least {need})")  # fmt: skip
+        raise UserError(
+            f"data.path={name}: byte tokens have ids up to {need - 1} >= "
+            f"model.vocab_size {model_vocab} (set model.vocab_size to at "
+            f"least {need})"
+        )

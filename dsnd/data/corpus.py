@@ -96,11 +96,15 @@ def cap_note(max_bytes: int, where: str, total: int | None) -> str:
     """The line that says what a `data.max_bytes` cap reads of `where` (`total` bytes, when
     known; None: a cap on text, counted as it is read)."""
     if total is None:
-        return f"data: data.max_bytes={max_bytes} reads at most the first {max_bytes} bytes of " \
-               f"text of {where}"  # fmt: skip
+        return (
+            f"data: data.max_bytes={max_bytes} reads at most the first {max_bytes} bytes of "
+            f"text of {where}"
+        )
     read = min(max_bytes, total)
-    return (f"data: data.max_bytes={max_bytes} reads the first {read} of {total} bytes "
-            f"({100 * read / max(total, 1):.1f}%) of {where}")  # fmt: skip
+    return (
+        f"data: data.max_bytes={max_bytes} reads the first {read} of {total} bytes "
+        f"({100 * read / max(total, 1):.1f}%) of {where}"
+    )
 
 
 def load_corpus(
@@ -124,13 +128,19 @@ def load_corpus(
     if path is None:
         data, name = _stdlib_bytes(max_bytes), _stdlib_name()
         if max_bytes is not None:
-            notes = (cap_note(max_bytes, f"the default corpus ({name}'s first {STDLIB_BYTES} "
-                                         "bytes)", STDLIB_BYTES),)  # fmt: skip
+            notes = (
+                cap_note(
+                    max_bytes,
+                    f"the default corpus ({name}'s first {STDLIB_BYTES} bytes)",
+                    STDLIB_BYTES,
+                ),
+            )
     elif fmt == "tokens":
         return token_corpus(path, max_bytes)
     elif fmt == "jsonl":
-        parts = _read(path, lambda: text_parts(jsonl_values(path, text_field), text_field,
-                                               max_bytes))  # fmt: skip
+        parts = _read(
+            path, lambda: text_parts(jsonl_values(path, text_field), text_field, max_bytes)
+        )
         data, documents = join_documents(parts, max_bytes)
         name = path
         notes = () if max_bytes is None else (cap_note(max_bytes, path, None),)
@@ -139,8 +149,13 @@ def load_corpus(
         if max_bytes is not None:
             notes = (cap_note(max_bytes, path, os.path.getsize(path)),)
     tokens = np.frombuffer(data, dtype=np.uint8).copy()
-    return Corpus(tokens=tokens, name=name, fingerprint=hashlib.sha256(data).hexdigest(),
-                  documents=documents, notes=notes)  # fmt: skip
+    return Corpus(
+        tokens=tokens,
+        name=name,
+        fingerprint=hashlib.sha256(data).hexdigest(),
+        documents=documents,
+        notes=notes,
+    )
 
 
 def token_corpus(path: str, max_bytes: int | None = None) -> Corpus:
@@ -157,10 +172,17 @@ def token_corpus(path: str, max_bytes: int | None = None) -> Corpus:
             digest = hashlib.sha256(f"{digest}[:{keep}]".encode()).hexdigest()
             tokens, mask = tokens[:keep], None if mask is None else mask[:keep]
             counted = None  # the file's count is not the cut's
-    return Corpus(tokens=tokens, name=path, fingerprint=digest, vocab_size=meta["vocab_size"],
-                  targets=mask, documents=None if starts is None else DocumentStarts(starts),
-                  tokenizer=str(meta.get("tokenizer") or "byte"), notes=notes,
-                  counted=counted)  # fmt: skip
+    return Corpus(
+        tokens=tokens,
+        name=path,
+        fingerprint=digest,
+        vocab_size=meta["vocab_size"],
+        targets=mask,
+        documents=None if starts is None else DocumentStarts(starts),
+        tokenizer=str(meta.get("tokenizer") or "byte"),
+        notes=notes,
+        counted=counted,
+    )
 
 
 def _read(path: str, read: Callable[[], _T]) -> _T:
@@ -212,8 +234,9 @@ def join_documents(parts: list[bytes], max_bytes: int | None) -> tuple[bytes, np
     return data, documents
 
 
-def text_parts(values: Iterable[tuple[str, object]], text_field: str,
-               max_bytes: int | None) -> list[bytes]:  # fmt: skip
+def text_parts(
+    values: Iterable[tuple[str, object]], text_field: str, max_bytes: int | None
+) -> list[bytes]:
     """The UTF-8 bytes of each text value, until `max_bytes` (with separators) are collected."""
     parts: list[bytes] = []
     total = 0
@@ -236,8 +259,10 @@ def jsonl_values(path: str, field: str) -> Iterator[tuple[str, object]]:
             where = f"{path}:{lineno}"
             record = _parse_record(raw, where, field)
             if not isinstance(record, dict):
-                raise UserError(f"{where}: expected a JSON object with field {field!r}, "
-                                f"got {type(record).__name__}")  # fmt: skip
+                raise UserError(
+                    f"{where}: expected a JSON object with field {field!r}, "
+                    f"got {type(record).__name__}"
+                )
             if field not in record:
                 keys = ", ".join(sorted(map(str, record))) or "none"
                 raise UserError(f"{where}: record has no field {field!r} (fields: {keys})")
@@ -253,9 +278,11 @@ def _text_bytes_of(text: object, where: str, text_field: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as e:  # JSON's \ud800 escapes decode to str no UTF-8 can hold
-        raise UserError(f"{where}: field {text_field!r} holds a lone surrogate "
-                        f"{text[e.start]!r} at character {e.start}, which has no UTF-8 "
-                        "encoding") from None  # fmt: skip
+        raise UserError(
+            f"{where}: field {text_field!r} holds a lone surrogate "
+            f"{text[e.start]!r} at character {e.start}, which has no UTF-8 "
+            "encoding"
+        ) from None
 
 
 def _parse_record(raw: bytes, where: str, text_field: str) -> object:

@@ -31,8 +31,9 @@ _SAMPLES = 4096  # samples whose labels are counted at once
 
 def counted_tokens(targets: np.ndarray) -> int:
     """The tokens a mask (bool, or uint8: nonzero counts) marks as counted."""
-    return sum(int(np.count_nonzero(targets[i : i + _CHUNK]))
-               for i in range(0, len(targets), _CHUNK))  # fmt: skip
+    return sum(
+        int(np.count_nonzero(targets[i : i + _CHUNK])) for i in range(0, len(targets), _CHUNK)
+    )
 
 
 def _any_label(samples: SampleSet) -> bool:
@@ -53,15 +54,20 @@ def counted_line(corpus: Corpus, samples: SampleSet, packing: str) -> str | None
     total = len(corpus.tokens)
     counted = corpus.counted if corpus.counted is not None else counted_tokens(corpus.targets)
     if not counted:
-        raise UserError(f"data.path={corpus.name}: none of its {total:,} tokens counts in the "
-                        "loss (chat data: no conversation has an assistant turn); training on "
-                        "it would change nothing")  # fmt: skip
+        raise UserError(
+            f"data.path={corpus.name}: none of its {total:,} tokens counts in the "
+            "loss (chat data: no conversation has an assistant turn); training on "
+            "it would change nothing"
+        )
     if not _any_label(samples):
-        raise UserError(f"data.path={corpus.name}: none of its {counted:,} counted tokens is "
-                        f"the label of a training sample ({len(samples):,} samples of "
-                        f"model.seq_len {samples.seq_len} + 1 tokens, data.packing={packing}: "
-                        "a sample's first token, the tokens after the last whole sample and a "
-                        "document's first token are no labels); training on it would change "
-                        "nothing")  # fmt: skip
-    return (f"data: {counted:,} of {total:,} tokens counted in the loss "
-            f"({100 * counted / total:.1f}%)")  # fmt: skip
+        raise UserError(
+            f"data.path={corpus.name}: none of its {counted:,} counted tokens is "
+            f"the label of a training sample ({len(samples):,} samples of "
+            f"model.seq_len {samples.seq_len} + 1 tokens, data.packing={packing}: "
+            "a sample's first token, the tokens after the last whole sample and a "
+            "document's first token are no labels); training on it would change "
+            "nothing"
+        )
+    return (
+        f"data: {counted:,} of {total:,} tokens counted in the loss ({100 * counted / total:.1f}%)"
+    )

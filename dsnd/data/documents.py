@@ -12,8 +12,9 @@ from dsnd.data.tokenizer import tokenizer_vocab
 from dsnd.errors import UserError
 
 
-def documents_corpus(pieces: list[list[int]], targets: list[list[bool]] | None, name: str,
-                     tokenizer: str, tok: Any) -> Corpus:  # fmt: skip
+def documents_corpus(
+    pieces: list[list[int]], targets: list[list[bool]] | None, name: str, tokenizer: str, tok: Any
+) -> Corpus:
     """One corpus of documents `pieces` (token ids each), with their target masks if given."""
     if not pieces or not any(pieces):
         raise UserError(f"data.path={name}: no documents with tokens to train on")
@@ -24,5 +25,12 @@ def documents_corpus(pieces: list[list[int]], targets: list[list[bool]] | None, 
         mask = np.fromiter((t for p in targets for t in p), dtype=bool, count=len(tokens))
     vocab = tokenizer_vocab(tok, tokens)
     tokens = tokens.astype(np.uint32 if vocab > 2**16 else np.uint16)
-    return Corpus(tokens, name, fingerprint(tokens, mask), vocab_size=vocab, targets=mask,
-                  documents=documents, tokenizer=tokenizer)  # fmt: skip
+    return Corpus(
+        tokens,
+        name,
+        fingerprint(tokens, mask),
+        vocab_size=vocab,
+        targets=mask,
+        documents=documents,
+        tokenizer=tokenizer,
+    )

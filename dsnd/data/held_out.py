@@ -37,22 +37,29 @@ def held_out_count(samples: int, fraction: float) -> int:
     return int(samples * fraction)
 
 
-def split_samples(run: RunConfig, corpus: Corpus | BlendedCorpus,
-                  eval_corpus: Corpus | None = None) -> Split:  # fmt: skip
+def split_samples(
+    run: RunConfig, corpus: Corpus | BlendedCorpus, eval_corpus: Corpus | None = None
+) -> Split:
     """The run's training and evaluation samples of `corpus` (`eval_corpus`: data.eval_path's
     corpus, when set; loaded by `load_eval_corpus`). A blend holds out the share of each of its
     files, so its smallest file decides whether there is a sample to hold out."""
     seq_len, packing = run.model.seq_len, run.data.packing
     if eval_corpus is not None:
-        return Split(sample_sets(corpus, seq_len, packing)[0],
-                     sample_sets(eval_corpus, seq_len, packing)[0])  # fmt: skip
+        return Split(
+            sample_sets(corpus, seq_len, packing)[0], sample_sets(eval_corpus, seq_len, packing)[0]
+        )
     fraction = run.eval.fraction
     samples = fewest_samples(corpus, seq_len)  # a blend's: its smallest file's
     if fraction <= 0 or held_out_count(samples, fraction) < 1:
-        note = None if fraction <= 0 else (
-            f"not evaluating: {corpus.name} has {samples} samples of {seq_len} tokens, too few "
-            f"to hold out eval.fraction {fraction} of them (at least {math.ceil(1 / fraction)} "
-            "needed); set data.eval_path, or a larger eval.fraction")  # fmt: skip
+        note = (
+            None
+            if fraction <= 0
+            else (
+                f"not evaluating: {corpus.name} has {samples} samples of {seq_len} tokens, too few "
+                f"to hold out eval.fraction {fraction} of them (at least {math.ceil(1 / fraction)} "
+                "needed); set data.eval_path, or a larger eval.fraction"
+            )
+        )
         return Split(sample_sets(corpus, seq_len, packing)[0], None, note)
     return Split(*sample_sets(corpus, seq_len, packing, fraction))
 

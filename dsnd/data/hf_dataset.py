@@ -35,8 +35,10 @@ def _datasets(path: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise UserError(f"data.path={path} is a Hugging Face dataset, which needs the datasets "
-                        f"package: {INSTALL}") from None  # fmt: skip
+        raise UserError(
+            f"data.path={path} is a Hugging Face dataset, which needs the datasets "
+            f"package: {INSTALL}"
+        ) from None
     return datasets
 
 
@@ -45,10 +47,11 @@ def open_dataset(path: str, split: str) -> Any:
     datasets = _datasets(path)
     where = f"data.path={path}"
     suffix = Path(path).suffix.lower()
-    if suffix not in SUFFIXES and not any(os.path.isfile(os.path.join(path, m))
-                                          for m in _MARKERS):  # fmt: skip
-        raise UserError(f"{where}: a directory without {' or '.join(_MARKERS)}; expected what "
-                        "Dataset.save_to_disk writes")  # fmt: skip
+    if suffix not in SUFFIXES and not any(os.path.isfile(os.path.join(path, m)) for m in _MARKERS):
+        raise UserError(
+            f"{where}: a directory without {' or '.join(_MARKERS)}; expected what "
+            "Dataset.save_to_disk writes"
+        )
     try:
         if suffix == ".parquet":
             import pyarrow.parquet
@@ -62,8 +65,10 @@ def open_dataset(path: str, split: str) -> Any:
         raise UserError(f"{where}: cannot read the dataset ({type(e).__name__}: {first})") from e
     if isinstance(found, datasets.DatasetDict):
         if split not in found:
-            raise UserError(f"{where}: no split {split!r} in the DatasetDict (splits: "
-                            f"{', '.join(found)}); set data.split")  # fmt: skip
+            raise UserError(
+                f"{where}: no split {split!r} in the DatasetDict (splits: "
+                f"{', '.join(found)}); set data.split"
+            )
         return found[split]
     return found
 
@@ -75,8 +80,10 @@ def column(path: str, split: str, name: str, key: str) -> Iterator[tuple[str, An
     found = open_dataset(path, split)
     table = getattr(getattr(found, "data", None), "table", found)  # a Dataset's pyarrow.Table
     if name not in table.column_names:
-        raise UserError(f"data.path={path}: the dataset has no column {name!r} (columns: "
-                        f"{', '.join(table.column_names) or 'none'}); set {key}")  # fmt: skip
+        raise UserError(
+            f"data.path={path}: the dataset has no column {name!r} (columns: "
+            f"{', '.join(table.column_names) or 'none'}); set {key}"
+        )
     row = 0
     for chunk in table.column(name).chunks:
         for value in chunk.to_pylist():

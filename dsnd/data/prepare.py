@@ -86,15 +86,21 @@ class Progress:
 
     def _show(self) -> None:
         end = "\r" if self.live else "\n"
-        print(f"{self.line()}\033[K" if self.live else self.line(), end=end, file=self.stream,
-              flush=True)  # fmt: skip
+        print(
+            f"{self.line()}\033[K" if self.live else self.line(),
+            end=end,
+            file=self.stream,
+            flush=True,
+        )
         self.shown = True
 
     def line(self) -> str:
         seconds = max(time.monotonic() - self.start, 1e-9)
         mb = self.text_bytes / 1e6
-        return (f"prepare: {self.documents} documents, {self.tokens} tokens, {mb:.1f} MB of "
-                f"text, {mb / seconds:.1f} MB/s")  # fmt: skip
+        return (
+            f"prepare: {self.documents} documents, {self.tokens} tokens, {mb:.1f} MB of "
+            f"text, {mb / seconds:.1f} MB/s"
+        )
 
     def close(self) -> None:
         """The last counts, where a line was shown (once: later calls print nothing)."""
@@ -106,17 +112,16 @@ class Progress:
         self.every = float("inf")
 
 
-def assemble(spec: Spec, stream: Iterator[tuple[Batch, Encoded]],
-             progress: Progress | None = None) -> Iterator[tuple[bool, str, np.ndarray,
-                                                                  np.ndarray | None]]:  # fmt: skip
+def assemble(
+    spec: Spec, stream: Iterator[tuple[Batch, Encoded]], progress: Progress | None = None
+) -> Iterator[tuple[bool, str, np.ndarray, np.ndarray | None]]:
     """(starts a document, where, ids, mask) of every piece of `stream`, with the ids that
     close a document (`Spec.joins`) after its last piece."""
     after, between = spec.joins()
     closing = np.concatenate([after, between]).astype(np.uint32)
     documents = tokens = text_bytes = 0
     for batch, enc in stream:
-        for first, where, (ids, mask) in zip(batch.firsts, batch.wheres, enc.split(),
-                                             strict=True):  # fmt: skip
+        for first, where, (ids, mask) in zip(batch.firsts, batch.wheres, enc.split(), strict=True):
             if first and documents:
                 tokens += len(closing)
                 yield False, where, closing, None
@@ -167,9 +172,12 @@ def _check_written(spec: Spec, writer: TokenWriter, text_bytes: int) -> None:
     if not writer.tokens:
         if not text_bytes:
             raise UserError(f"{where}: no text to tokenize (0 bytes)")
-        raise UserError(f"{where}: --tokenizer {spec.tokenizer} made no tokens of its "
-                        f"{text_bytes} bytes")  # fmt: skip
+        raise UserError(
+            f"{where}: --tokenizer {spec.tokenizer} made no tokens of its {text_bytes} bytes"
+        )
     if spec.chat and not writer.counted:
-        raise UserError(f"{where}: no token of its {writer.documents} conversations counts in "
-                        "the loss (no assistant turn); chat data trains on the assistant's "
-                        "tokens")  # fmt: skip
+        raise UserError(
+            f"{where}: no token of its {writer.documents} conversations counts in "
+            "the loss (no assistant turn); chat data trains on the assistant's "
+            "tokens"
+        )

@@ -75,8 +75,9 @@ def encode(values: list[Any]) -> Encoded:
     if _chat:
         return _encode_chat(values)
     texts = [v.decode("utf-8", "replace") for v in values]
-    lists = _tok(texts, add_special_tokens=False, return_attention_mask=False,
-                 verbose=False)["input_ids"]  # verbose: no warning for a document over the
+    lists = _tok(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)[
+        "input_ids"
+    ]  # verbose: no warning for a document over the
     # model's context, which training cuts into samples anyway
     lengths = np.fromiter((len(x) for x in lists), np.int64, len(lists))
     ids = np.fromiter(itertools.chain.from_iterable(lists), np.uint32, int(lengths.sum()))
@@ -93,8 +94,9 @@ def _encode_chat(conversations: list[tuple[str, Any]]) -> Encoded:
         mask += counts
         lengths.append(len(one))
         size += sum(len(str(m.get("content", "")).encode("utf-8", "replace")) for m in messages)
-    return Encoded(np.asarray(ids, np.uint32), np.asarray(lengths, np.int64),
-                   np.asarray(mask, np.uint8), size)  # fmt: skip
+    return Encoded(
+        np.asarray(ids, np.uint32), np.asarray(lengths, np.int64), np.asarray(mask, np.uint8), size
+    )
 
 
 def _payload(batch: Batch, chat: bool) -> list[Any]:
@@ -102,8 +104,9 @@ def _payload(batch: Batch, chat: bool) -> list[Any]:
     return list(zip(batch.wheres, batch.values, strict=True)) if chat else batch.values
 
 
-def encoded(batches: Iterator[Batch], tokenizer: str, tok: Any, chat: bool,
-            workers: int) -> Iterator[tuple[Batch, Encoded]]:  # fmt: skip
+def encoded(
+    batches: Iterator[Batch], tokenizer: str, tok: Any, chat: bool, workers: int
+) -> Iterator[tuple[Batch, Encoded]]:
     """Each batch of `batches` with its ids, in order; tokenized by `workers` processes, or here
     (with `tok`, already loaded) for one worker and for bytes. A failure is the earliest batch's:
     a reading error is raised only after the batches before it are tokenized."""

@@ -36,8 +36,9 @@ class Batch:
     size: int = 0  # bytes of text
 
 
-def pieces(path: str, fmt: str, text_field: str, split: str,
-           cut_lines: bool) -> Iterator[tuple[bool, str, Any]]:  # fmt: skip
+def pieces(
+    path: str, fmt: str, text_field: str, split: str, cut_lines: bool
+) -> Iterator[tuple[bool, str, Any]]:
     """(starts a document, where, value) of every piece of `path` read as `fmt` (text, jsonl,
     hf or chat); `cut_lines`: cut text files where a tokenizer is unlikely to join across."""
     if fmt == "text":

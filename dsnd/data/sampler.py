@@ -66,10 +66,15 @@ class SampleSet:
     lies fails with its name rather than as an index error inside the model.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "corpus",
-                 targets: np.ndarray | None = None,
-                 documents: np.ndarray | DocumentStarts | None = None,
-                 vocab_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        name: str = "corpus",
+        targets: np.ndarray | None = None,
+        documents: np.ndarray | DocumentStarts | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -86,8 +91,10 @@ class SampleSet:
         # A (count, seq_len + 1) view: gathering a batch is one fancy-index, no per-sample loop.
         self._windows = tokens[: count * window].reshape(count, window)
         self._starts = documents if isinstance(documents, DocumentStarts) else None
-        cut = [None if a is None else np.asarray(a)[: count * window].reshape(count, window)
-               for a in (targets, None if self._starts else documents)]  # fmt: skip
+        cut = [
+            None if a is None else np.asarray(a)[: count * window].reshape(count, window)
+            for a in (targets, None if self._starts else documents)
+        ]
         self._targets, self._documents = cut
 
     @property
@@ -131,10 +138,12 @@ class SampleSet:
         bad = (rows < 0) | (rows >= self.vocab_size)
         if bad.any():
             r, c = np.argwhere(bad)[0]
-            raise UserError(f"{self.name}: sample {int(indices[r])} holds token id "
-                            f"{int(rows[r, c])}, outside the vocabulary of {self.vocab_size} "
-                            "its sidecar records; the metadata does not describe these "
-                            "tokens")  # fmt: skip
+            raise UserError(
+                f"{self.name}: sample {int(indices[r])} holds token id "
+                f"{int(rows[r, c])}, outside the vocabulary of {self.vocab_size} "
+                "its sidecar records; the metadata does not describe these "
+                "tokens"
+            )
 
     def _window_documents(self, indices: np.ndarray) -> np.ndarray:
         """(n, seq_len + 1): the document of each token of samples `indices`."""

@@ -30,8 +30,9 @@ def _entropy(seed: int, epoch: int, stream: int | None) -> list[int]:
 
 
 @lru_cache(maxsize=8)
-def epoch_permutation(num_samples: int, seed: int, epoch: int,
-                      stream: int | None = None) -> np.ndarray:  # fmt: skip
+def epoch_permutation(
+    num_samples: int, seed: int, epoch: int, stream: int | None = None
+) -> np.ndarray:
     """The sample order of one epoch of at most `TABLE_SAMPLES` samples. Cached (a pure
     function) so consecutive steps within an epoch do not redraw it; read-only so no caller can
     corrupt the cache."""
@@ -70,16 +71,18 @@ def _keys(seed: int, epoch: int, stream: int | None) -> np.ndarray:
     return rng.integers(0, 2**64 - 1, size=_ROUNDS, dtype=np.uint64, endpoint=True)
 
 
-def epoch_samples(num_samples: int, seed: int, epoch: int, positions: np.ndarray,
-                  stream: int | None = None) -> np.ndarray:  # fmt: skip
+def epoch_samples(
+    num_samples: int, seed: int, epoch: int, positions: np.ndarray, stream: int | None = None
+) -> np.ndarray:
     """The samples at `positions` (each < `num_samples`) of epoch `epoch`'s order."""
     if num_samples <= TABLE_SAMPLES:
         return epoch_permutation(num_samples, seed, epoch, stream)[positions]
     return feistel(num_samples, _keys(seed, epoch, stream), positions)
 
 
-def stream_samples(num_samples: int, seed: int, draws: np.ndarray,
-                   stream: int | None = None) -> np.ndarray:  # fmt: skip
+def stream_samples(
+    num_samples: int, seed: int, draws: np.ndarray, stream: int | None = None
+) -> np.ndarray:
     """The samples (int64) at positions `draws` of the endless stream of epochs: draw k is
     position ``k % num_samples`` of epoch ``k // num_samples``."""
     draws = np.asarray(draws, dtype=np.int64)

@@ -51,10 +51,12 @@ def data_tokenizer(data: DataConfig, model: ModelConfig) -> str:
         choice = "model" if fmt in TOKENIZED else BYTE
     if choice == "model":
         if own is None:
-            raise UserError(f"data.vocab={data.vocab or 'null'}: {_why_model(fmt)} the "
-                            "model's tokenizer, and neither model.init_from nor model.config "
-                            "names a directory with one; set data.vocab to a tokenizer "
-                            "directory")  # fmt: skip
+            raise UserError(
+                f"data.vocab={data.vocab or 'null'}: {_why_model(fmt)} the "
+                "model's tokenizer, and neither model.init_from nor model.config "
+                "names a directory with one; set data.vocab to a tokenizer "
+                "directory"
+            )
         return own
     return choice
 
@@ -82,8 +84,10 @@ def _load_text(data: DataConfig, model: ModelConfig, fmt: str) -> Corpus:
     tokenizer = data_tokenizer(data, model)
     if tokenizer == BYTE:
         if fmt == "chat":
-            raise UserError("data.format=chat: byte tokens have no chat template; set "
-                            "data.vocab to a tokenizer with one (or null: the model's)")
+            raise UserError(
+                "data.format=chat: byte tokens have no chat template; set "
+                "data.vocab to a tokenizer with one (or null: the model's)"
+            )
         if fmt != "hf":
             return load_corpus(data.path, fmt, data.text_field, data.max_bytes)
         parts = text_parts(_texts(data, fmt), data.text_field, data.max_bytes)
@@ -111,8 +115,9 @@ def _texts(data: DataConfig, fmt: str) -> Iterator[tuple[str, Any]]:
     return _values(data, data.text_field, "data.text_field")
 
 
-def _tokenized(texts: Iterator[tuple[str, Any]], tok: Any, data: DataConfig,
-               tokenizer: str) -> Corpus:  # fmt: skip
+def _tokenized(
+    texts: Iterator[tuple[str, Any]], tok: Any, data: DataConfig, tokenizer: str
+) -> Corpus:
     """Each text's ids (no special tokens but a closing EOS) in order, until data.max_bytes of
     text are read; the document index of every id."""
     end = [] if tok.eos_token_id is None else [tok.eos_token_id]
@@ -120,8 +125,9 @@ def _tokenized(texts: Iterator[tuple[str, Any]], tok: Any, data: DataConfig,
     read = 0
     for where, text in texts:
         if not isinstance(text, str):
-            raise UserError(f"{where}: field {data.text_field!r} must be a string, got "
-                            f"{type(text).__name__}")  # fmt: skip
+            raise UserError(
+                f"{where}: field {data.text_field!r} must be a string, got {type(text).__name__}"
+            )
         pieces.append(tok(text, add_special_tokens=False)["input_ids"] + end)
         read += len(text.encode("utf-8", "replace"))
         if data.max_bytes is not None and read >= data.max_bytes:

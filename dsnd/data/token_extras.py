@@ -37,12 +37,16 @@ def map_starts(path: str, meta: dict) -> np.ndarray | None:
     if first != 0:
         raise UserError(f"{where}: the first document starts at token {first}, not 0")
     if last >= tokens:
-        raise UserError(f"{where}: the last document starts at token {last}, past the "
-                        f"{tokens} tokens {meta_path(path)} records")  # fmt: skip
+        raise UserError(
+            f"{where}: the last document starts at token {last}, past the "
+            f"{tokens} tokens {meta_path(path)} records"
+        )
     if count > 1 and not (starts[1] > starts[0] and starts[-1] > starts[-2]):
-        raise UserError(f"{where}: document starts are not strictly increasing (first "
-                        f"{int(starts[0])}, {int(starts[1])}; last {int(starts[-2])}, "
-                        f"{last})")  # fmt: skip
+        raise UserError(
+            f"{where}: document starts are not strictly increasing (first "
+            f"{int(starts[0])}, {int(starts[1])}; last {int(starts[-2])}, "
+            f"{last})"
+        )
     return starts
 
 
@@ -60,8 +64,10 @@ def recorded_count(path: str, meta: dict) -> int | None:
     if counted is None or not meta.get("targets"):
         return None
     if type(counted) is not int or not 0 <= counted <= meta["tokens"]:
-        raise UserError(f"{meta_path(path)}: counted must be an integer from 0 to its "
-                        f"{meta['tokens']} tokens, got {str(counted)[:80]}")  # fmt: skip
+        raise UserError(
+            f"{meta_path(path)}: counted must be an integer from 0 to its "
+            f"{meta['tokens']} tokens, got {str(counted)[:80]}"
+        )
     return counted
 
 
@@ -69,13 +75,17 @@ def _map(where: str, dtype: np.dtype, count: int, says: str, path: str) -> np.nd
     """`where` memory-mapped as `count` entries of `dtype`, after checking its size."""
     if not os.path.isfile(where):
         what = "not a regular file" if os.path.exists(where) else "not found"
-        raise UserError(f"{where}: {what}, but {meta_path(path)} records {says} in it; write "
-                        "both again with 'dsnd data prepare'")  # fmt: skip
+        raise UserError(
+            f"{where}: {what}, but {meta_path(path)} records {says} in it; write "
+            "both again with 'dsnd data prepare'"
+        )
     size = os.path.getsize(where)
     if size != count * dtype.itemsize:
-        raise UserError(f"{where}: {size} bytes hold {size / dtype.itemsize:g} {dtype.name} "
-                        f"entries, {meta_path(path)} says {says} ({count * dtype.itemsize} "
-                        "bytes); write it again with 'dsnd data prepare'")  # fmt: skip
+        raise UserError(
+            f"{where}: {size} bytes hold {size / dtype.itemsize:g} {dtype.name} "
+            f"entries, {meta_path(path)} says {says} ({count * dtype.itemsize} "
+            "bytes); write it again with 'dsnd data prepare'"
+        )
     try:
         return advise(np.memmap(where, dtype=dtype, mode="r"))
     except OSError as e:

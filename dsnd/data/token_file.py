@@ -31,8 +31,15 @@ from dsnd.errors import UserError
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 _REQUIRED = {"dtype": str, "vocab_size": int, "tokens": int, "sha256": str}
 _OPTIONAL = {"eot": (int, type(None)), "documents": (int,), "targets": (bool,)}
-_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-               float: "number", type(None): "null"}  # fmt: skip
+_JSON_TYPES = {
+    dict: "object",
+    list: "array",
+    str: "string",
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    type(None): "null",
+}
 
 
 def meta_path(path: str) -> str:
@@ -66,8 +73,10 @@ def read_meta(path: str) -> dict:
         with open(where, encoding="utf-8") as f:
             meta = json.load(f)
     except OSError as e:
-        raise UserError(f"{where}: cannot read the token file's metadata "
-                        f"({e.strerror}); write both with 'dsnd data prepare'") from e  # fmt: skip
+        raise UserError(
+            f"{where}: cannot read the token file's metadata "
+            f"({e.strerror}); write both with 'dsnd data prepare'"
+        ) from e
     except (ValueError, RecursionError) as e:
         raise UserError(f"{where}: not valid JSON ({e})") from e
     _check_meta(meta, where)
@@ -78,12 +87,13 @@ def _check_meta(meta: object, where: str) -> None:
     """Required keys with their JSON types, a token dtype, sane counts and a hex digest."""
     keys = ", ".join(_REQUIRED)
     if not isinstance(meta, dict):
-        raise UserError(f"{where}: expected a JSON object with keys {keys}, "
-                        f"got {_json_type(meta)}")  # fmt: skip
+        raise UserError(f"{where}: expected a JSON object with keys {keys}, got {_json_type(meta)}")
     missing = [k for k in _REQUIRED if k not in meta]
     if missing:
-        raise UserError(f"{where}: missing {', '.join(missing)} (needs {keys}); "
-                        "write it again with 'dsnd data prepare'")  # fmt: skip
+        raise UserError(
+            f"{where}: missing {', '.join(missing)} (needs {keys}); "
+            "write it again with 'dsnd data prepare'"
+        )
     for key, kind in _REQUIRED.items():
         value = meta[key]
         if type(value) is not kind:  # bool is an int subclass, and true is no vocabulary
@@ -93,15 +103,18 @@ def _check_meta(meta: object, where: str) -> None:
             article = "an" if kind is int else "a"
             raise UserError(f"{where}: {key} must be {article} {_JSON_TYPES[kind]}, got {got}")
     if meta["dtype"] not in TOKEN_DTYPES:
-        raise UserError(f"{where}: dtype {meta['dtype']!r} is not a token id type; "
-                        f"expected one of {', '.join(TOKEN_DTYPES)}")  # fmt: skip
+        raise UserError(
+            f"{where}: dtype {meta['dtype']!r} is not a token id type; "
+            f"expected one of {', '.join(TOKEN_DTYPES)}"
+        )
     if meta["vocab_size"] < 1:
         raise UserError(f"{where}: vocab_size must be at least 1, got {meta['vocab_size']}")
     if meta["tokens"] < 0:
         raise UserError(f"{where}: tokens must be at least 0, got {meta['tokens']}")
     if not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]):
-        raise UserError(f"{where}: sha256 must be 64 lowercase hex digits, "
-                        f"got {meta['sha256'][:80]!r}")  # fmt: skip
+        raise UserError(
+            f"{where}: sha256 must be 64 lowercase hex digits, got {meta['sha256'][:80]!r}"
+        )
     _check_optional(meta, where)
 
 
@@ -114,8 +127,9 @@ def _check_optional(meta: dict, where: str) -> None:
             got = _json_type(meta[key])
             if not isinstance(meta[key], (dict, list, type(None))):
                 got += f" {json.dumps(meta[key])}"
-            raise UserError(f"{where}: {key} must be {'an' if names[0] in 'aeiou' else 'a'} "
-                            f"{names}, got {got}")  # fmt: skip
+            raise UserError(
+                f"{where}: {key} must be {'an' if names[0] in 'aeiou' else 'a'} {names}, got {got}"
+            )
     eot, vocab, tokens = meta.get("eot"), meta["vocab_size"], meta["tokens"]
     if eot is not None and not 0 <= eot < vocab:
         raise UserError(f"{where}: eot {eot} is not an id of the vocabulary of {vocab}")
@@ -135,15 +149,21 @@ def _map_tokens(path: str, meta: dict) -> np.ndarray:
     dtype = np.dtype(meta["dtype"])
     size = os.path.getsize(path)
     if size == 0:
-        raise UserError(f"{path}: empty (0 bytes), {meta_path(path)} says {meta['tokens']} "
-                        "tokens; write it again with 'dsnd data prepare'")  # fmt: skip
+        raise UserError(
+            f"{path}: empty (0 bytes), {meta_path(path)} says {meta['tokens']} "
+            "tokens; write it again with 'dsnd data prepare'"
+        )
     if size % dtype.itemsize:
-        raise UserError(f"{path}: {size} bytes is not a whole number of {dtype} tokens "
-                        f"({dtype.itemsize} bytes each)")  # fmt: skip
+        raise UserError(
+            f"{path}: {size} bytes is not a whole number of {dtype} tokens "
+            f"({dtype.itemsize} bytes each)"
+        )
     count = size // dtype.itemsize
     if count != meta["tokens"]:
-        raise UserError(f"{path}: {size} bytes hold {count} {dtype} tokens, "
-                        f"{meta_path(path)} says {meta['tokens']}")  # fmt: skip
+        raise UserError(
+            f"{path}: {size} bytes hold {count} {dtype} tokens, "
+            f"{meta_path(path)} says {meta['tokens']}"
+        )
     try:
         return advise(np.memmap(path, dtype=dtype, mode="r"))
     except OSError as e:
@@ -167,5 +187,7 @@ def advise(array: np.ndarray, advice: str = "MADV_RANDOM") -> np.ndarray:
 
 def check_vocab(vocab_size: int | None, model_vocab: int, path: str) -> None:
     if vocab_size is not None and vocab_size > model_vocab:
-        raise UserError(f"data.path={path}: tokens from a vocabulary of {vocab_size}, the model "
-                        f"has {model_vocab}")  # fmt: skip
+        raise UserError(
+            f"data.path={path}: tokens from a vocabulary of {vocab_size}, the model "
+            f"has {model_vocab}"
+        )

@@ -48,8 +48,9 @@ class TokenWriter:
         self._files: dict[str, BinaryIO] = {}
         _make_parent(path)
         stale = [meta_path(path), path + DOCS_SUFFIX, path + MASK_SUFFIX]
-        wanted = [path] + [path + s for s, on in ((DOCS_SUFFIX, documents),
-                                                  (MASK_SUFFIX, targets)) if on]  # fmt: skip
+        wanted = [path] + [
+            path + s for s, on in ((DOCS_SUFFIX, documents), (MASK_SUFFIX, targets)) if on
+        ]
         try:
             for old in stale:
                 if os.path.lexists(old) and not os.path.isdir(old):
@@ -70,8 +71,9 @@ class TokenWriter:
             return
         top = int(ids.max())
         if top >= 2 ** (8 * self.dtype.itemsize):
-            raise UserError(f"{self.path}: token id {top} does not fit the file's "
-                            f"{self.dtype.name} ids")  # fmt: skip
+            raise UserError(
+                f"{self.path}: token id {top} does not fit the file's {self.dtype.name} ids"
+            )
         self.max_id = max(self.max_id, top)
         data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
         self.sha.update(data)
@@ -98,9 +100,15 @@ class TokenWriter:
 
     def finish(self, vocab_size: int, tokenizer: str, source: str, eot: int | None) -> dict:
         """Close the files and write the sidecar (atomically); returns its metadata."""
-        meta: dict = {"dtype": self.dtype.name, "vocab_size": vocab_size, "tokens": self.tokens,
-                      "tokenizer": tokenizer, "source": source, "sha256": self.sha.hexdigest(),
-                      "eot": eot}  # fmt: skip
+        meta: dict = {
+            "dtype": self.dtype.name,
+            "vocab_size": vocab_size,
+            "tokens": self.tokens,
+            "tokenizer": tokenizer,
+            "source": source,
+            "sha256": self.sha.hexdigest(),
+            "eot": eot,
+        }
         if self.path + DOCS_SUFFIX in self._files:
             meta["documents"] = self.documents
         if self.path + MASK_SUFFIX in self._files:
@@ -129,9 +137,16 @@ class TokenWriter:
         self._files.clear()
 
 
-def write_tokens(path: str, ids: np.ndarray, vocab_size: int, tokenizer: str, source: str,
-                 starts: np.ndarray | None = None, targets: np.ndarray | None = None,
-                 eot: int | None = None) -> dict:  # fmt: skip
+def write_tokens(
+    path: str,
+    ids: np.ndarray,
+    vocab_size: int,
+    tokenizer: str,
+    source: str,
+    starts: np.ndarray | None = None,
+    targets: np.ndarray | None = None,
+    eot: int | None = None,
+) -> dict:
     """Write an in-memory token file at once: `ids`, the document `starts` (token offsets) and
     the `targets` mask where given; returns the sidecar's metadata."""
     ids = np.asarray(ids)
@@ -147,8 +162,9 @@ def write_tokens(path: str, ids: np.ndarray, vocab_size: int, tokenizer: str, so
         raise
 
 
-def write_token_file(path: str, ids: np.ndarray, vocab_size: int, tokenizer: str,
-                     source: str) -> dict:  # fmt: skip
+def write_token_file(
+    path: str, ids: np.ndarray, vocab_size: int, tokenizer: str, source: str
+) -> dict:
     """Write `ids` and the sidecar, no documents or mask; returns the metadata."""
     return write_tokens(path, ids, vocab_size, tokenizer, source)
 

@@ -48,8 +48,10 @@ BYTE = "byte"
 
 def has_tokenizer(path: str | None) -> bool:
     """Whether directory `path` holds a transformers tokenizer's files."""
-    return bool(path) and os.path.isdir(path) and any(
-        os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_MARKERS
+    return (
+        bool(path)
+        and os.path.isdir(path)
+        and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_MARKERS)
     )
 
 
@@ -89,8 +91,10 @@ def load_tokenizer(path: str, what: str = "--tokenizer") -> Any:
     TypeError, JSONDecodeError), all of them the user's files to fix, so any exception becomes
     one line."""
     if not os.path.isdir(path):
-        raise UserError(f"{what} {path}: not a directory; expected 'byte' or a local "
-                        "transformers tokenizer directory")  # fmt: skip
+        raise UserError(
+            f"{what} {path}: not a directory; expected 'byte' or a local "
+            "transformers tokenizer directory"
+        )
     try:
         os.listdir(path)
     except OSError as e:
@@ -101,8 +105,9 @@ def load_tokenizer(path: str, what: str = "--tokenizer") -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # any failure: see the docstring
         first = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(f"{what} {path}: not a local transformers tokenizer "
-                        f"({type(e).__name__}: {first})") from e  # fmt: skip
+        raise UserError(
+            f"{what} {path}: not a local transformers tokenizer ({type(e).__name__}: {first})"
+        ) from e
 
 
 def tokenizer_vocab(tok: Any, ids: np.ndarray) -> int:

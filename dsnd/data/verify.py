@@ -30,22 +30,25 @@ def verify_token_file(path: str) -> dict:
     digest, low, high = _scan(tokens)
     sidecar = meta_path(path)
     if digest != meta["sha256"]:
-        raise UserError(f"{path}: SHA-256 {digest[:16]}... does not match "
-                        f"{meta['sha256'][:16]}... recorded in {sidecar}; the file changed "
-                        "after 'dsnd data prepare' wrote it")  # fmt: skip
+        raise UserError(
+            f"{path}: SHA-256 {digest[:16]}... does not match "
+            f"{meta['sha256'][:16]}... recorded in {sidecar}; the file changed "
+            "after 'dsnd data prepare' wrote it"
+        )
     if low < 0:
         raise UserError(f"{path}: smallest token id {low} is negative ({meta['dtype']} tokens)")
     if high >= meta["vocab_size"]:
-        raise UserError(f"{path}: largest token id {high} >= vocab_size {meta['vocab_size']} "
-                        f"recorded in {sidecar}; the metadata does not describe these "
-                        "tokens")  # fmt: skip
+        raise UserError(
+            f"{path}: largest token id {high} >= vocab_size {meta['vocab_size']} "
+            f"recorded in {sidecar}; the metadata does not describe these "
+            "tokens"
+        )
     if starts is not None:
         _verify_starts(starts, path + DOCS_SUFFIX)
     if mask is not None:
         top = max(int(mask[i : i + _CHUNK].max()) for i in range(0, len(mask), _CHUNK))
         if top > 1:
-            raise UserError(f"{path + MASK_SUFFIX}: holds {top}; a loss mask is 0 or 1 per "
-                            "token")  # fmt: skip
+            raise UserError(f"{path + MASK_SUFFIX}: holds {top}; a loss mask is 0 or 1 per token")
         _verify_counted(mask, recorded_count(path, meta), path)
     return meta
 
@@ -54,8 +57,10 @@ def _verify_counted(mask: np.ndarray, recorded: int | None, path: str) -> None:
     """The count a run's start line takes from the sidecar is the mask's."""
     counted = sum(int(np.count_nonzero(mask[i : i + _CHUNK])) for i in range(0, len(mask), _CHUNK))
     if recorded is not None and recorded != counted:
-        raise UserError(f"{path + MASK_SUFFIX}: counts {counted} tokens, {meta_path(path)} "
-                        f"records counted {recorded}")  # fmt: skip
+        raise UserError(
+            f"{path + MASK_SUFFIX}: counts {counted} tokens, {meta_path(path)} "
+            f"records counted {recorded}"
+        )
 
 
 def _verify_starts(starts: np.ndarray, where: str) -> None:
@@ -65,8 +70,10 @@ def _verify_starts(starts: np.ndarray, where: str) -> None:
         step = np.diff(chunk)
         if (step <= 0).any():
             at = lo + int(np.argmax(step <= 0))
-            raise UserError(f"{where}: document starts are not strictly increasing: entry {at} "
-                            f"is {int(starts[at])}, entry {at + 1} is {int(starts[at + 1])}")
+            raise UserError(
+                f"{where}: document starts are not strictly increasing: entry {at} "
+                f"is {int(starts[at])}, entry {at + 1} is {int(starts[at + 1])}"
+            )
 
 
 def _scan(tokens: np.ndarray) -> tuple[str, int, int]:

@@ -49,8 +49,12 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 def _mpi_world(env: Mapping[str, str], prefix: str) -> tuple[int, int, int, bool] | None:
     if prefix == "openmpi":
-        keys = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE")  # fmt: skip
+        keys = (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )
     else:
         keys = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     if keys[0] not in env or keys[1] not in env:

@@ -46,16 +46,18 @@ def own_store(addr: str, token: str, port: int, timeout: datetime.timedelta) -> 
     return store
 
 
-def process_group_store(addr: str, agent_port: int, rank: int, world_size: int,
-                        timeout: datetime.timedelta) -> dist.Store:  # fmt: skip
+def process_group_store(
+    addr: str, agent_port: int, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.Store:
     """The store this attempt's process group starts from: served by rank 0 (on `addr`, the
     host torchrun named in MASTER_ADDR) and found through the agent's store at addr:agent_port.
     RuntimeError ("timed out ...") when rank 0's store does not answer within `timeout`."""
     agent = dist.TCPStore(addr, agent_port, is_master=False, timeout=timeout)
     if rank == 0:
         token = uuid.uuid4().hex
-        store = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)  # fmt: skip
+        store = dist.TCPStore(
+            addr, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         store.set(TOKEN, token)
         agent.set(PUBLISHED, f"{store.port} {token}")
         return store
@@ -66,6 +68,8 @@ def process_group_store(addr: str, agent_port: int, rank: int, world_size: int,
         if store is not None:
             return store
         if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout.total_seconds():.0f} s waiting for "
-                               f"rank 0's process-group store on {addr}")  # fmt: skip
+            raise RuntimeError(
+                f"timed out after {timeout.total_seconds():.0f} s waiting for "
+                f"rank 0's process-group store on {addr}"
+            )
         time.sleep(0.2)

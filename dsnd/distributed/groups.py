@@ -65,8 +65,9 @@ def _own_group(groups: list[list[int]], rank: int) -> dist.ProcessGroup:
     return mine
 
 
-def build_groups(topology: Topology, ring: bool = False,
-                 ties: Sequence[tuple[int, int]] = ()) -> ProcessGroups:  # fmt: skip
+def build_groups(
+    topology: Topology, ring: bool = False, ties: Sequence[tuple[int, int]] = ()
+) -> ProcessGroups:
     """Create every group of `topology`, once, in the same order on every rank (as
     `torch.distributed.new_group` requires); needs an initialised default process group. `ring`
     and `ties` are what the run's pipeline needs besides its neighbours: the last stage to the
@@ -116,8 +117,9 @@ def pipe_channels(stages: int, ring: bool) -> list[tuple[int, int, str]]:
     return [ch for a, b in pairs for ch in ((a, b, "act"), (b, a, "grad"))]
 
 
-def channel_groups(topology: Topology, rank: int, ring: bool
-                   ) -> dict[tuple[int, int, str], dist.ProcessGroup]:  # fmt: skip
+def channel_groups(
+    topology: Topology, rank: int, ring: bool
+) -> dict[tuple[int, int, str], dist.ProcessGroup]:
     """This rank's two-rank process group for each pipeline channel it sends or receives on
     (`pipe_channels`), one group per channel and direction.
 

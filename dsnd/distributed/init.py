@@ -39,8 +39,9 @@ def _from_mpi4py(env: dict[str, str]) -> WorldInfo:
         LOOPBACK if all_local else socket.gethostname(), root=0
     )
     port = int(env.get("MASTER_PORT", "29500"))
-    return WorldInfo(comm.Get_rank(), comm.Get_size(), local.Get_rank(), addr, port, "mpi4py",
-                     all_local)  # fmt: skip
+    return WorldInfo(
+        comm.Get_rank(), comm.Get_size(), local.Get_rank(), addr, port, "mpi4py", all_local
+    )
 
 
 def backend_for(backend: str, ds_accelerator: str | None, cuda_available: bool) -> str:
@@ -54,8 +55,10 @@ def backend_for(backend: str, ds_accelerator: str | None, cuda_available: bool) 
     which NCCL would refuse on one GPU anyway. `nccl` under the CPU accelerator is refused.
     """
     if backend == "nccl" and ds_accelerator == "cpu":
-        raise UserError("dist.backend=nccl needs DeepSpeed's CUDA accelerator, but DS_ACCELERATOR="
-                        "cpu (NCCL has no CPU tensors); use dist.backend auto or gloo")  # fmt: skip
+        raise UserError(
+            "dist.backend=nccl needs DeepSpeed's CUDA accelerator, but DS_ACCELERATOR="
+            "cpu (NCCL has no CPU tensors); use dist.backend auto or gloo"
+        )
     if backend != "auto":
         return backend
     if ds_accelerator == "cpu":
@@ -77,8 +80,10 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
     one device, index 0, whatever its local rank. Two ranks on one GPU are NCCL's to refuse.
     """
     if device_count < 1:
-        raise UserError(f"dist.backend=nccl: local rank {local_rank} sees no CUDA device "
-                        "(CUDA_VISIBLE_DEVICES empty, or no GPU on this host)")  # fmt: skip
+        raise UserError(
+            f"dist.backend=nccl: local rank {local_rank} sees no CUDA device "
+            "(CUDA_VISIBLE_DEVICES empty, or no GPU on this host)"
+        )
     return local_rank % device_count
 
 
@@ -119,13 +124,21 @@ def world_info(env: dict[str, str]) -> WorldInfo:
     """This process's world, asking MPI itself only where the environment cannot tell."""
     info = discover(env) or _from_mpi4py(env)
     if not info.master_addr:
-        info = WorldInfo(info.rank, info.world_size, info.local_rank, _mpi_master(),
-                         info.master_port, info.source, info.all_local)  # fmt: skip
+        info = WorldInfo(
+            info.rank,
+            info.world_size,
+            info.local_rank,
+            _mpi_master(),
+            info.master_port,
+            info.source,
+            info.all_local,
+        )
     return info
 
 
-def init_world(info: WorldInfo, timeout_s: float, backend: str = "auto",
-               log_dir: str | None = None) -> None:  # fmt: skip
+def init_world(
+    info: WorldInfo, timeout_s: float, backend: str = "auto", log_dir: str | None = None
+) -> None:
     """Initialise torch.distributed (and DeepSpeed's comm layer) for this process.
 
     Sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT so DeepSpeed and any child
@@ -148,14 +161,21 @@ def init_world(info: WorldInfo, timeout_s: float, backend: str = "auto",
     if info.world_size == 1:
         # no rendezvous needed (and no port to collide on) for a world of one
         store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout,
-                                device_id=device)  # fmt: skip
+        dist.init_process_group(
+            backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device
+        )
     elif info.agent_store:  # torchrun's store outlives its restarts: one of this attempt's own
-        store = process_group_store(info.master_addr, info.master_port, info.rank,
-                                    info.world_size, timeout)  # fmt: skip
-        dist.init_process_group(backend, store=store, rank=info.rank,
-                                world_size=info.world_size, timeout=timeout,
-                                device_id=device)  # fmt: skip
+        store = process_group_store(
+            info.master_addr, info.master_port, info.rank, info.world_size, timeout
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            device_id=device,
+        )
     else:
         dist.init_process_group(
             backend,

@@ -9,7 +9,7 @@ never signalled, and it and its ranks train on as orphans (observed before this 
 `deepspeed --num_gpus 2`: SIGTERM to the runner at step 3 of 30, runner exit -15, the ranks
 trained all 30 steps; `tests/integration/test_launchers.py`,
 test_sigterm_to_deepspeed_hostfile_runner_saves_and_ends_every_rank, signals a one-host runner
-so and sees every rank stop). Only with
+alone: its exit is -15, and now every rank stops). Only with
 many hosts does the runner answer SIGTERM itself (`pkill -f` of launch.py on every host, which
 then sends SIGTERM to its ranks). Ctrl-C at a terminal reaches launch.py and the ranks too (one
 process group), so only a signal to the runner's pid alone — `kill PID`, a scheduler, a service

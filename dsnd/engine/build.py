@@ -16,8 +16,7 @@ from dsnd.engine.compat import quiet_scheduler_start, undo_unfused_init_step
 log = logging.getLogger(__name__)
 
 
-def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list[dict],
-                 mpu: Any):  # fmt: skip
+def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list[dict], mpu: Any):
     """`deepspeed.initialize` on a process group that already exists: the optimizer's parameter
     groups and an mpu (whose data-parallel group is the stage's) are the caller's."""
     with quiet_scheduler_start():

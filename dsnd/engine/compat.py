@@ -2,7 +2,8 @@
 
 ZeRO-3 checks its parameter trace with `assert_ints_same_as_other_ranks`, a WORLD-wide collective
 (it takes no group). With pipeline stages holding different layers, ranks of different stages
-compare different traces at different times and the job hangs (measured). The check only makes
+compare different traces at different times and the job hangs (as the pp=2 ZeRO-3 cases of
+`tests/distributed/test_parity_pipeline.py` would without the scoped check). The check only makes
 sense among the ranks that shard the same parameters: the stage's data-parallel group. DeepSpeed
 imports the function by name into three modules, so the scoped version is installed in each.
 
@@ -13,13 +14,14 @@ when the op was not installed precompiled) so that a build says what it builds, 
 on the first run only, about how long it takes (`build_estimate`), where, and how long it took;
 loading an op built before logs nothing at INFO. It also silences the line DeepSpeed's comm
 layer prints (`build_shm_op` in `deepspeed.comm.torch`: "DeepSpeed ... built successfully"),
-which came once per rank at every start, a build or only a load. Measured with one CPU core shared
-with other jobs, `dsnd train --set train.steps=1` with an empty `TORCH_EXTENSIONS_DIR`: building
-the shared-memory comm op `deepspeed_shm_comm` took 42 s of the run's 50 s; the same run with
-the op built took 8 s in all, its load under 0.1 s. It finds the build directory with torch's
-private `torch.utils.cpp_extension._get_build_directory` (the function torch's `load` itself
-uses) and tells a build from a load by the op's library file (`NAME.so` there) appearing or
-changing. Builders that override `jit_load` (DeepSpeed's XPU ones) are not wrapped.
+which came once per rank at every start, a build or only a load. Observed (not in the suite) with
+one CPU core shared with other jobs, `dsnd train --set train.steps=1` with an empty
+`TORCH_EXTENSIONS_DIR`: building the shared-memory comm op `deepspeed_shm_comm` took 42 s of the
+run's 50 s; the same run with the op built took 8 s in all, its load under 0.1 s. It finds the
+build directory with torch's private `torch.utils.cpp_extension._get_build_directory` (the
+function torch's `load` itself uses) and tells a build from a load by the op's library file
+(`NAME.so` there) appearing or changing. Builders that override `jit_load` (DeepSpeed's XPU ones)
+are not wrapped.
 
 DeepSpeed's warmup schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR) call their own `get_lr`
 from their constructor, before their first step, and it warns "Attempting to get learning rate
@@ -31,21 +33,22 @@ DeepSpeedCPUAdam (ZeRO-Offload's optimizer when the JSON does not ask for `torch
 its bias corrections' beta1^t, beta2^t in its C++ op, per optimizer, as a float32 product
 multiplied by beta once per step (`Adam_Optimizer::IncrementStep`); a fresh optimizer handed a
 later step computes `pow(beta, t)` instead, which differs in the last bit, and so does every
-resumed update (measured: 5 steps + save + resume 5 differed from 10 straight steps in the 7th
-decimal of the loss, pp=2 x dp=2, ZeRO-1 and ZeRO-3 offload). `replay_cpu_adam_steps` walks a
-resumed optimizer's op through steps 1..t on empty tensors (`ds_opt_adam.adam_update` with the
-optimizer's `opt_id`: no arithmetic, only the counters), so it holds the uninterrupted run's
-products; step 1 always sets beta^1 exactly, so any earlier state of the op is overwritten.
+resumed update (5 steps + save + resume 5 then differ from 10 straight steps in the 7th decimal
+of the loss; z3-offload of `tests/distributed/test_offload.py` asserts them equal bit for bit).
+`replay_cpu_adam_steps` walks a resumed optimizer's op through steps 1..t on empty tensors
+(`ds_opt_adam.adam_update` with the optimizer's `opt_id`: no arithmetic, only the counters), so
+it holds the uninterrupted run's products; step 1 always sets beta^1 exactly, so any earlier
+state of the op is overwritten.
 
 At ZeRO-0 with bf16 or fp16 DeepSpeed wraps the optimizer in `FP16_UnfusedOptimizer`, whose
 constructor (`initialize_optimizer_states`) runs the torch optimizer's `step()` once on zero
 gradients to create its state. For Adam that counts a step (its bias corrections then run one
 step ahead) and for AdamW it applies the decoupled weight decay to every fp32 master once, before
-training starts (measured: pp=2 ZeRO-0 fp16, the loss after the first step 5.5084 where the
-fp32 reference and ZeRO-1 fp16 give 5.4859 and 5.4854; bf16 5.5041). ZeRO 1-3 build no such
-step. `undo_unfused_init_step` puts the optimizer back as it was before that call: state empty
-(created at the first real step, as everywhere else) and the masters equal to the parameters
-they were cloned from (which the call did not touch).
+training starts (pp=2 ZeRO-0 fp16 then gave 5.5084 after the first step where the fp32
+reference gives 5.4859, outside the 1e-3 `tests/distributed/test_fp16.py` holds it to). ZeRO 1-3
+build no such step. `undo_unfused_init_step` puts the optimizer back as it was before that call:
+state empty (created at the first real step, as everywhere else) and the masters equal to the
+parameters they were cloned from (which the call did not touch).
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def scope_zero3_trace_checks(group: dist.ProcessGroup, device: torch.device) -> 
             module.assert_ints_same_as_other_ranks = assert_ints_same_in_group
 
 
-# measured on 2 cores: the shm comm op 25-77 s, each CPU optimizer about 1 min, async_io 2.5 min
+# observed on 2 cores (not in the suite): the shm comm op 25-77 s, each CPU optimizer about
+# 1 min, async_io 2.5 min
 _SLOW_BUILDS = {"async_io": "a few minutes"}
 SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before it has started"
 
@@ -122,20 +126,28 @@ def _note_start(name: str, build_dir: str, before: float | None) -> None:
     first = f"first run only, {build_estimate(name)}"
     lock = os.path.join(build_dir, "lock")
     if before is not None and _lock_stays(lock, LOCK_GRACE_S):
-        log.info("waiting for %s: another process is building DeepSpeed op %s (a build killed "
-                 "midway leaves the lock behind: delete it if none is running)", lock, name)
+        log.info(
+            "waiting for %s: another process is building DeepSpeed op %s (a build killed "
+            "midway leaves the lock behind: delete it if none is running)",
+            lock,
+            name,
+        )
     elif before is None and os.path.exists(lock):
-        log.info("waiting for %s: another process is building DeepSpeed op %s (%s; a build "
-                 "killed midway leaves the lock behind: delete it if none is running)", lock,
-                 name, first)  # fmt: skip
+        log.info(
+            "waiting for %s: another process is building DeepSpeed op %s (%s; a build "
+            "killed midway leaves the lock behind: delete it if none is running)",
+            lock,
+            name,
+            first,
+        )
     elif before is None:
         log.info("building DeepSpeed op %s (%s) in %s ...", name, first, build_dir)
 
 
 LOCK_GRACE_S = 2.0
 """How long another rank's lock on a built op may stay before the wait is worth a line: its
-freshness check before a load takes well under a second (measured: the lock of a 2-rank start
-is there for a moment on every run)."""
+freshness check before a load takes well under a second (observed, not in the suite: the lock
+of a 2-rank start is there for a moment on every run)."""
 
 
 def _lock_stays(lock: str, seconds: float) -> bool:
@@ -152,8 +164,12 @@ def _note_done(name: str, build_dir: str, before: float | None, seconds: float) 
     if before is None:
         log.info("built DeepSpeed op %s in %.0f s", name, seconds)
     elif _library_mtime(build_dir, name) != before:
-        log.info("rebuilt DeepSpeed op %s in %.0f s (its sources or flags changed; cached in "
-                 "%s)", name, seconds, build_dir)  # fmt: skip
+        log.info(
+            "rebuilt DeepSpeed op %s in %.0f s (its sources or flags changed; cached in %s)",
+            name,
+            seconds,
+            build_dir,
+        )
     else:
         log.debug("loaded DeepSpeed op %s from %s in %.2f s", name, build_dir, seconds)
 
@@ -227,9 +243,19 @@ def replay_cpu_adam_steps(optimizer: Any, step: int) -> None:
         for group in optimizer.param_groups:  # in the order a step visits them
             beta1, beta2 = group["betas"]
             optimizer.ds_opt_adam.adam_update(
-                optimizer.opt_id, t, group["lr"], beta1, beta2, group["eps"],
-                group["weight_decay"], group["bias_correction"], empty, empty, empty, empty,
-            )  # fmt: skip
+                optimizer.opt_id,
+                t,
+                group["lr"],
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                group["bias_correction"],
+                empty,
+                empty,
+                empty,
+                empty,
+            )
 
 
 def undo_unfused_init_step(engine: Any) -> None:
@@ -261,5 +287,11 @@ def use_hpz_group(group: dist.ProcessGroup | None) -> None:
 def nvme_param_swapper(module: torch.nn.Module) -> Any:
     """The NVMe swapper `deepspeed.zero.Init` gave `module`'s parameters (their `nvme_swapper`),
     or None (no NVMe parameter offload, or no parameters)."""
-    return next((p.nvme_swapper for p in module.parameters()
-                 if getattr(p, "nvme_swapper", None) is not None), None)  # fmt: skip
+    return next(
+        (
+            p.nvme_swapper
+            for p in module.parameters()
+            if getattr(p, "nvme_swapper", None) is not None
+        ),
+        None,
+    )

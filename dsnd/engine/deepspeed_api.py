@@ -129,8 +129,9 @@ def op_problem(builder: str) -> str | None:
     return None
 
 
-def estimate_model_states(stage: int, total_params: int, largest_layer_params: int,
-                          per_node: int, nodes: int) -> int:  # fmt: skip
+def estimate_model_states(
+    stage: int, total_params: int, largest_layer_params: int, per_node: int, nodes: int
+) -> int:
     """DeepSpeed's own estimate of the model-state bytes per device (`estimate_zero2_` /
     `estimate_zero3_model_states_mem_needs`, no offload, ZeRO-3 with `zero.Init`), for stages 2
     and 3 (DeepSpeed has none for 0 and 1)."""
@@ -145,8 +146,13 @@ def estimate_model_states(stage: int, total_params: int, largest_layer_params: i
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         _, device, _ = estimate_zero3_model_states_mem_needs(
-            total_params, largest_layer_params, num_gpus_per_node=per_node, num_nodes=nodes,
-            cpu_offload=False, cpu_offload_params=False, zero_init=True,
-        )  # fmt: skip
+            total_params,
+            largest_layer_params,
+            num_gpus_per_node=per_node,
+            num_nodes=nodes,
+            cpu_offload=False,
+            cpu_offload_params=False,
+            zero_init=True,
+        )
         return int(device)
     raise ValueError(f"DeepSpeed estimates ZeRO stages 2 and 3 only, not {stage}")

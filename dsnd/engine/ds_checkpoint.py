@@ -30,11 +30,13 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-# What DeepSpeed 0.19.8's checkpoints pickle besides tensors and plain containers, measured on
-# the files of ZeRO-1 (PipelineEngine, pp=2), ZeRO-2 and ZeRO-3 engines: the optimizer files'
-# loss-scaler state (fp32 training saves a static `LossScaler`), the ZeRO stage (an enum) and,
-# at ZeRO-1/2, each parameter's slice of the flat partition (`fragment_address`). Model-state
-# and pipeline layer files hold tensors, dicts, `torch.Size` and strings only.
+# What DeepSpeed 0.19.8's checkpoints pickle besides tensors and plain containers (the files
+# of ZeRO-1 (PipelineEngine, pp=2) and ZeRO-3 engines load with these alone in
+# `tests/distributed/test_ckpt_import.py`; ZeRO-2's, not in the suite, hold the same): the
+# optimizer files' loss-scaler state (fp32 training saves a static `LossScaler`), the ZeRO
+# stage (an enum) and, at ZeRO-1/2, each parameter's slice of the flat partition
+# (`fragment_address`). Model-state and pipeline layer files hold tensors, dicts, `torch.Size`
+# and strings only.
 SAFE_GLOBALS = (LossScaler, ZeroStageEnum, fragment_address)
 _FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 _FORCE_NOT = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch refuses both set: unset it meanwhile
@@ -74,8 +76,8 @@ def refused_global(error: BaseException) -> str | None:
 # embedding matrix) equal on all of them, while the rest of the module (GPT-2's position
 # embedding, which the head does not use) never trains on later stages. The converter skips
 # later stages' copies of parameters matching these patterns; without them the last stage's
-# copy overwrites the first's (measured: gpt2-tiny at pp=2 imported its untrained position
-# embedding, continued losses 1e-4 off).
+# copy overwrites the first's (observed, not in the suite: gpt2-tiny at pp=2 imported its
+# untrained position embedding, continued losses 1e-4 off).
 TIED_PATTERNS = [r"tied_modules\."]
 
 
@@ -109,11 +111,21 @@ def to_universal(tag_dir: str, out_dir: str) -> str:
     converter printed. A checkpoint written without `universal_checkpoint_info` (any engine but
     Megatron-DeepSpeed's) gets the minimal one, as the converter's `--inject_missing_state`
     does, with `TIED_PATTERNS`. One worker each: no process pool."""
-    args = argparse.Namespace(input_folder=tag_dir, output_folder=out_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)  # fmt: skip
+    args = argparse.Namespace(
+        input_folder=tag_dir,
+        output_folder=out_dir,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     said = io.StringIO()
-    with weights_only(), _injecting(), contextlib.redirect_stdout(said), \
-            contextlib.redirect_stderr(said):  # fmt: skip
+    with (
+        weights_only(),
+        _injecting(),
+        contextlib.redirect_stdout(said),
+        contextlib.redirect_stderr(said),
+    ):
         ds_to_universal.main(args)
     return said.getvalue()

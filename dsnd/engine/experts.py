@@ -72,8 +72,12 @@ class _Marker(MoE):
         pass
 
 
-def prepare(module: nn.Module, zero_stage: int, ep_group: dist.ProcessGroup | None,
-            data_group: dist.ProcessGroup | None) -> None:  # fmt: skip
+def prepare(
+    module: nn.Module,
+    zero_stage: int,
+    ep_group: dist.ProcessGroup | None,
+    data_group: dist.ProcessGroup | None,
+) -> None:
     """Before `deepspeed.initialize` of `module` (a stage) with split experts: DeepSpeed's
     expert groups named for this stage's (`ep_group`, the expert-data-parallel `data_group`);
     at ZeRO 0-2 its expert parameters marked as DeepSpeed's. Nothing without split experts."""
@@ -130,8 +134,9 @@ def _clip_replica(engine: Any) -> None:
     data-parallel group instead, which differs once ranks hold different experts. Same
     coefficient as DeepSpeed's: max_norm / (norm + 1e-6), at most 1."""
     mpu = engine.mpu
-    norm = replica_grad_norm(engine.module, mpu.get_model_parallel_group(),
-                             mpu.get_model_parallel_rank())  # fmt: skip
+    norm = replica_grad_norm(
+        engine.module, mpu.get_model_parallel_group(), mpu.get_model_parallel_rank()
+    )
     coef = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
     for p in engine.module.parameters():
         if p.grad is not None:

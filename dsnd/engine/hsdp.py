@@ -6,7 +6,7 @@ rank keeps 1/dp_shard of the model states, and parameter all-gathers never leave
 (a host, when the shard groups are hosts). Gradients must still be averaged over all dp ranks.
 
 DeepSpeed's own version of this, MiCS (`zero_optimization.mics_shard_size`,
-`deepspeed.zero.MiCS_Init`, `MiCS_Optimizer`), is gone from 0.19.8 (measured: the module
+`deepspeed.zero.MiCS_Init`, `MiCS_Optimizer`), is gone from 0.19.8 (there the module
 `deepspeed.runtime.zero.mics` does not exist, `deepspeed.zero` has no `MiCS_Init`, and
 `deepspeed.initialize` with `mics_shard_size` raises DeepSpeedConfigError "MiCS ZeRO-3 sharding
 has been removed; 'zero_optimization.mics_shard_size' is no longer supported."). So dsnd builds
@@ -41,9 +41,11 @@ def replicate_gradients(optimizer: Any, group: dist.ProcessGroup) -> None:
     """Make the ZeRO-3 `optimizer` average each bucket's gradient partitions over `group` (the
     replicas of this rank's shard) before it keeps them (see above)."""
     replicas = dist.get_world_size(group)
-    log.info("HSDP: ZeRO-3 shards over ranks %s, gradients averaged with ranks %s",
-             dist.get_process_group_ranks(optimizer.dp_process_group),
-             dist.get_process_group_ranks(group))  # fmt: skip
+    log.info(
+        "HSDP: ZeRO-3 shards over ranks %s, gradients averaged with ranks %s",
+        dist.get_process_group_ranks(optimizer.dp_process_group),
+        dist.get_process_group_ranks(group),
+    )
     partition_grads = optimizer.partition_grads  # the bound method, DeepSpeed's own
 
     def averaged_partition_grads(params: list, grad_partitions: list[torch.Tensor]) -> Any:

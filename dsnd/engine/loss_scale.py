@@ -11,9 +11,9 @@ facts decide what a stage hands to `engine.backward`:
   inner stage, whose gradient is scaled already: so the surrogate is divided by the scale
   first, in fp32 (the scale is a power of two, or a static value: ``s * (x / s)`` is exact).
 - At ZeRO-0 fp16 (`FP16_Optimizer` / `FP16_UnfusedOptimizer`) `engine.backward` does not scale
-  at all, while the optimizer's step divides by the scale (measured: one SGD step at scale 256
-  moved the weights 1/256 of the way; the loss after it 2.5754 where fp32 and ZeRO-1 fp16 give
-  2.6038 and 2.6020); so the last stage multiplies its loss by the scale itself.
+  at all, while the optimizer's step divides by the scale (left so, one SGD step at scale 256
+  moves the weights 1/256 of the way; the ZeRO-0 case of `tests/distributed/test_fp16.py` holds
+  the losses to fp32's); so the last stage multiplies its loss by the scale itself.
 Where the scale is 1 (bf16, fp32) both are no-ops.
 
 The scaler's state (scale, its iteration counters and hysteresis) lives on the optimizer: a
@@ -99,5 +99,8 @@ def scale_numbers(engine: Any, scale: float) -> dict[str, Any]:
     {} without fp16."""
     if not scales_gradients(engine):
         return {}
-    return {"loss_scale": scale, "skipped": not engine.was_step_applied(),
-            "skipped_steps": int(engine.skipped_steps)}  # fmt: skip
+    return {
+        "loss_scale": scale,
+        "skipped": not engine.was_step_applied(),
+        "skipped_steps": int(engine.skipped_steps),
+    }

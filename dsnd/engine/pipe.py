@@ -23,10 +23,16 @@ def deepspeed_specs(layers: Sequence[Any]) -> list[Any]:
         if not hasattr(layer, "typename"):
             out.append(layer)
         elif hasattr(layer, "key"):
-            out.append(TiedLayerSpec(layer.key, layer.typename, *layer.module_args,
-                                     forward_fn=layer.forward_fn,
-                                     tied_weight_attr=list(layer.tied_weight_attr),
-                                     **layer.module_kwargs))  # fmt: skip
+            out.append(
+                TiedLayerSpec(
+                    layer.key,
+                    layer.typename,
+                    *layer.module_args,
+                    forward_fn=layer.forward_fn,
+                    tied_weight_attr=list(layer.tied_weight_attr),
+                    **layer.module_kwargs,
+                )
+            )
         else:
             out.append(LayerSpec(layer.typename, *layer.module_args, **layer.module_kwargs))
     return out
@@ -43,6 +49,7 @@ def pipeline_engine(module: Any, model_parameters: Any, config: dict[str, Any]) 
     """DeepSpeed's `PipelineEngine` for a `pipeline_module` (the process group is up already)."""
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=model_parameters,
-                                           config=config, dist_init_required=False)  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=model_parameters, config=config, dist_init_required=False
+    )
     return engine

@@ -34,8 +34,9 @@ def zero_init(module: Any, **kwargs: Any) -> Any:
     return deepspeed.zero.Init(module=module, **kwargs)
 
 
-def distributed_attention(local: Callable[..., Any], group: Any, scatter_idx: int,
-                          gather_idx: int) -> Any:  # fmt: skip
+def distributed_attention(
+    local: Callable[..., Any], group: Any, scatter_idx: int, gather_idx: int
+) -> Any:
     from deepspeed.sequence.layer import DistributedAttention
 
     return DistributedAttention(local, group, scatter_idx=scatter_idx, gather_idx=gather_idx)

@@ -8,10 +8,10 @@ reduction; `step()` then moves the optimizer once.
 
 - ZeRO 1-3: the backwards run inside `engine.coalesce_grad_reduction()`, whose exit is the
   reduction. Without it ZeRO-3 gives silently wrong gradients once several forwards precede
-  their backwards (1F1B's warm-up; measured: 2 ranks, 4 micro-batches, loss after one SGD step
-  1.2753 instead of the reference 1.2345). DeepSpeed forbids `engine.step()` inside the block,
-  and counts one `step()` per micro-batch (the optimizer moves at the last), so `step()` calls
-  it once per micro-batch after it.
+  their backwards (1F1B's warm-up; the 1F1B ZeRO-3 cases of
+  `tests/distributed/test_parity_pipeline.py` hold the losses to the single-process run's).
+  DeepSpeed forbids `engine.step()` inside the block, and counts one `step()` per micro-batch
+  (the optimizer moves at the last), so `step()` calls it once per micro-batch after it.
 - ZeRO-0 cannot coalesce (nor can DeepSpeed's BF16_Optimizer wrapper, which bf16 with fp32
   gradient accumulation gets at ZeRO-1). dsnd owns its accumulation boundary with the public
   `set_gradient_accumulation_boundary`: False through every backward (a stage runs v × m of
@@ -33,9 +33,9 @@ ZeRO 1-2 coalescing, no fp16 loss scale): `forward_plain`, then torch's backward
 (`backward_loss_plain`: `engine.backward`'s loss / gas, times a loss scale of 1) or of an inner
 stage's output with the received gradient (`backward_plain`), where DeepSpeed needs a scalar
 surrogate, (output * grad).sum(). DeepSpeed's forward pre/post hooks (timers, flops profiler)
-are the module's own and still run. Measured on llama-tiny's first stage at pp=2 (fp32, ZeRO-1,
-one thread, 400 interleaved repetitions): forward + backward per micro-batch 6.59 -> 5.78 ms
-(medians; 10th percentiles 4.50 -> 3.94).
+are the module's own and still run. On llama-tiny's first stage at pp=2 (fp32, ZeRO-1, one
+thread): forward + backward per micro-batch 6.59 -> 5.78 ms, medians (docs/benchmarks.md, the
+`dsnd bench pipeline` section).
 """
 
 from __future__ import annotations
@@ -60,8 +60,13 @@ from dsnd.engine.loss_scale import (
 class StageEngine:
     """A built DeepSpeed engine (`engine`) with the step protocol above."""
 
-    def __init__(self, engine: Any, norm_group: dist.ProcessGroup, tp_rank: int,
-                 reshard_after_forward: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        norm_group: dist.ProcessGroup,
+        tp_rank: int,
+        reshard_after_forward: bool = True,
+    ) -> None:
         self.engine = engine
         self.zero = engine.zero_optimization_stage()
         self.keep_gathered = self.zero == 3 and not reshard_after_forward
@@ -72,8 +77,12 @@ class StageEngine:
         # coalesced flush reads `.grad` as it is; fp16 keeps DeepSpeed's scaled backward, and a
         # separate accumulation dtype (`grad_accum`, filled in DeepSpeed's backward) its own
         accumulates_apart = getattr(engine.optimizer, "use_grad_accum_attribute", False)
-        self.plain = (self.coalesce and self.zero in (1, 2) and not scales_gradients(engine)
-                      and not accumulates_apart)  # fmt: skip
+        self.plain = (
+            self.coalesce
+            and self.zero in (1, 2)
+            and not scales_gradients(engine)
+            and not accumulates_apart
+        )
         self.device = engine.device
         self.gas = engine.gradient_accumulation_steps()
         self._norm_group, self._tp_rank = norm_group, tp_rank
@@ -130,8 +139,9 @@ class StageEngine:
         weights = self._weights(leaves)
         if not inputs:  # the first stage: no input gradient; the weight pass does it all
             return ("whole", output, grad, weights)
-        _, groups = stage_backward_input([output], None if grad is None else [grad], inputs,
-                                         iter(weights))  # fmt: skip
+        _, groups = stage_backward_input(
+            [output], None if grad is None else [grad], inputs, iter(weights)
+        )
         return ("split", groups, weights)
 
     def backward_weight(self, state: Any) -> None:
@@ -181,9 +191,9 @@ def claim_for_step(module: torch.nn.Module) -> None:
     once no module is using it, i.e. its `ds_active_sub_modules` set is empty; a claim that no
     module releases keeps it whole through every micro-batch's forward and backward. The ZeRO-3
     optimizer's `step()` first partitions every parameter (`_partition_all_parameters`, which
-    resets those sets), overflow or not, so the claim ends with the step. Measured at pp=2 x
-    dp=2: stage 0's all-gathers per step, in units of its parameters, 4 at m=2 and 16 at m=8
-    become 1 and 1; losses bit-identical."""
+    resets those sets), overflow or not, so the claim ends with the step. At pp=2 x dp=2, stage
+    0's all-gathers per step, in units of its parameters, 4 at m=2 and 16 at m=8 become 1 and 1;
+    losses bit-identical (docs/benchmarks.md, "Communication"; `dsnd bench zero-comm`)."""
     for p in module.parameters():
         if hasattr(p, "ds_active_sub_modules"):
             p.ds_active_sub_modules.add(STEP_CLAIM)

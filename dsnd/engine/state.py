@@ -10,8 +10,9 @@ its tensor-parallel shard and hands the full value to DeepSpeed's `safe_set_full
 this rank's ZeRO partition. Parameter names carry the global layer index, so pipeline stages
 can be cut differently on load.
 
-Two DeepSpeed details (0.19.8) need care (measured: state saved at dp=2 and loaded at dp=1, 2, 4
-continued the uninterrupted losses to 6 decimals only with both):
+Two DeepSpeed details (0.19.8) need care (state saved at pp=2 x dp=2 continues the
+uninterrupted losses at dp=1, 2 and 4 only with both:
+`tests/distributed/test_checkpoint_resume.py::test_resume_is_exact_and_reshapes`):
 - The optimizer's state is created lazily at the first step; before loading into a fresh
   engine it is materialised here (zeros, then overwritten), and ZeRO 1/2 and the bf16 optimizer
   must then (re)link their per-parameter views of it (`_link_state_views`), also before saving.
@@ -73,8 +74,7 @@ def unmanaged_masters(engine) -> dict[int, torch.Tensor]:
     low, high = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
     if low is None or high is None:
         return {}
-    return {id(p): m for ps, ms in zip(low, high, strict=True)
-            for p, m in zip(ps, ms, strict=True)}  # fmt: skip
+    return {id(p): m for ps, ms in zip(low, high, strict=True) for p, m in zip(ps, ms, strict=True)}
 
 
 def _own(opt: torch.optim.Optimizer, key: str) -> str:
@@ -89,8 +89,11 @@ def optim_keys(engine) -> list[str]:
     opt = basic_optimizer(engine)
     checkpoint_name = {own: key for key, own in OWN_NAMES.get(type(opt), {}).items()}
     for state in opt.state.values():
-        return sorted(checkpoint_name.get(k, k) for k, v in state.items()
-                      if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+        return sorted(
+            checkpoint_name.get(k, k)
+            for k, v in state.items()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
     return []
 
 
@@ -104,8 +107,9 @@ def optimizer_step(engine) -> int:
     return int(opt.param_groups[0].get("step", 0))
 
 
-def _join_tp(value: torch.Tensor, param: nn.Parameter, group: dist.ProcessGroup,
-             device: torch.device) -> torch.Tensor:  # fmt: skip
+def _join_tp(
+    value: torch.Tensor, param: nn.Parameter, group: dist.ProcessGroup, device: torch.device
+) -> torch.Tensor:
     """The full tensor of `param` from every rank's `value`, on the CPU: joined over the
     tensor-parallel `group`, or for an expert parameter (this rank's experts) over its
     expert-parallel group. The gather runs on `device`, the engine's: an NCCL group takes device
@@ -141,8 +145,7 @@ def full_state(
             value = master.detach()
             states = {k: opt.state[master][_own(opt, k)] for k in keys}
         value = _join_tp(value.float(), param, tp_group, engine.device)
-        states = {k: _join_tp(v.float(), param, tp_group, engine.device)
-                  for k, v in states.items()}  # fmt: skip
+        states = {k: _join_tp(v.float(), param, tp_group, engine.device) for k, v in states.items()}
         yield name, value, states
 
 
@@ -161,8 +164,9 @@ def materialise_optimizer_state(engine, keys: list[str], step: int) -> None:
             for key in keys:
                 if _own(opt, key) not in state:
                     state[_own(opt, key)] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] = step if counts_in_int else \
-                torch.tensor(float(step), dtype=torch.float32)  # fmt: skip
+            state["step"] = (
+                step if counts_in_int else torch.tensor(float(step), dtype=torch.float32)
+            )
             if isinstance(opt, torch.optim.NAdam):
                 state["mu_product"] = _nadam_mu_product(group, step)
     _link_state_views(engine)
@@ -172,13 +176,17 @@ def materialise_optimizer_state(engine, keys: list[str], step: int) -> None:
 def _nvme_swapped_in(zero, flat: torch.Tensor) -> Iterator[None]:
     """ZeRO-3 with the optimizer offloaded to NVMe: a sub-group's fp32 partition `flat` and its
     state read in for the block, written back after it. Swapped out, `flat` is an empty tensor:
-    state made from it would be empty, and DeepSpeed's swapper then never writes it (measured:
-    `safe_set_full_optimizer_state` failed on the size-0 state). Elsewhere nothing. (DeepSpeed's
+    state made from it would be empty, and DeepSpeed's swapper then never writes it
+    (`safe_set_full_optimizer_state` failed on the size-0 state; z3-nvme of
+    `tests/distributed/test_offload.py` resumes through this). Elsewhere nothing. (DeepSpeed's
     private methods, the ones its step uses: no public one exists.)"""
     flats = getattr(zero, "fp32_partitioned_groups_flat", [])
     i = next((i for i, f in enumerate(flats) if f is flat), None)
-    if i is None or not getattr(zero, "swap_optimizer", False) \
-            or not zero._swappable_optimizer_subgroup(i):  # fmt: skip
+    if (
+        i is None
+        or not getattr(zero, "swap_optimizer", False)
+        or not zero._swappable_optimizer_subgroup(i)
+    ):
         yield
         return
     zero._optimizer_states_and_gradient_swap_in(i)
@@ -211,7 +219,7 @@ def _nadam_mu_product(group: dict, step: int) -> torch.Tensor:
 
 def _link_state_views(engine) -> None:
     """ZeRO 1/2 and the bf16 optimizer reach a parameter's optimizer state through views into
-    the flat state, made once (`_lazy_init_hp_params_optimizer_state`). Measured on 0.19.8: after
+    the flat state, made once (`_lazy_init_hp_params_optimizer_state`). In DeepSpeed 0.19.8, after
     training steps they can still be empty (made before Adam created its state), so dsnd remakes
     them before reading or writing state. (A private DeepSpeed method: no public one exists.)"""
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)

@@ -37,8 +37,9 @@ POLL_S = 0.2
 PEER_GRACE_S = 10.0
 """How long a rank's exit saying "a peer failed first" (EXIT_PEER_FAILED) waits for the peer's
 own exit before the job is ended: the failing rank closes its connections while it is still
-tearing down, so its peers can exit first (measured: a rank failing in a save was killed by its
-agent, still exiting, after its peer's code-4 exit, and the job named the peer)."""
+tearing down, so its peers can exit first (without it a rank failing in a save was killed by its
+agent, still exiting, after its peer's code-4 exit, and the job named the peer:
+`tests/integration/test_job_faults.py::test_the_rank_whose_disk_filled_is_named_not_its_peer`)."""
 
 
 def die_with_parent() -> None:
@@ -106,10 +107,15 @@ class Rank:
         # aborts loading there), and `dsnd launch` passed every path of the config absolute
         cwd = spec.cwd if os.path.isdir(spec.cwd) else "/"
         self.proc = subprocess.Popen(
-            spec.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
+            spec.argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         self.inbox = inbox
 
     def watch(self) -> None:
@@ -146,8 +152,15 @@ class Rank:
             self.signal(signal.SIGKILL, group=True)
 
     def outcome(self) -> RankOutcome:
-        return RankOutcome(self.rank, self.host, self.proc.returncode, self.stopped_at_end,
-                           self.ended_by_agent, self.ended_at, self.reason)  # fmt: skip
+        return RankOutcome(
+            self.rank,
+            self.host,
+            self.proc.returncode,
+            self.stopped_at_end,
+            self.ended_by_agent,
+            self.ended_at,
+            self.reason,
+        )
 
 
 def tick(inbox: queue.Queue, item: tuple, done: threading.Event | None = None) -> None:
@@ -171,17 +184,20 @@ class Agent:
         self.ranks = [Rank(spec, i, self.inbox) for i in range(len(spec.ranks))]
         self.ending: str | None = None  # None, "term" or "kill"
         self.peer_failed: tuple[Rank, float] | None = None  # first "a peer failed" / SIGABRT
-        self.pumps = [threading.Thread(target=_pump, args=(pipe, sink), daemon=True)
-                      for r in self.ranks
-                      for pipe, sink in ((r.proc.stdout, out), (r.proc.stderr, err))]  # fmt: skip
+        self.pumps = [
+            threading.Thread(target=_pump, args=(pipe, sink), daemon=True)
+            for r in self.ranks
+            for pipe, sink in ((r.proc.stdout, out), (r.proc.stderr, err))
+        ]
         others = [threading.Thread(target=r.watch, daemon=True) for r in self.ranks] + [
             threading.Thread(target=_read_commands, args=(stdin, self.inbox), daemon=True),
             threading.Thread(target=tick, args=(self.inbox, ("tick", None)), daemon=True),
         ]
         for t in self.pumps + others:
             t.start()
-        self.out.write(event_line("started", host=spec.host,
-                                  pids={r.rank: r.proc.pid for r in self.ranks}))  # fmt: skip
+        self.out.write(
+            event_line("started", host=spec.host, pids={r.rank: r.proc.pid for r in self.ranks})
+        )
 
     def _fail(self, rank: Rank, what: str) -> None:
         """The first failure on this host: report it and end the other ranks now."""
@@ -206,8 +222,10 @@ class Agent:
     def _check_stopped(self) -> None:
         for r in self.ranks:
             if r.running() and (stopped := r.stopped_for()) > self.spec.hang_timeout_s:
-                r.reason = (f"was stopped (SIGSTOP or a debugger) for {stopped:.0f} s "
-                            f"(dist.timeout_s={self.spec.hang_timeout_s:g})")  # fmt: skip
+                r.reason = (
+                    f"was stopped (SIGSTOP or a debugger) for {stopped:.0f} s "
+                    f"(dist.timeout_s={self.spec.hang_timeout_s:g})"
+                )
                 self._fail(r, r.reason)
                 return
 

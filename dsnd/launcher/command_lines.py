@@ -25,11 +25,17 @@ def deepspeed_local_argv(
     """`deepspeed` on this machine only, `nprocs` ranks."""
     return [
         "deepspeed",
-        "--num_gpus", str(nprocs),
-        "--master_addr", master_addr,
-        "--master_port", str(master_port),
-        "--module", "dsnd", "train", *train_args,
-    ]  # fmt: skip
+        "--num_gpus",
+        str(nprocs),
+        "--master_addr",
+        master_addr,
+        "--master_port",
+        str(master_port),
+        "--module",
+        "dsnd",
+        "train",
+        *train_args,
+    ]
 
 
 def deepspeed_hostfile_argv(
@@ -101,8 +107,11 @@ def mpirun_argv(
     """
     hosts = ",".join(_host_counts(slots))
     nprocs = str(sum(len(s) for s in slots.values()))
-    exports = [("MASTER_ADDR", master_addr), ("MASTER_PORT", str(master_port)),
-               *mpirun_devices_env(slots).items()]  # fmt: skip
+    exports = [
+        ("MASTER_ADDR", master_addr),
+        ("MASTER_PORT", str(master_port)),
+        *mpirun_devices_env(slots).items(),
+    ]
     exports += [(k, v) for k, v in env.items() if k not in _MASTER_KEYS]
     program = [python, "-m", "dsnd", "train", *train_args]
     if flavor == "openmpi":
@@ -140,18 +149,31 @@ def srun_argv(
         counts = {int(item.rpartition(":")[2]) for item in _host_counts(slots)}
         if len(counts) != 1:
             shown = ", ".join(f"{h}:{len(s)}" for h, s in slots.items())
-            raise UserError(f"srun starts the same number of tasks on every node; the hosts have "
-                            f"{shown}: select as many slots on each")  # fmt: skip
+            raise UserError(
+                f"srun starts the same number of tasks on every node; the hosts have "
+                f"{shown}: select as many slots on each"
+            )
         per_node, nodes = counts.pop(), len(slots)
         where = [f"--nodelist={','.join(slots)}"]
     else:
         per_node, nodes, where = nprocs, 1, []
     return [
-        "srun", f"--nodes={nodes}", f"--ntasks={nodes * per_node}",
-        f"--ntasks-per-node={per_node}", *where, "--distribution=block", "--kill-on-bad-exit=1",
-        f"--job-name={step_name}", f"--export=ALL,MASTER_ADDR={master_addr},"
-        f"MASTER_PORT={master_port}", python, "-u", "-m", "dsnd", "train", *train_args,
-    ]  # fmt: skip
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes * per_node}",
+        f"--ntasks-per-node={per_node}",
+        *where,
+        "--distribution=block",
+        "--kill-on-bad-exit=1",
+        f"--job-name={step_name}",
+        f"--export=ALL,MASTER_ADDR={master_addr},MASTER_PORT={master_port}",
+        python,
+        "-u",
+        "-m",
+        "dsnd",
+        "train",
+        *train_args,
+    ]
 
 
 def squeue_steps_argv(step_name: str) -> list[str]:

@@ -42,6 +42,8 @@ def ignored_note(environ: dict[str, str], slots: dict[str, list[int]]) -> str | 
     value = environ.get(VISIBLE_DEVICES)
     if not value or all(visible_devices_env(s)[VISIBLE_DEVICES] == value for s in slots.values()):
         return None
-    return (f"{VISIBLE_DEVICES}={value} of this shell is not passed to the ranks: each host's "
-            "ranks see the slots selected for it (a hostfile's slots=N, --include "
-            "HOST:2,3)")  # fmt: skip
+    return (
+        f"{VISIBLE_DEVICES}={value} of this shell is not passed to the ranks: each host's "
+        "ranks see the slots selected for it (a hostfile's slots=N, --include "
+        "HOST:2,3)"
+    )

@@ -126,10 +126,12 @@ def allocation_hosts(env: dict[str, str]) -> list[Host]:
     SLURM_TASKS_PER_NODE as each host's slots), as a hostfile would list them."""
     nodelist, tasks = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_TASKS_PER_NODE")
     if not nodelist or not tasks:
-        raise UserError("--launcher slurm without --hostfile or --nprocs takes the hosts of the "
-                        "Slurm allocation it runs in, and this process is in none (no "
-                        "SLURM_JOB_NODELIST / SLURM_TASKS_PER_NODE): run it inside sbatch or "
-                        "salloc, or pass --hostfile with Slurm node names")  # fmt: skip
+        raise UserError(
+            "--launcher slurm without --hostfile or --nprocs takes the hosts of the "
+            "Slurm allocation it runs in, and this process is in none (no "
+            "SLURM_JOB_NODELIST / SLURM_TASKS_PER_NODE): run it inside sbatch or "
+            "salloc, or pass --hostfile with Slurm node names"
+        )
     try:
         names, counts = expand_hostlist(nodelist), expand_tasks_per_node(tasks)
     except ValueError as e:
@@ -137,8 +139,10 @@ def allocation_hosts(env: dict[str, str]) -> list[Host]:
     for name in names:
         check_host_name(name, f"SLURM_JOB_NODELIST={nodelist}")
     if len(names) != len(counts):
-        raise UserError(f"SLURM_JOB_NODELIST={nodelist} names {len(names)} nodes but "
-                        f"SLURM_TASKS_PER_NODE={tasks} counts {len(counts)}")  # fmt: skip
+        raise UserError(
+            f"SLURM_JOB_NODELIST={nodelist} names {len(names)} nodes but "
+            f"SLURM_TASKS_PER_NODE={tasks} counts {len(counts)}"
+        )
     return [Host(name, n) for name, n in zip(names, counts, strict=True)]
 
 

@@ -60,8 +60,16 @@ def base_env(extra: dict[str, str] | None = None, accelerator: str = "cpu") -> d
 
 
 def rank_env(rank: int, world: int, port: int, accelerator: str = "cpu") -> dict[str, str]:
-    return base_env(dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port)), accelerator)  # fmt: skip
+    return base_env(
+        dict(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR=LOOPBACK,
+            MASTER_PORT=str(port),
+        ),
+        accelerator,
+    )
 
 
 def run_ranks(
@@ -82,7 +90,7 @@ def run_ranks(
             cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
         for rank, log in enumerate(logs)
     ]
     deadline = time.monotonic() + timeout_s
@@ -106,6 +114,8 @@ def run_ranks(
         log.close()
     if problem is None and all(p.returncode == 0 for p in procs):
         return outputs
-    report = [f"--- rank {rank} (exit code {p.returncode}) ---\n{out[-4000:]}"
-              for rank, (p, out) in enumerate(zip(procs, outputs, strict=True))]  # fmt: skip
+    report = [
+        f"--- rank {rank} (exit code {p.returncode}) ---\n{out[-4000:]}"
+        for rank, (p, out) in enumerate(zip(procs, outputs, strict=True))
+    ]
     raise RanksFailed(f"{problem or 'a rank failed'}:\n" + "\n".join(report))

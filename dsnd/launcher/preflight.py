@@ -38,13 +38,13 @@ def port_free(addr: str, port: int) -> bool:
     """Whether rank 0's rendezvous store can still listen on `port`.
 
     `addr` (the master address) only says which host asks: torch 2.13's TCPStore server listens
-    on every address of its host, not on the master address (measured: with host 127.0.0.1 it
+    on every address of its host, not on the master address (observed: with host 127.0.0.1 it
     shows as `*:PORT` in `ss -ltn` and as `[::]:PORT` in /proc/net/tcp6, IPv4-mapped; the same
-    inside a network namespace with IPv6 disabled by sysctl). A listener on any local address and
-    port (127.0.0.2:PORT, ::1:PORT) makes its bind fail, so the probe binds the way the store
-    does: the IPv6 wildcard accepting IPv4 too, else (no IPv6 in the kernel) the IPv4 wildcard,
-    with SO_REUSEADDR like the store (a connection left in TIME_WAIT does not block it), then
-    listens (a bind alone can coexist with another socket that is bound but not listening).
+    inside a network namespace with IPv6 disabled by sysctl; not in the suite). A listener on any
+    local address and port (127.0.0.2:PORT, ::1:PORT) makes its bind fail, so the probe binds the
+    way the store does: the IPv6 wildcard accepting IPv4 too, else (no IPv6 in the kernel) the IPv4
+    wildcard, with SO_REUSEADDR like the store (a connection left in TIME_WAIT does not block it),
+    then listens (a bind alone can coexist with another socket that is bound but not listening).
     """
     del addr  # see above: the store ignores it when it binds
     for family, wildcard in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
@@ -108,11 +108,14 @@ def problems(reports: dict[str, dict | str], expected: dict[str, str], request: 
             if got != expected[name]:
                 lines.append(f"host {host}: {name} {got}, but the launcher has {expected[name]}")
         if report.get("port_free") is False:
-            lines.append(f"host {host}: rendezvous port {request['addr']}:{request['port']} is "
-                         "in use (pick another with --master-port)")  # fmt: skip
+            lines.append(
+                f"host {host}: rendezvous port {request['addr']}:{request['port']} is "
+                "in use (pick another with --master-port)"
+            )
         if report["dir_problem"]:
-            lines.append(f"host {host}: checkpoint directory {request['dir']} "
-                         f"{report['dir_problem']}")  # fmt: skip
+            lines.append(
+                f"host {host}: checkpoint directory {request['dir']} {report['dir_problem']}"
+            )
     return lines
 
 

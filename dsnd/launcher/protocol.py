@@ -83,15 +83,20 @@ class RankOutcome:
     reason: str = ""  # the agent's own finding (hung, ...)
 
 
-_MEANING = {EXIT_USAGE: "bad input", EXIT_DIVERGED: "training diverged",
-            EXIT_PEER_FAILED: "a peer failed first"}  # fmt: skip
+_MEANING = {
+    EXIT_USAGE: "bad input",
+    EXIT_DIVERGED: "training diverged",
+    EXIT_PEER_FAILED: "a peer failed first",
+}
 
 
 ABORT_CODES = (-signal.SIGABRT, 128 + signal.SIGABRT)
 """How a rank killed by SIGABRT ends: -6 as its parent sees it, 134 through a shell."""
-WATCHDOG = ("NCCL watchdog abort (collective timeout?): a collective outlived dist.timeout_s or "
-            "its communicator failed; torch's flight recorder dump, if any, is <log.dir>/logs/"
-            "nccl_trace_rank_<rank>")  # fmt: skip
+WATCHDOG = (
+    "NCCL watchdog abort (collective timeout?): a collective outlived dist.timeout_s or "
+    "its communicator failed; torch's flight recorder dump, if any, is <log.dir>/logs/"
+    "nccl_trace_rank_<rank>"
+)
 
 
 def aborted(code: int | None) -> bool:
@@ -135,9 +140,8 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
     if all(o.code == 0 for o in outcomes):
         return None
     frozen = [
-        o for o in outcomes
-        if o.reason or (o.ended_by_agent and o.stopped_s >= STOPPED_AFTER_S)
-    ]  # fmt: skip
+        o for o in outcomes if o.reason or (o.ended_by_agent and o.stopped_s >= STOPPED_AFTER_S)
+    ]
     if frozen:
         o = max(frozen, key=lambda o: (bool(o.reason), o.stopped_s))
         what = o.reason or f"was stopped (frozen for {o.stopped_s:.0f} s)"

@@ -47,9 +47,12 @@ class _Agent:
     def __init__(self, launch: AgentLaunch, inbox: queue.Queue, out: BinaryIO) -> None:
         self.host, self.inbox, self.out = launch.host, inbox, out
         self.proc = subprocess.Popen(
-            launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
+            launch.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         self.reported = False
         self.send(launch.spec.to_line())
 
@@ -117,8 +120,10 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
             elif kind == "ended":
                 alive.discard(agent)
                 if not agent.reported:
-                    lost.append(f"the agent on host {agent.host} ended without a report "
-                                f"(exit code {item}; unreachable or killed?)")  # fmt: skip
+                    lost.append(
+                        f"the agent on host {agent.host} ended without a report "
+                        f"(exit code {item}; unreachable or killed?)"
+                    )
                     broadcast("kill")
             if kill_deadline is not None and time.monotonic() > kill_deadline:
                 for a in alive:
@@ -129,5 +134,4 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
             signal.signal(s, handler)
     outcomes.sort(key=lambda o: o.rank)
     failure = diagnose(outcomes) or (lost[0] if lost else None)
-    return JobResult(outcomes, failure, stop_signal[0] if stop_signal else None,
-                     diverged(outcomes))  # fmt: skip
+    return JobResult(outcomes, failure, stop_signal[0] if stop_signal else None, diverged(outcomes))

@@ -47,7 +47,7 @@ def _arrays(runs: list[DenseRun]) -> dict[str, np.ndarray]:
         "gen": np.array([GENS.index(GENERATIONS[r.device]) for r in runs]),
         "published": np.log([dense_runs.published_s(r) for r in runs]),
         "weight": np.array([1 / tables[(r.source, r.device)] for r in runs]),
-    }  # fmt: skip
+    }
 
 
 def _seconds(a: dict[str, np.ndarray], eff: list[Efficiency]) -> np.ndarray:
@@ -64,8 +64,9 @@ def _efficiencies(x: np.ndarray) -> list[Efficiency]:
     return [Efficiency(float(v[g]), float(v[2 + g]), float(v[4]), float(v[5])) for g in (0, 1)]
 
 
-def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, iters: int = 3000,
-                 step: float = 0.5) -> np.ndarray:  # fmt: skip
+def _nelder_mead(
+    f: Callable[[np.ndarray], float], x0: np.ndarray, iters: int = 3000, step: float = 0.5
+) -> np.ndarray:
     """The textbook simplex (reflect 1, expand 2, contract 1/2, shrink 1/2), deterministic."""
     pts = [x0] + [x0 + step * np.eye(len(x0))[i] for i in range(len(x0))]
     vals = [f(p) for p in pts]

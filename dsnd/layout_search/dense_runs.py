@@ -32,16 +32,26 @@ from dsnd.layout_search.hardware import DEVICES, Device, Efficiency
 from dsnd.layout_search.shape import ModelShape, gpt, llama
 from dsnd.layout_search.timing import Step, StepCost, step_cost, uniform_stages
 
-MPT = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12),
-       "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
-       "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}  # fmt: skip
+MPT = {
+    "125m": (12, 768, 12),
+    "350m": (24, 1024, 16),
+    "760m": (24, 1536, 12),
+    "1b": (24, 2048, 16),
+    "3b": (32, 2560, 20),
+    "7b": (32, 4096, 32),
+    "13b": (40, 5120, 40),
+    "30b": (48, 7168, 56),
+    "70b": (80, 8192, 64),
+}
 """llm-foundry's MPT sizes: (layers, hidden, heads)."""
 
-LLAMA = {"llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256),
-         "llama-3-70b": (80, 8192, 64, 8, 28672, 128256),
-         "llama-3.1-405b": (126, 16384, 128, 8, 53248, 128256),
-         "llama-2-13b": (40, 5120, 40, 40, 13824, 32000),
-         "llama-2-70b": (80, 8192, 64, 8, 28672, 32000)}  # fmt: skip
+LLAMA = {
+    "llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256),
+    "llama-3-70b": (80, 8192, 64, 8, 28672, 128256),
+    "llama-3.1-405b": (126, 16384, 128, 8, 53248, 128256),
+    "llama-2-13b": (40, 5120, 40, 40, 13824, 32000),
+    "llama-2-70b": (80, 8192, 64, 8, 28672, 32000),
+}
 """(layers, hidden, heads, kv heads, ffn, vocab), from the models' published configs."""
 
 
@@ -75,10 +85,15 @@ class DenseRun:
 
     def label(self) -> str:
         ac = {"none": "", "full": ", ckpt", "selective": ", selective"}[self.recompute]
-        par = "".join(f" {k}{v}" for k, v in (("TP", self.tp), ("PP", self.pp),
-                                               ("VP", self.virtual), ("CP", self.cp)) if v > 1)
-        return (f"{self.source}: {self.model}, {self.world} {self.device},{par} ZeRO-{self.zero}, "
-                f"seq {self.seq}, mb {self.micro_batch} x {self.accumulation}{ac}")  # fmt: skip
+        par = "".join(
+            f" {k}{v}"
+            for k, v in (("TP", self.tp), ("PP", self.pp), ("VP", self.virtual), ("CP", self.cp))
+            if v > 1
+        )
+        return (
+            f"{self.source}: {self.model}, {self.world} {self.device},{par} ZeRO-{self.zero}, "
+            f"seq {self.seq}, mb {self.micro_batch} x {self.accumulation}{ac}"
+        )
 
 
 def _llm_foundry(device: str, rows: str) -> tuple[DenseRun, ...]:
@@ -86,13 +101,27 @@ def _llm_foundry(device: str, rows: str) -> tuple[DenseRun, ...]:
     out = []
     for line in rows.strip().splitlines():
         model, seq, gpus, mb, acc, ac, tps, *zero = line.split()
-        out.append(DenseRun("llm-foundry", f"mpt-{model}", device, int(gpus), int(mb), int(acc),
-                            int(seq), float(tps), "tokens/s/GPU", "full" if ac == "y" else "none",
-                            int(zero[0]) if zero else 3))  # fmt: skip
+        out.append(
+            DenseRun(
+                "llm-foundry",
+                f"mpt-{model}",
+                device,
+                int(gpus),
+                int(mb),
+                int(acc),
+                int(seq),
+                float(tps),
+                "tokens/s/GPU",
+                "full" if ac == "y" else "none",
+                int(zero[0]) if zero else 3,
+            )
+        )
     return tuple(out)
 
 
-FOUNDRY_H100 = _llm_foundry("h100", """
+FOUNDRY_H100 = _llm_foundry(
+    "h100",
+    """
 70b 2048 512 8 1 y 1007
 70b 2048 256 8 1 y 1035
 70b 2048 128 8 1 y 1058
@@ -163,10 +192,13 @@ FOUNDRY_H100 = _llm_foundry("h100", """
 760m 2048 8 24 2 n 63147
 760m 1024 8 48 2 n 78581
 760m 512 8 96 2 n 83749
-""")
+""",
+)
 """llm-foundry's H100 80GB BF16 tables (its >= 128 GPU one first; "2": SHARD_GRAD_OP)."""
 
-FOUNDRY_A100 = _llm_foundry("a100", """
+FOUNDRY_A100 = _llm_foundry(
+    "a100",
+    """
 70b 2048 64 8 4 y 410
 70b 2048 32 2 16 y 373
 30b 8192 8 1 21 y 574
@@ -228,39 +260,120 @@ FOUNDRY_A100 = _llm_foundry("a100", """
 125m 2048 8 32 2 n 141737
 125m 1024 8 64 2 n 156468
 125m 512 8 128 2 n 165681
-""")
+""",
+)
 """llm-foundry's A100 80GB table (1600 Gbps RoCE between nodes; its two 70b rows pure bf16)."""
 
 SELENE = "Korthikanti Table 5"
-LLAMA3_NOTE = ("schedule and recomputation unpublished: taken as interleaved 1F1B with 8 chunks a "
-               "rank (one layer each; the paper takes a layer off the first and last stages) and "
-               "none")  # fmt: skip
+LLAMA3_NOTE = (
+    "schedule and recomputation unpublished: taken as interleaved 1F1B with 8 chunks a "
+    "rank (one layer each; the paper takes a layer off the first and last stages) and "
+    "none"
+)
 
 OTHERS = (
-    DenseRun("Llama 3 paper", "llama-3.1-405b", "h100", 8192, 1, 32, 8192, 0.43, "MFU",
-             zero=1, tp=8, pp=16, virtual=8, note=LLAMA3_NOTE),
-    DenseRun("Llama 3 paper", "llama-3.1-405b", "h100", 16384, 1, 16, 8192, 0.41, "MFU",
-             zero=1, tp=8, pp=16, virtual=8, note=LLAMA3_NOTE),
-    DenseRun("Llama 3 paper", "llama-3.1-405b", "h100", 16384, 1, 16, 131072, 0.38, "MFU",
-             zero=1, tp=8, pp=16, cp=16, virtual=8, fitted=False,
-             note="not fitted: at 128K attention is 57% of the planner's FLOPs, so how the paper "
-                  "counts it (causal or not) moves the step time by up to 1.4x"),
-    DenseRun("torchtitan A100", "llama-3-70b", "a100", 64, 1, 1, 8192, 331, "tokens/s/GPU",
-             "full"),
+    DenseRun(
+        "Llama 3 paper",
+        "llama-3.1-405b",
+        "h100",
+        8192,
+        1,
+        32,
+        8192,
+        0.43,
+        "MFU",
+        zero=1,
+        tp=8,
+        pp=16,
+        virtual=8,
+        note=LLAMA3_NOTE,
+    ),
+    DenseRun(
+        "Llama 3 paper",
+        "llama-3.1-405b",
+        "h100",
+        16384,
+        1,
+        16,
+        8192,
+        0.41,
+        "MFU",
+        zero=1,
+        tp=8,
+        pp=16,
+        virtual=8,
+        note=LLAMA3_NOTE,
+    ),
+    DenseRun(
+        "Llama 3 paper",
+        "llama-3.1-405b",
+        "h100",
+        16384,
+        1,
+        16,
+        131072,
+        0.38,
+        "MFU",
+        zero=1,
+        tp=8,
+        pp=16,
+        cp=16,
+        virtual=8,
+        fitted=False,
+        note="not fitted: at 128K attention is 57% of the planner's FLOPs, so how the paper "
+        "counts it (causal or not) moves the step time by up to 1.4x",
+    ),
+    DenseRun("torchtitan A100", "llama-3-70b", "a100", 64, 1, 1, 8192, 331, "tokens/s/GPU", "full"),
     DenseRun("torchtitan A100", "llama-2-13b", "a100", 64, 2, 1, 4096, 2162, "tokens/s/GPU"),
-    DenseRun("torchtitan A100", "llama-2-70b", "a100", 64, 2, 1, 4096, 353, "tokens/s/GPU",
-             "full"),
-    DenseRun("torchtitan H100 500 W", "llama-3.1-8b", "h100", 8, 2, 1, 8192, 5762,
-             "tokens/s/GPU", fitted=False,
-             note="not fitted: 500 W HBM2e H100s (peak unpublished); selective checkpointing "
-                  "predicted as none"),
-    DenseRun("torchtitan H100 500 W", "llama-3.1-8b", "h100", 128, 2, 1, 8192, 5605,
-             "tokens/s/GPU", fitted=False, note="as above"),
-    *(DenseRun(SELENE, r.name, "a100", r.tp * r.pp, r.micro_batch,
-               r.global_batch // r.micro_batch, selene.SEQ, seconds, "s/step", mode, zero=0,
-               tp=r.tp, pp=r.pp, virtual=r.virtual)
-      for r in selene.RUNS for mode, seconds in (("full", r.full_s), ("selective", r.selective_s))),
-)  # fmt: skip
+    DenseRun("torchtitan A100", "llama-2-70b", "a100", 64, 2, 1, 4096, 353, "tokens/s/GPU", "full"),
+    DenseRun(
+        "torchtitan H100 500 W",
+        "llama-3.1-8b",
+        "h100",
+        8,
+        2,
+        1,
+        8192,
+        5762,
+        "tokens/s/GPU",
+        fitted=False,
+        note="not fitted: 500 W HBM2e H100s (peak unpublished); selective checkpointing "
+        "predicted as none",
+    ),
+    DenseRun(
+        "torchtitan H100 500 W",
+        "llama-3.1-8b",
+        "h100",
+        128,
+        2,
+        1,
+        8192,
+        5605,
+        "tokens/s/GPU",
+        fitted=False,
+        note="as above",
+    ),
+    *(
+        DenseRun(
+            SELENE,
+            r.name,
+            "a100",
+            r.tp * r.pp,
+            r.micro_batch,
+            r.global_batch // r.micro_batch,
+            selene.SEQ,
+            seconds,
+            "s/step",
+            mode,
+            zero=0,
+            tp=r.tp,
+            pp=r.pp,
+            virtual=r.virtual,
+        )
+        for r in selene.RUNS
+        for mode, seconds in (("full", r.full_s), ("selective", r.selective_s))
+    ),
+)
 
 RUNS = FOUNDRY_H100 + FOUNDRY_A100 + OTHERS
 
@@ -283,8 +396,11 @@ def stages(run: DenseRun) -> list[list[int]]:
     if len(sh.blocks) % chunks == 0:
         return uniform_stages(sh, run.pp, run.virtual)
     first, last = sh.blocks[0], sh.blocks[-1]
-    slots = [list(range(first)), *([b] for b in sh.blocks),
-             list(range(last + 1, len(sh.layer_params)))]  # fmt: skip
+    slots = [
+        list(range(first)),
+        *([b] for b in sh.blocks),
+        list(range(last + 1, len(sh.layer_params))),
+    ]
     per = len(slots) // chunks
     chunk = [sum(slots[c * per : (c + 1) * per], []) for c in range(chunks)]
     return [sum((chunk[c] for c in range(s, chunks, run.pp)), []) for s in range(run.pp)]
@@ -293,10 +409,22 @@ def stages(run: DenseRun) -> list[list[int]]:
 def step(run: DenseRun) -> Step:
     megatron = run.source == SELENE  # fp16 (bytes as bf16), scores in memory, SP when selective
     schedule = "interleaved-1f1b" if run.virtual > 1 else "1f1b"
-    return Step(run.pp, run.tp, run.dp, run.cp, run.zero, run.micro_batch, run.accumulation,
-                run.seq, schedule, run.virtual, run.recompute,
-                sp=run.tp > 1 and (not megatron or run.recompute == "selective"),
-                scores_in_memory=megatron, scatter_gather=megatron)  # fmt: skip
+    return Step(
+        run.pp,
+        run.tp,
+        run.dp,
+        run.cp,
+        run.zero,
+        run.micro_batch,
+        run.accumulation,
+        run.seq,
+        schedule,
+        run.virtual,
+        run.recompute,
+        sp=run.tp > 1 and (not megatron or run.recompute == "selective"),
+        scores_in_memory=megatron,
+        scatter_gather=megatron,
+    )
 
 
 @functools.cache
@@ -329,8 +457,9 @@ def mfu(run: DenseRun, seconds: float) -> float:
     return run.global_batch * run.seq * flops_per_token(run) / (seconds * run.world * _peak(run))
 
 
-def predicted_s(run: DenseRun, efficiency: Efficiency | None = None,
-                device: Device | None = None) -> float:  # fmt: skip
+def predicted_s(
+    run: DenseRun, efficiency: Efficiency | None = None, device: Device | None = None
+) -> float:
     """The planner's step time for the run at `efficiency` (default: its device's)."""
     dev = device or DEVICES[run.device]
     return cost(run).seconds(efficiency or dev.efficiency)

@@ -23,8 +23,9 @@ from dsnd.layout_search.zero_sizes import (
 RUN_YAML, DS_JSON = "run.yaml", "ds_config.json"
 
 
-def ds_json(lay: Layout, global_batch: int, bf16: bool,
-            hidden: int | None = None) -> dict[str, Any]:  # fmt: skip
+def ds_json(
+    lay: Layout, global_batch: int, bf16: bool, hidden: int | None = None
+) -> dict[str, Any]:
     """The packaged JSON of the layout's ZeRO stage with its batch and precision; sized for a
     GPU running a model of hidden size `hidden` (`zero_sizes.gpu_sized`), or, None, left at
     the packaged sizes for this CPU's test-sized runs."""
@@ -48,27 +49,45 @@ def run_yaml(lay: Layout, model: str, preset: bool, seq: int) -> dict[str, Any]:
         "deepspeed": DS_JSON,
         "model": {"preset" if preset else "config": model, "seq_len": seq},
         "parallel": {
-            "pp": lay.pp, "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "partition": PARTITION,
-            "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
+            "pp": lay.pp,
+            "tp": lay.tp,
+            "cp": lay.cp,
+            "ep": lay.ep,
+            "partition": PARTITION,
+            "schedule": lay.schedule,
+            "virtual_stages": lay.virtual_stages,
             "activation_checkpoint_interval": 1 if lay.activation_checkpointing else 0,
             "sequence_parallel": lay.tp > 1,
         },
-    }  # fmt: skip
+    }
 
 
 def comment(lay: Layout) -> str:
     """The plan's prediction for the layout, as the run YAML's leading comment lines."""
     from dsnd.layout_search.render import memory_words
 
-    spread = "" if lay.mfu_range is None else (
-        " (published runs: {:.1%}-{:.1%})".format(*lay.mfu_range).replace("%-", "-"))
-    return (f"# dsnd plan: {lay.key()}\n"
-            f"# predicted: {lay.step_time_s:.3g} s/step, MFU {lay.mfu:.1%}{spread}\n"
-            f"# memory per device (GiB): {memory_words(lay)}\n")  # fmt: skip
+    spread = (
+        ""
+        if lay.mfu_range is None
+        else (" (published runs: {:.1%}-{:.1%})".format(*lay.mfu_range).replace("%-", "-"))
+    )
+    return (
+        f"# dsnd plan: {lay.key()}\n"
+        f"# predicted: {lay.step_time_s:.3g} s/step, MFU {lay.mfu:.1%}{spread}\n"
+        f"# memory per device (GiB): {memory_words(lay)}\n"
+    )
 
 
-def write(out: str, lay: Layout, model: str, preset: bool, seq: int, global_batch: int,
-          bf16: bool, hidden: int | None = None) -> list[str]:  # fmt: skip
+def write(
+    out: str,
+    lay: Layout,
+    model: str,
+    preset: bool,
+    seq: int,
+    global_batch: int,
+    bf16: bool,
+    hidden: int | None = None,
+) -> list[str]:
     """Write both files into `out` (created); their paths. `hidden`: as `ds_json`'s."""
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, RUN_YAML), os.path.join(out, DS_JSON)]

@@ -93,13 +93,23 @@ class Device:
         return self.bf16_flops if bf16 else self.fp32_flops
 
 
-def _gpu(name: str, product: str, mem_gib: float, hbm_tb: float, intra_gb: float,
-         inter_gb: float) -> Device:  # fmt: skip
+def _gpu(
+    name: str, product: str, mem_gib: float, hbm_tb: float, intra_gb: float, inter_gb: float
+) -> Device:
     peaks = PEAKS[product]  # the same figures MFU is measured against
     gen = GENERATIONS[name]
-    return Device(name, mem_gib * GiB, peaks["bf16"], peaks["fp32"], hbm_tb * 1e12,
-                  intra_gb * 1e9, inter_gb * 1e9, product=product, efficiency=FITTED[gen],
-                  accuracy=ACCURACY[gen])  # fmt: skip
+    return Device(
+        name,
+        mem_gib * GiB,
+        peaks["bf16"],
+        peaks["fp32"],
+        hbm_tb * 1e12,
+        intra_gb * 1e9,
+        inter_gb * 1e9,
+        product=product,
+        efficiency=FITTED[gen],
+        accuracy=ACCURACY[gen],
+    )
 
 
 DEVICES: dict[str, Device] = {
@@ -120,9 +130,15 @@ def named_device(device_name: str) -> Device | None:
     return next((d for d in DEVICES.values() if product and d.product == product), None)
 
 
-def device(name: str | None, *, memory_gib: float | None = None, tflops: float | None = None,
-           intra_gbps: float | None = None, inter_gbps: float | None = None,
-           per_node: int | None = None) -> Device:  # fmt: skip
+def device(
+    name: str | None,
+    *,
+    memory_gib: float | None = None,
+    tflops: float | None = None,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+    per_node: int | None = None,
+) -> Device:
     """A named device with any of its figures overridden, or (no name) one described wholly
     by the figures; unknown names and missing figures are refused in one line."""
     if name is not None:
@@ -130,23 +146,36 @@ def device(name: str | None, *, memory_gib: float | None = None, tflops: float |
             base = DEVICES[name.lower()]
         except KeyError:
             known = ", ".join(DEVICES)
-            raise UserError(f"--gpu {name!r} is not a known device; known: {known} (or give "
-                            "--gpu-mem, --gpu-flops, --intra-bw, --inter-bw)"
-                            ) from None  # fmt: skip
+            raise UserError(
+                f"--gpu {name!r} is not a known device; known: {known} (or give "
+                "--gpu-mem, --gpu-flops, --intra-bw, --inter-bw)"
+            ) from None
     else:
-        missing = [flag for flag, v in (("--gpu-mem", memory_gib), ("--gpu-flops", tflops),
-                                        ("--intra-bw", intra_gbps), ("--inter-bw", inter_gbps))
-                   if v is None]  # fmt: skip
+        missing = [
+            flag
+            for flag, v in (
+                ("--gpu-mem", memory_gib),
+                ("--gpu-flops", tflops),
+                ("--intra-bw", intra_gbps),
+                ("--inter-bw", inter_gbps),
+            )
+            if v is None
+        ]
         if missing:
-            raise UserError(f"without --gpu, plan needs {', '.join(missing)} (or name a device: "
-                            f"--gpu {'|'.join(DEVICES)})")  # fmt: skip
+            raise UserError(
+                f"without --gpu, plan needs {', '.join(missing)} (or name a device: "
+                f"--gpu {'|'.join(DEVICES)})"
+            )
         # No datasheet: memory bandwidth scaled with compute as on an H100 (FLOP per byte).
         ratio = DEVICES["h100"].hbm_bytes_per_s / DEVICES["h100"].bf16_flops
         base = Device("custom", 0, 0, 0, 0, 0, 0)
         base = replace(base, hbm_bytes_per_s=ratio * float(tflops) * 1e12)  # type: ignore[arg-type]
     changes: dict[str, float | int] = {}
-    figures = (("memory_bytes", memory_gib, GiB), ("intra_bytes_per_s", intra_gbps, 1e9),
-               ("inter_bytes_per_s", inter_gbps, 1e9))  # fmt: skip
+    figures = (
+        ("memory_bytes", memory_gib, GiB),
+        ("intra_bytes_per_s", intra_gbps, 1e9),
+        ("inter_bytes_per_s", inter_gbps, 1e9),
+    )
     for key, value, scale in figures:
         if value is not None:
             if value <= 0:
@@ -192,6 +221,15 @@ def this_cpu(world: int) -> Device:
     copy = 2 * src.numel() * 4 / best  # read and write
     share = min(1.0, (os.cpu_count() or 1) / max(world, 1))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Device("cpu", float(ram), peak * share, peak * share, copy * share, copy * share,
-                  copy * share, per_node=max(world, 1), efficiency=Efficiency.uniform(1.0),
-                  accuracy=None)  # fmt: skip
+    return Device(
+        "cpu",
+        float(ram),
+        peak * share,
+        peak * share,
+        copy * share,
+        copy * share,
+        copy * share,
+        per_node=max(world, 1),
+        efficiency=Efficiency.uniform(1.0),
+        accuracy=None,
+    )

@@ -37,8 +37,9 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, recomput
     return sbh * (10 + 24 / t + scores / t)
 
 
-def block_activation_bytes(shape: ModelShape, b: int, s: int, t: int, cp: int, sp: bool,
-                           recompute: str, dtype_bytes: int) -> float:  # fmt: skip
+def block_activation_bytes(
+    shape: ModelShape, b: int, s: int, t: int, cp: int, sp: bool, recompute: str, dtype_bytes: int
+) -> float:
     """Bytes one block saves for backward for one micro-batch of `b` sequences of `s` tokens, on
     one rank of `t` tensor- and `cp` context-parallel ranks."""
     if recompute not in RECOMPUTE:
@@ -75,8 +76,9 @@ def block_activation_bytes(shape: ModelShape, b: int, s: int, t: int, cp: int, s
     return tokens * (elements * dtype_bytes + stats * STATS_BYTES + extra)
 
 
-def _megatron_layer(tokens: float, s: int, shape: ModelShape, t: int, rep: int,
-                    recompute: str) -> float:  # fmt: skip
+def _megatron_layer(
+    tokens: float, s: int, shape: ModelShape, t: int, rep: int, recompute: str
+) -> float:
     """Megatron's GPT layer in fp16, op by op (2 bytes per element, 1 per dropout mask)."""
     sbh = tokens * shape.hidden
     replicated = (2 + 1 + 2 + 1 + 2 + 2) * sbh  # LN input, attention and MLP dropout masks,
@@ -94,14 +96,18 @@ def head_activation_bytes(shape: ModelShape, tokens: float, t: int, dtype_bytes:
     return tokens * (3 * shape.hidden * dtype_bytes + shape.vocab / t * (dtype_bytes + 4))
 
 
-def states(stage: int, psi: float, nd: int, bf16: bool, experts: float = 0, ep: int = 1
-           ) -> dict[str, float]:  # fmt: skip
+def states(
+    stage: int, psi: float, nd: int, bf16: bool, experts: float = 0, ep: int = 1
+) -> dict[str, float]:
     """params / grads / optimizer (fp32 master + Adam's moments) bytes per device; `experts`
     of the `psi` parameters routed experts split over `ep` ranks (a rank holds experts / ep,
     sharded over nd / ep)."""
     parts = model_state_bytes(stage, int(psi), nd, bf16, experts=int(experts), ep=ep)["device"]
-    return {"params": parts["params"], "grads": parts["grads"],
-            "optimizer": parts["master"] + parts["optimizer"]}  # fmt: skip
+    return {
+        "params": parts["params"],
+        "grads": parts["grads"],
+        "optimizer": parts["master"] + parts["optimizer"],
+    }
 
 
 def buffers(stage: int, largest_layer: float, bucket: float, bf16: bool) -> float:

@@ -54,10 +54,28 @@ def layout(run: MoeRun) -> tuple[Problem, Layout]:
     """The run as a planner problem and its layout, evaluated (memory, step time)."""
     _, shape, _ = load(run.preset)
     dp = run.world // run.pp
-    pr = Problem(shape, lambda pp, v: uniform_stages(shape, pp, v), run.world, DEVICES["h100"],
-                 run.seq, run.global_batch, bf16=True)  # fmt: skip
-    lay = Layout(run.pp, 1, dp, 1, 1, run.micro_batch, False, "interleaved-1f1b", run.virtual,
-                 run.global_batch // (run.micro_batch * dp), ep=run.ep)  # fmt: skip
+    pr = Problem(
+        shape,
+        lambda pp, v: uniform_stages(shape, pp, v),
+        run.world,
+        DEVICES["h100"],
+        run.seq,
+        run.global_batch,
+        bf16=True,
+    )
+    lay = Layout(
+        run.pp,
+        1,
+        dp,
+        1,
+        1,
+        run.micro_batch,
+        False,
+        "interleaved-1f1b",
+        run.virtual,
+        run.global_batch // (run.micro_batch * dp),
+        ep=run.ep,
+    )
     return pr, evaluate(pr, lay, uniform_stages(shape, run.pp, run.virtual))
 
 

@@ -59,8 +59,10 @@ class Layout:
         ac = " ac" if self.activation_checkpointing else ""
         chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"pp={self.pp} tp={self.tp} dp={self.dp}{ep} cp={self.cp} zero={self.zero_stage} "
-                f"mb={self.micro_batch}{ac} {self.schedule}{chunks}")  # fmt: skip
+        return (
+            f"pp={self.pp} tp={self.tp} dp={self.dp}{ep} cp={self.cp} zero={self.zero_stage} "
+            f"mb={self.micro_batch}{ac} {self.schedule}{chunks}"
+        )
 
     def as_json(self) -> dict:
         out = asdict(self)
@@ -111,8 +113,9 @@ def candidates(pr: Problem) -> Iterator[Layout]:
                         for zero in ZERO_STAGES[schedule]:
                             for ac in (False, True):
                                 for ep in _expert_parallel(sh, dp):
-                                    yield Layout(pp, tp, dp, cp, zero, mb, ac, schedule, v, m,
-                                                 ep=ep)  # fmt: skip
+                                    yield Layout(
+                                        pp, tp, dp, cp, zero, mb, ac, schedule, v, m, ep=ep
+                                    )
 
 
 def _expert_parallel(sh: ModelShape, dp: int) -> list[int]:
@@ -137,10 +140,10 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
     sp = lay.tp > 1
     nd = lay.dp * lay.cp
     tokens = lay.micro_batch * pr.seq / lay.cp
-    block = mem.block_activation_bytes(sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp,
-                                       recompute, low)  # fmt: skip
-    whole = mem.block_activation_bytes(sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp,
-                                       "none", low)  # fmt: skip
+    block = mem.block_activation_bytes(
+        sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp, recompute, low
+    )
+    whole = mem.block_activation_bytes(sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp, "none", low)
     bucket = reduce_bucket(sized_hidden(dev.name, sh.hidden))  # as `dsnd plan --out` writes
     worst: dict[str, float] = {}
     for s, layers in enumerate(stages):
@@ -152,23 +155,41 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
         per_chunk = blocks * block / lay.virtual_stages
         parts["activations"] = held * per_chunk + (whole if lay.activation_checkpointing else 0)
         if s == lay.pp - 1:  # the head's, for the micro-batches in flight on the last chunk
-            parts["activations"] += mem.head_activation_bytes(sh, tokens, lay.tp, low) * \
-                head_in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
+            parts["activations"] += mem.head_activation_bytes(
+                sh, tokens, lay.tp, low
+            ) * head_in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
         # a rank's share of its largest layer (its experts / ep)
-        largest = max((sh.layer_params[i] - sh.experts_of([i])) / lay.tp
-                      + sh.experts_of([i]) / lay.ep for i in layers)  # fmt: skip
+        largest = max(
+            (sh.layer_params[i] - sh.experts_of([i])) / lay.tp + sh.experts_of([i]) / lay.ep
+            for i in layers
+        )
         mine = psi - experts * (1 - 1 / lay.ep)  # what this rank holds of the stage
         parts["buffers"] = mem.buffers(lay.zero_stage, largest, min(bucket, mine), pr.bf16)
-        parts["buffers"] += held_gradient_bytes(lay.zero_stage, int(psi), nd, pr.bf16,
-                                                int(experts), lay.ep)  # fmt: skip
+        parts["buffers"] += held_gradient_bytes(
+            lay.zero_stage, int(psi), nd, pr.bf16, int(experts), lay.ep
+        )
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     lay.memory_bytes = worst
     lay.params_count = sh.params
     lay.deepspeed_estimate_bytes = _deepspeed_estimate(pr, lay, stages)
-    st = Step(lay.pp, lay.tp, lay.dp, lay.cp, lay.zero_stage, lay.micro_batch, lay.micro_batches,
-              pr.seq, lay.schedule, lay.virtual_stages, recompute, sp, pr.bf16,
-              layer_seconds=_measured(pr, lay), ep=lay.ep)  # fmt: skip
+    st = Step(
+        lay.pp,
+        lay.tp,
+        lay.dp,
+        lay.cp,
+        lay.zero_stage,
+        lay.micro_batch,
+        lay.micro_batches,
+        pr.seq,
+        lay.schedule,
+        lay.virtual_stages,
+        recompute,
+        sp,
+        pr.bf16,
+        layer_seconds=_measured(pr, lay),
+        ep=lay.ep,
+    )
     lay.step_time_s = step_seconds(sh, stages, st, dev)
     tokens_step = pr.global_batch * pr.seq
     lay.tokens_per_s = tokens_step / lay.step_time_s
@@ -188,8 +209,9 @@ def _deepspeed_estimate(pr: Problem, lay: Layout, stages: list[list[int]]) -> fl
     sh = pr.shape
     psi = max(sum(sh.layer_params[i] for i in layers) for layers in stages) / lay.tp
     per_node, nodes = mem.nodes(lay.dp * lay.cp, pr.device.per_node)
-    return float(pr.estimate(lay.zero_stage, int(psi), int(sh.largest_layer / lay.tp), per_node,
-                             nodes))  # fmt: skip
+    return float(
+        pr.estimate(lay.zero_stage, int(psi), int(sh.largest_layer / lay.tp), per_node, nodes)
+    )
 
 
 def _measured(pr: Problem, lay: Layout) -> tuple[float, ...] | None:
@@ -212,8 +234,16 @@ def plan(pr: Problem) -> list[Layout]:
     return out
 
 
-KNOBS = ("pp", "tp", "cp", "ep", "zero_stage", "micro_batch", "activation_checkpointing",
-         "schedule")  # fmt: skip
+KNOBS = (
+    "pp",
+    "tp",
+    "cp",
+    "ep",
+    "zero_stage",
+    "micro_batch",
+    "activation_checkpointing",
+    "schedule",
+)
 TIE = 0.005
 """Layouts within this relative difference of time (or memory) tie: their ratio prints 1.00x."""
 CLOSE = 0.05
@@ -225,10 +255,15 @@ def explain(layouts: list[Layout], gib: float = 1024**3) -> list[str]:
     """Why the best layout: for each knob, the best layout that sets it otherwise and what it
     costs (slower by a factor, or memory it does not have); a tie is said to be one."""
     best = layouts[0]
-    span = "" if best.mfu_range is None else (
-        " ({:.1%}-{:.1%} going by published runs)".format(*best.mfu_range).replace("%-", "-"))
-    lines = [f"best: {best.key()}: {best.step_time_s:.3g} s/step, "
-             f"{best.total_bytes / gib:.1f} GiB per device, MFU {best.mfu:.1%}{span}"]  # fmt: skip
+    span = (
+        ""
+        if best.mfu_range is None
+        else (" ({:.1%}-{:.1%} going by published runs)".format(*best.mfu_range).replace("%-", "-"))
+    )
+    lines = [
+        f"best: {best.key()}: {best.step_time_s:.3g} s/step, "
+        f"{best.total_bytes / gib:.1f} GiB per device, MFU {best.mfu:.1%}{span}"
+    ]
     for knob in KNOBS:
         rival = next((x for x in layouts if getattr(x, knob) != getattr(best, knob)), None)
         if rival is not None:
@@ -237,12 +272,17 @@ def explain(layouts: list[Layout], gib: float = 1024**3) -> list[str]:
 
 
 def _why(knob: str, best: Layout, rival: Layout, gib: float) -> str:
-    name = {"zero_stage": "zero", "activation_checkpointing": "checkpointing",
-            "micro_batch": "micro-batch"}.get(knob, knob)  # fmt: skip
+    name = {
+        "zero_stage": "zero",
+        "activation_checkpointing": "checkpointing",
+        "micro_batch": "micro-batch",
+    }.get(knob, knob)
     mine, other = f"{name}={getattr(best, knob)}", f"{name}={getattr(rival, knob)}"
     if not rival.fits:
-        return (f"{mine} because every layout with another {name} needs more memory than fits: "
-                f"the best, {rival.key()}, {rival.total_bytes / gib:.1f} GiB")  # fmt: skip
+        return (
+            f"{mine} because every layout with another {name} needs more memory than fits: "
+            f"the best, {rival.key()}, {rival.total_bytes / gib:.1f} GiB"
+        )
     time = rival.step_time_s / best.step_time_s
     memory = rival.total_bytes / best.total_bytes
     them = f"the best with {other} ({rival.key()})"
@@ -253,6 +293,7 @@ def _why(knob: str, best: Layout, rival: Layout, gib: float) -> str:
     if time - 1 < TIE:
         return f"{mine} because at the same time {them} needs {memory:.2f}x the memory"
     if time - 1 < CLOSE:
-        return (f"{mine}, narrowly: {them} takes {time:.2f}x the time, too close for the model "
-                "to rank")  # fmt: skip
+        return (
+            f"{mine}, narrowly: {them} takes {time:.2f}x the time, too close for the model to rank"
+        )
     return f"{mine} because {them} takes {time:.2f}x the time"

@@ -49,9 +49,23 @@ def step(run: Run, mode: str) -> Step:
     (sequence parallelism, the attention core recomputed)."""
     m = run.global_batch // run.micro_batch
     schedule = "interleaved-1f1b" if run.virtual > 1 else "1f1b"
-    return Step(run.pp, run.tp, 1, 1, 0, run.micro_batch, m, SEQ, schedule, run.virtual,
-                recompute=mode, sp=mode == "selective", bf16=True,
-                scores_in_memory=True, scatter_gather=True)  # fmt: skip
+    return Step(
+        run.pp,
+        run.tp,
+        1,
+        1,
+        0,
+        run.micro_batch,
+        m,
+        SEQ,
+        schedule,
+        run.virtual,
+        recompute=mode,
+        sp=mode == "selective",
+        bf16=True,
+        scores_in_memory=True,
+        scatter_gather=True,
+    )
 
 
 def predict(run: Run, mode: str, device: Device = DEVICES["a100"]) -> float:

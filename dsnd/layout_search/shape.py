@@ -9,8 +9,16 @@ from dataclasses import dataclass
 
 from dsnd.model.source import ModelSpec
 
-MLP_SAVED = {"silu": 4, "swiglu": 4, "gelu_new": 5, "gelu_pytorch_tanh": 5, "gelu_fast": 5,
-             "gelu": 2, "relu": 2, "megatron": 2}  # fmt: skip
+MLP_SAVED = {
+    "silu": 4,
+    "swiglu": 4,
+    "gelu_new": 5,
+    "gelu_pytorch_tanh": 5,
+    "gelu_fast": 5,
+    "gelu": 2,
+    "relu": 2,
+    "megatron": 2,
+}
 """Tensors of the MLP's intermediate width one block's forward saves for backward, by activation
 function, counted in dsnd's blocks (`torch.autograd.graph.saved_tensors_hooks`): SwiGLU keeps the
 gate and up projections, SiLU's output and the down projection's input; GPT-2's tanh GELU keeps
@@ -87,27 +95,54 @@ def from_model(model: ModelSpec, name: str) -> ModelShape:
     ffn = token_ffn(model.config) if moe else model.ffn_size
     routing = (model.config.num_experts_per_tok, num_experts(model.config)) if moe else (0, 0)
     experts = expert_table(model)
-    return ModelShape(name, tuple(n for _, _, n in table), blocks, model.hidden_size,
-                      model.num_heads, model.num_kv_heads, model.head_dim, ffn,
-                      model.vocab_size, model.max_seq_len, per_block, MLP_SAVED[act],
-                      rms_norm=hasattr(model.config, "rms_norm_eps"), top_k=routing[0],
-                      experts=routing[1],
-                      layer_experts=tuple(experts.get(i, 0) for i, _, _ in table))  # fmt: skip
+    return ModelShape(
+        name,
+        tuple(n for _, _, n in table),
+        blocks,
+        model.hidden_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        ffn,
+        model.vocab_size,
+        model.max_seq_len,
+        per_block,
+        MLP_SAVED[act],
+        rms_norm=hasattr(model.config, "rms_norm_eps"),
+        top_k=routing[0],
+        experts=routing[1],
+        layer_experts=tuple(experts.get(i, 0) for i, _, _ in table),
+    )
 
 
-def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048
-        ) -> ModelShape:  # fmt: skip
+def gpt(
+    name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048
+) -> ModelShape:
     """Megatron's GPT: learned positions, LayerNorm, 4h GELU MLP, biases, a tied head;
     12h^2 + 13h parameters per block."""
     block = 12 * hidden * hidden + 13 * hidden
     counts = (vocab * hidden + seq * hidden, *([block] * layers), 2 * hidden, 0)
-    return ModelShape(name, counts, tuple(range(1, layers + 1)), hidden, heads, heads,
-                      hidden // heads, 4 * hidden, vocab, seq, 12 * hidden * hidden,
-                      MLP_SAVED["megatron"], rms_norm=False, megatron_layer=True)  # fmt: skip
+    return ModelShape(
+        name,
+        counts,
+        tuple(range(1, layers + 1)),
+        hidden,
+        heads,
+        heads,
+        hidden // heads,
+        4 * hidden,
+        vocab,
+        seq,
+        12 * hidden * hidden,
+        MLP_SAVED["megatron"],
+        rms_norm=False,
+        megatron_layer=True,
+    )
 
 
-def llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
-          vocab: int, seq: int) -> ModelShape:  # fmt: skip
+def llama(
+    name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int
+) -> ModelShape:
     """A Llama from its published dimensions (RMSNorm, SwiGLU, no biases, an untied head), as
     `from_model` counts a dsnd Llama: for checking the planner against published runs of sizes
     dsnd has no preset for."""
@@ -115,5 +150,17 @@ def llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
     matmul = attention + 3 * hidden * ffn
     counts = (vocab * hidden, *([matmul + 2 * hidden] * layers), hidden, vocab * hidden)
-    return ModelShape(name, counts, tuple(range(1, layers + 1)), hidden, heads, kv_heads,
-                      head_dim, ffn, vocab, seq, matmul, MLP_SAVED["swiglu"])  # fmt: skip
+    return ModelShape(
+        name,
+        counts,
+        tuple(range(1, layers + 1)),
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        ffn,
+        vocab,
+        seq,
+        matmul,
+        MLP_SAVED["swiglu"],
+    )

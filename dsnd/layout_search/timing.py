@@ -219,12 +219,17 @@ def step_cost(shape: ModelShape, stages: list[list[int]], st: Step, dev: Device)
         p2p = 2 * st.virtual * message / _link(dev, st.tp * st.cp * st.dp * 2)
         for parts in per_stage:
             parts["links"] += p2p
-    repeat = st.micro_batches * (1 + schedule_bubble(st.schedule, st.pp, st.micro_batches,
-                                                     st.virtual))  # fmt: skip
+    repeat = st.micro_batches * (
+        1 + schedule_bubble(st.schedule, st.pp, st.micro_batches, st.virtual)
+    )
     # the busiest stage's dense parameters (split over tp) and routed experts (over ep)
-    psi, experts = max(((sum(shape.layer_params[i] for i in layers) - shape.experts_of(layers))
-                        / st.tp, shape.experts_of(layers) / st.ep)
-                       for layers in stages)  # fmt: skip
+    psi, experts = max(
+        (
+            (sum(shape.layer_params[i] for i in layers) - shape.experts_of(layers)) / st.tp,
+            shape.experts_of(layers) / st.ep,
+        )
+        for layers in stages
+    )
     nd = st.dp * st.cp
     grad_bytes = 4 if not st.bf16 or st.zero == 0 else low
     reduce = 0.0  # seconds; a rank's experts are reduced over the ranks ep apart
@@ -235,8 +240,7 @@ def step_cost(shape: ModelShape, stages: list[list[int]], st: Step, dev: Device)
             volume = 2 * (ranks - 1) / ranks * count * grad_bytes
         reduce += volume / _collective_link(dev, stride, ranks)
     states = (psi / nd + experts / (nd // st.ep)) if st.zero >= 1 else psi + experts
-    once = {"data_parallel": reduce,
-            "memory": states * OPTIMIZER_BYTES / dev.hbm_bytes_per_s}  # fmt: skip
+    once = {"data_parallel": reduce, "memory": states * OPTIMIZER_BYTES / dev.hbm_bytes_per_s}
     return StepCost(tuple(per_stage), repeat, once)
 
 

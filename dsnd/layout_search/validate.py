@@ -39,9 +39,15 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 """The process-group backend of each accelerator a layout runs on, named explicitly."""
 
 
-def run_layout(model: str, pr: Problem, lay: Layout, steps: int, tmp: str,
-               sets: tuple[str, ...] = (),
-               accelerator: str = "cpu") -> list[dict[str, Any]]:  # fmt: skip
+def run_layout(
+    model: str,
+    pr: Problem,
+    lay: Layout,
+    steps: int,
+    tmp: str,
+    sets: tuple[str, ...] = (),
+    accelerator: str = "cpu",
+) -> list[dict[str, Any]]:
     """Run the layout for `steps` steps (as ``--out`` writes it, plus run keys `sets`) on this
     machine's ranks, on DeepSpeed's `accelerator` with its backend (`cpu`: gloo, even on a GPU
     machine; `cuda`: nccl); its metrics rows."""
@@ -51,12 +57,26 @@ def run_layout(model: str, pr: Problem, lay: Layout, steps: int, tmp: str,
     out = os.path.join(tmp, lay.key().replace(" ", "_").replace("=", ""))
     emit.write(out, lay, model, model in presets(), pr.seq, pr.global_batch, pr.bf16)
     log = os.path.join(out, "log")
-    argv = ["-m", "dsnd", "train", "--config", os.path.join(out, emit.RUN_YAML),
-            "--set", f"log.dir={log}", "--set", f"train.steps={steps}",
-            "--set", "log.tensorboard=false", "--set", "checkpoint.resume=never",
-            "--set", "checkpoint.at_end=false",  # a measurement: no end-of-run save
-            "--set", f"dist.backend={BACKENDS[accelerator]}",
-            *(f"--set={item}" for item in sets)]  # fmt: skip
+    argv = [
+        "-m",
+        "dsnd",
+        "train",
+        "--config",
+        os.path.join(out, emit.RUN_YAML),
+        "--set",
+        f"log.dir={log}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "log.tensorboard=false",
+        "--set",
+        "checkpoint.resume=never",
+        "--set",
+        "checkpoint.at_end=false",  # a measurement: no end-of-run save
+        "--set",
+        f"dist.backend={BACKENDS[accelerator]}",
+        *(f"--set={item}" for item in sets),
+    ]
     run_ranks(pr.world, argv, TIMEOUT_S, accelerator=accelerator)
     with open(os.path.join(log, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -73,8 +93,9 @@ def measure(model: str, pr: Problem, lay: Layout, steps: int, tmp: str) -> dict[
     rows = run_layout(model, pr, lay, steps, tmp)
     last = rows[-1]
     stages = {k.split("_")[1] for k in last if k.startswith("memory_stage")}
-    memory = max(last[f"memory_{s}_live_bytes"] + last[f"memory_{s}_activation_peak_bytes"]
-                 for s in stages)  # fmt: skip
+    memory = max(
+        last[f"memory_{s}_live_bytes"] + last[f"memory_{s}_activation_peak_bytes"] for s in stages
+    )
     return {"memory_bytes": memory, "step_time_s": median_step(rows)}
 
 
@@ -95,15 +116,31 @@ def validate(model: str, pr: Problem, layouts: list[Layout], steps: int) -> list
     for lay, got, t1 in zip(layouts, measured, at_one, strict=True):
         states = resident_bytes(lay)
         predicted_s = t1 / efficiency
-        rows.append({
-            "layout": lay.key(), **{k: getattr(lay, k) for k in (
-                "pp", "tp", "dp", "cp", "zero_stage", "micro_batch", "activation_checkpointing",
-                "schedule")},
-            "predicted_memory_bytes": states, "measured_memory_bytes": got["memory_bytes"],
-            "memory_ratio": states / got["memory_bytes"],
-            "predicted_time_s": predicted_s, "measured_time_s": got["step_time_s"],
-            "time_ratio": predicted_s / got["step_time_s"], "efficiency": efficiency,
-        })  # fmt: skip
+        rows.append(
+            {
+                "layout": lay.key(),
+                **{
+                    k: getattr(lay, k)
+                    for k in (
+                        "pp",
+                        "tp",
+                        "dp",
+                        "cp",
+                        "zero_stage",
+                        "micro_batch",
+                        "activation_checkpointing",
+                        "schedule",
+                    )
+                },
+                "predicted_memory_bytes": states,
+                "measured_memory_bytes": got["memory_bytes"],
+                "memory_ratio": states / got["memory_bytes"],
+                "predicted_time_s": predicted_s,
+                "measured_time_s": got["step_time_s"],
+                "time_ratio": predicted_s / got["step_time_s"],
+                "efficiency": efficiency,
+            }
+        )
     return rows
 
 
@@ -119,8 +156,10 @@ def layer_costs(model: str, pr: Problem, layouts: list[Layout]) -> dict[int, tup
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {mb: tuple(c.seconds for c in measure_layers(spec, pr.seq, mb))
-                for mb in sorted({lay.micro_batch for lay in layouts})}  # fmt: skip
+        return {
+            mb: tuple(c.seconds for c in measure_layers(spec, pr.seq, mb))
+            for mb in sorted({lay.micro_batch for lay in layouts})
+        }
     finally:
         torch.set_num_threads(threads)
 

@@ -34,9 +34,12 @@ def meta_layers(model: ModelSpec) -> Iterator[tuple[int, str, nn.Module | None]]
 
 def full_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every parameter's dsnd name and full (unsplit) shape."""
-    return {prefix + name: tuple(p.shape)
-            for _, prefix, layer in meta_layers(model) if layer is not None
-            for name, p in layer.named_parameters()}  # fmt: skip
+    return {
+        prefix + name: tuple(p.shape)
+        for _, prefix, layer in meta_layers(model)
+        if layer is not None
+        for name, p in layer.named_parameters()
+    }
 
 
 def layer_table(model: ModelSpec) -> list[tuple[int, str, int]]:
@@ -57,9 +60,11 @@ def expert_table(model: ModelSpec) -> dict[int, int]:
     model."""
     if not model.family.moe:
         return {}
-    return {index: sum(p.numel() for name, p in layer.named_parameters()
-                       if EXPERT_WEIGHTS.search(name))
-            for index, _, layer in meta_layers(model) if layer is not None}  # fmt: skip
+    return {
+        index: sum(p.numel() for name, p in layer.named_parameters() if EXPERT_WEIGHTS.search(name))
+        for index, _, layer in meta_layers(model)
+        if layer is not None
+    }
 
 
 def matmul_params(model: ModelSpec) -> int:

@@ -39,8 +39,9 @@ def context_split(cp: ContextParallel | None) -> bool:
     return cp is not None and cp.size > 1
 
 
-def sequence_positions(hidden: torch.Tensor, tp: TensorParallel | None,
-                       cp: ContextParallel | None = None) -> torch.Tensor:  # fmt: skip
+def sequence_positions(
+    hidden: torch.Tensor, tp: TensorParallel | None, cp: ContextParallel | None = None
+) -> torch.Tensor:
     """Position ids (1, seq) of the tokens attention sees on this rank: the whole sequence, or
     under context parallelism this rank's slice of it, at their global positions (under
     sequence parallelism `hidden` is this rank's tensor-parallel share of those tokens)."""
@@ -54,8 +55,9 @@ def vocab_embedding(config: PretrainedConfig, tp: TensorParallel | None) -> nn.M
     """(vocab, hidden) token embedding; split by vocabulary rows over a tensor-parallel group,
     whose output is then this rank's sequence slice under sequence parallelism."""
     if split(tp):
-        return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp.group,
-                                      tp.sequence_parallel)  # fmt: skip
+        return VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp.group, tp.sequence_parallel
+        )
     return nn.Embedding(config.vocab_size, config.hidden_size)
 
 
@@ -64,9 +66,13 @@ class TokenEmbedding(nn.Module):
 
     tied_weight_attr = "embed_tokens.weight"
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None,
-                 cp: ContextParallel | None = None,
-                 documents: Documents | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        tp: TensorParallel | None = None,
+        cp: ContextParallel | None = None,
+        documents: Documents | None = None,
+    ) -> None:
         super().__init__()  # (no positions here: `cp` and `documents` change nothing)
         self.init_std = config.initializer_range
         self.embed_tokens = vocab_embedding(config, tp)
@@ -128,8 +134,9 @@ def tied_logits(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return embedding.logits(hidden)
 
 
-def rotary_block(layer_class: type[nn.Module], rotary_class: type[nn.Module],
-                 plan: TPPlan) -> type[nn.Module]:  # fmt: skip
+def rotary_block(
+    layer_class: type[nn.Module], rotary_class: type[nn.Module], plan: TPPlan
+) -> type[nn.Module]:
     """A pipeline layer subclassing `layer_class` (a `transformers` decoder layer called as
     ``(hidden_states, attention_mask, position_ids, position_embeddings)``) that computes its own
     rotary embedding with `rotary_class` from positions 0..seq-1, split over `tp` by `plan`.
@@ -141,10 +148,14 @@ def rotary_block(layer_class: type[nn.Module], rotary_class: type[nn.Module],
     """
 
     class Block(layer_class):  # type: ignore[valid-type, misc]
-        def __init__(self, config: PretrainedConfig, layer_idx: int,
-                     tp: TensorParallel | None = None,
-                     cp: ContextParallel | None = None,
-                     documents: Documents | None = None) -> None:  # fmt: skip
+        def __init__(
+            self,
+            config: PretrainedConfig,
+            layer_idx: int,
+            tp: TensorParallel | None = None,
+            cp: ContextParallel | None = None,
+            documents: Documents | None = None,
+        ) -> None:
             super().__init__(attention_config(config, cp), layer_idx)
             self.documents = documents
             self.init_std = config.initializer_range
@@ -164,8 +175,13 @@ def rotary_block(layer_class: type[nn.Module], rotary_class: type[nn.Module],
                 position_ids = sequence_positions(hidden_states, self.tp, self.cp)
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
             extra = {"context_parallel": self.cp} if self.cp is not None else {}
-            return super().forward(hidden_states, attention_mask=mask, position_ids=position_ids,
-                                   position_embeddings=position_embeddings, **extra)  # fmt: skip
+            return super().forward(
+                hidden_states,
+                attention_mask=mask,
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
+                **extra,
+            )
 
     Block.__qualname__ = Block.__name__ = layer_class.__name__.replace("DecoderLayer", "Block")
     return Block
@@ -179,7 +195,7 @@ ROTARY_TP_PLAN = TPPlan(
         "self_attn.v_proj": 1,
         "mlp.gate_proj": 1,
         "mlp.up_proj": 1,
-    },  # fmt: skip
+    },
     row=("self_attn.o_proj", "mlp.down_proj"),
 )
 """Llama-style blocks: q, k, v, gate, up split by output features (whole heads: the head
@@ -198,16 +214,26 @@ the group, like a norm's); without it every rank computes the whole MoE block fo
 tokens. Experts are split over ranks by expert parallelism (`parallel.ep`), not by tensor
 parallelism."""
 
-ROTARY_NAMES = HFNames(base="model.", blocks="model.layers.", embedding=("embed_tokens",),
-                       final_norm="norm", tied_attr=TokenEmbedding.tied_weight_attr)  # fmt: skip
+ROTARY_NAMES = HFNames(
+    base="model.",
+    blocks="model.layers.",
+    embedding=("embed_tokens",),
+    final_norm="norm",
+    tied_attr=TokenEmbedding.tied_weight_attr,
+)
 """`*ForCausalLM` of Llama-style models: model.embed_tokens, model.layers.<i>, model.norm,
 lm_head."""
 
 
-def rotary_family(name: str, architecture: str, config_class: type[PretrainedConfig],
-                  layer_class: type[nn.Module], norm_class: type[nn.Module],
-                  rotary_class: type[nn.Module],
-                  experts: ExpertFiles | None = None) -> Family:  # fmt: skip
+def rotary_family(
+    name: str,
+    architecture: str,
+    config_class: type[PretrainedConfig],
+    layer_class: type[nn.Module],
+    norm_class: type[nn.Module],
+    rotary_class: type[nn.Module],
+    experts: ExpertFiles | None = None,
+) -> Family:
     """A Llama-style family (`model_type` `name`): token embedding, `transformers`' decoder
     layer with its own rotary embedding, final RMSNorm `norm`, Megatron's column/row plan,
     HF names model.embed_tokens / model.layers / model.norm / lm_head, `rotary_checks`.

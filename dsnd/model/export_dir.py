@@ -58,8 +58,11 @@ def read_marker(path: str) -> dict | None:
             marker = json.load(f)
     except (OSError, ValueError):
         return None
-    ok = (isinstance(marker, dict) and marker.get("format") == _FORMAT
-          and isinstance(marker.get("files"), list))  # fmt: skip
+    ok = (
+        isinstance(marker, dict)
+        and marker.get("format") == _FORMAT
+        and isinstance(marker.get("files"), list)
+    )
     return marker if ok else None
 
 
@@ -74,13 +77,17 @@ def check_target(path: str, origin: ExportOrigin, where: str) -> dict | None:
     while not os.path.lexists(parent):  # made by the export: its first existing ancestor counts
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{where}: cannot be written ({parent} is not a writable directory; the "
-                        "export is written beside its target, then renamed)")  # fmt: skip
+        raise UserError(
+            f"{where}: cannot be written ({parent} is not a writable directory; the "
+            "export is written beside its target, then renamed)"
+        )
     if not os.path.lexists(path):
         return None
     if os.path.islink(path):
-        raise UserError(f"{where}: is a symbolic link; name the directory itself (an export "
-                        "replaces its directory whole)")  # fmt: skip
+        raise UserError(
+            f"{where}: is a symbolic link; name the directory itself (an export "
+            "replaces its directory whole)"
+        )
     if not os.path.isdir(path):
         raise UserError(f"{where}: exists and is not a directory")
     names = sorted(os.listdir(path))
@@ -88,24 +95,31 @@ def check_target(path: str, origin: ExportOrigin, where: str) -> dict | None:
         return None
     marker = read_marker(path)
     if marker is None:
-        raise UserError(f"{where}: holds {_names(names)} and no {EXPORT_MARKER}, so it is not an "
-                        "export dsnd wrote; name a new or empty directory (dsnd replaces only its "
-                        "own earlier export of the same run)")  # fmt: skip
+        raise UserError(
+            f"{where}: holds {_names(names)} and no {EXPORT_MARKER}, so it is not an "
+            "export dsnd wrote; name a new or empty directory (dsnd replaces only its "
+            "own earlier export of the same run)"
+        )
     if marker.get("checkpoint_root") != origin.run():
-        raise UserError(f"{where}: holds dsnd's export of another run (checkpoint root "
-                        f"{marker.get('checkpoint_root')}, step {marker.get('step')}); this "
-                        f"run's is {origin.run()}: name another directory, or remove that "
-                        "export")  # fmt: skip
+        raise UserError(
+            f"{where}: holds dsnd's export of another run (checkpoint root "
+            f"{marker.get('checkpoint_root')}, step {marker.get('step')}); this "
+            f"run's is {origin.run()}: name another directory, or remove that "
+            "export"
+        )
     extra = [n for n in names if n != EXPORT_MARKER and n not in marker["files"]]
     if extra:
-        raise UserError(f"{where}: holds {_names(extra)}, which dsnd's export there did not write "
-                        "(replacing the export would delete it); move it away or name another "
-                        "directory")  # fmt: skip
+        raise UserError(
+            f"{where}: holds {_names(extra)}, which dsnd's export there did not write "
+            "(replacing the export would delete it); move it away or name another "
+            "directory"
+        )
     return marker
 
 
-def write_whole(path: str, origin: ExportOrigin, write: Callable[[str], None],
-                where: str | None = None) -> dict | None:  # fmt: skip
+def write_whole(
+    path: str, origin: ExportOrigin, write: Callable[[str], None], where: str | None = None
+) -> dict | None:
     """Check `path` (`check_target`), let `write(directory)` fill a temporary sibling, add the
     marker and put it in place of `path`; returns the replaced export's marker (or None)."""
     earlier = check_target(path, origin, where or path)
@@ -116,8 +130,12 @@ def write_whole(path: str, origin: ExportOrigin, write: Callable[[str], None],
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would become the export's mode
         write(tmp)
         files = sorted(os.listdir(tmp))
-        marker = {"format": _FORMAT, "checkpoint_root": origin.run(), "step": origin.step,
-                  "files": files}  # fmt: skip
+        marker = {
+            "format": _FORMAT,
+            "checkpoint_root": origin.run(),
+            "step": origin.step,
+            "files": files,
+        }
         with open(os.path.join(tmp, EXPORT_MARKER), "w", encoding="utf-8") as f:
             json.dump(marker, f, indent=1)
         for file in [*files, EXPORT_MARKER, "."]:
@@ -157,5 +175,6 @@ def _remove_leftovers(parent: str, name: str) -> None:
     for entry in sorted(os.listdir(parent)):
         if entry.startswith((f".{name}{_TMP}", f".{name}{_OLD}")):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-            log.warning("removed %s, left by an export that did not finish",
-                        os.path.join(parent, entry))  # fmt: skip
+            log.warning(
+                "removed %s, left by an export that did not finish", os.path.join(parent, entry)
+            )

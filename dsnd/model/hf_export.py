@@ -75,8 +75,10 @@ Plan = dict[str, list[Piece]]  # dsnd name -> the pieces rank 0 joins, by shard 
 def stage_layers(stack: nn.Module) -> Iterator[tuple[int, str, nn.Module]]:
     """(global layer index, dsnd name prefix, module) of every module of the stage holding
     parameters, in ascending index (a tied module counts at its first layer)."""
-    found = [(stack.tied_first_index[key], f"tied_modules.{key}.", m)
-             for key, m in stack.tied_modules.items()]  # fmt: skip
+    found = [
+        (stack.tied_first_index[key], f"tied_modules.{key}.", m)
+        for key, m in stack.tied_modules.items()
+    ]
     found += [(int(index), f"layers.{index}.", m) for index, m in stack.layers.items()]
     for layer, prefix, module in sorted(found, key=lambda item: item[0]):
         if any(True for _ in module.parameters()):  # a borrowed tied weight holds none
@@ -96,8 +98,16 @@ def offers(stack: nn.Module, data_group: dist.ProcessGroup) -> list[Piece]:
     for layer, prefix, module in stage_layers(stack):
         for position, (name, param) in enumerate(module.named_parameters()):
             if dist.get_rank(_replicas(param, data_group)) == 0:
-                out.append(Piece(prefix + name, (layer, position), rank, unpartitioned_shape(param),
-                                 param.dtype, getattr(param, "tp_shard", None)))  # fmt: skip
+                out.append(
+                    Piece(
+                        prefix + name,
+                        (layer, position),
+                        rank,
+                        unpartitioned_shape(param),
+                        param.dtype,
+                        getattr(param, "tp_shard", None),
+                    )
+                )
     return out
 
 
@@ -108,8 +118,9 @@ def make_plan(every: list[list[Piece]]) -> Plan:
     for piece in sorted((p for ranks in every for p in ranks), key=lambda p: p.rank):
         chosen.setdefault(piece.name, {}).setdefault(piece.shard.rank if piece.shard else 0, piece)
     plan: Plan = {}
-    for name, by_shard in sorted(chosen.items(), key=lambda item: min(
-            p.order for p in item[1].values())):  # fmt: skip
+    for name, by_shard in sorted(
+        chosen.items(), key=lambda item: min(p.order for p in item[1].values())
+    ):
         pieces = [by_shard[r] for r in sorted(by_shard)]
         want = pieces[0].shard.size if pieces[0].shard is not None else 1
         if len(pieces) != want:
@@ -136,8 +147,9 @@ def _on(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     return param.detach().to(device).contiguous()
 
 
-def _receive(pieces: list[Piece], params: dict[str, nn.Parameter],
-             device: torch.device) -> torch.Tensor:  # fmt: skip
+def _receive(
+    pieces: list[Piece], params: dict[str, nn.Parameter], device: torch.device
+) -> torch.Tensor:
     """Rank 0: the full tensor of `pieces` on the CPU, each piece received on `device` (or
     taken from this rank's own parameter) and moved to the CPU before the next."""
     parts = []
@@ -223,8 +235,14 @@ def _write_dir(tmp: str, model: ModelSpec, once: _Once) -> None:
     copy_tokenizer(tmp, model.directory)
 
 
-def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.ProcessGroup,
-              origin: ExportOrigin, device: torch.device) -> str | None:  # fmt: skip
+def export_hf(
+    stack: nn.Module,
+    path: str,
+    model: ModelSpec,
+    data_group: dist.ProcessGroup,
+    origin: ExportOrigin,
+    device: torch.device,
+) -> str | None:
     """Write the full model (every stage's parameters) as an HF directory at `path` (rank 0,
     through `write_whole`, as `write_hf_dir` writes it); on rank 0 returns the line saying
     where it went, None elsewhere. Tensors travel on `device` (the engine's).
@@ -239,10 +257,13 @@ def export_hf(stack: nn.Module, path: str, model: ModelSpec, data_group: dist.Pr
         return None
     once = _Once(stack, plan, device)
     try:
-        earlier = write_whole(path, origin, lambda tmp: _write_dir(tmp, model, once),
-                              f"checkpoint.export_hf={path}")  # fmt: skip
+        earlier = write_whole(
+            path, origin, lambda tmp: _write_dir(tmp, model, once), f"checkpoint.export_hf={path}"
+        )
     except Exception:
         once.drain()  # refused before any receive (target taken meanwhile): take them anyway
         raise
-    return (f"exported step {origin.step} as a transformers directory ({len(plan)} tensors) "
-            f"to {path}{replacing(earlier)}")  # fmt: skip
+    return (
+        f"exported step {origin.step} as a transformers directory ({len(plan)} tensors) "
+        f"to {path}{replacing(earlier)}"
+    )

@@ -18,8 +18,10 @@ import torch
 
 from dsnd.model.family import ExpertFiles
 
-_FUSED = re.compile(r"(?P<layer>.+)\.mlp\.(?P<what>gate\.weight|experts\.gate_up_proj|"
-                    r"experts\.down_proj)")  # fmt: skip
+_FUSED = re.compile(
+    r"(?P<layer>.+)\.mlp\.(?P<what>gate\.weight|experts\.gate_up_proj|"
+    r"experts\.down_proj)"
+)
 
 
 def _fused(name: str, files: ExpertFiles | None) -> re.Match | None:
@@ -39,8 +41,9 @@ def file_names(name: str, files: ExpertFiles | None, experts: int) -> list[str]:
     return [f"{block}.experts.{e}.{p}.weight" for e in range(experts) for p in projections]
 
 
-def file_shapes(name: str, shape: tuple[int, ...],
-                files: ExpertFiles | None) -> dict[str, tuple[int, ...]]:  # fmt: skip
+def file_shapes(
+    name: str, shape: tuple[int, ...], files: ExpertFiles | None
+) -> dict[str, tuple[int, ...]]:
     """Each file tensor of in-memory tensor `name` of full shape `shape`, with its shape."""
     match = _fused(name, files)
     if match is None or match["what"] == "gate.weight":

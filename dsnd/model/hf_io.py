@@ -70,19 +70,22 @@ def check_init_from(path: str, model: ModelSpec) -> None:
     # a tied weight under its first HF name (the embedding's), as save_pretrained writes it;
     # experts one tensor each (`hf_files`)
     experts = model.family.names.experts
-    want = {file: part for name, shape in full_shapes(model).items()
-            for file, part in file_shapes(to_hf_names(name, model)[0], shape, experts).items()}
+    want = {
+        file: part
+        for name, shape in full_shapes(model).items()
+        for file, part in file_shapes(to_hf_names(name, model)[0], shape, experts).items()
+    }
     for hf_name, shape in want.items():
         if hf_name not in shapes:  # also a name the index lists in a file that lacks it
             raise UserError(f"{key}={path}: the checkpoint has no {hf_name} (shape {list(shape)})")
         have = shapes[hf_name]
         if have != shape:
-            raise UserError(f"{key}={path}: {hf_name} has shape {list(have)} but the model's is "
-                            f"{list(shape)}")  # fmt: skip
+            raise UserError(
+                f"{key}={path}: {hf_name} has shape {list(have)} but the model's is {list(shape)}"
+            )
     for hf_name in sorted(files):
         if hf_name not in want and _must_be_the_models(hf_name, model):
-            raise UserError(f"{key}={path}: the checkpoint has {hf_name}, which the model has "
-                            "not")  # fmt: skip
+            raise UserError(f"{key}={path}: the checkpoint has {hf_name}, which the model has not")
 
 
 def _must_be_the_models(hf_name: str, model: ModelSpec) -> bool:
@@ -132,16 +135,19 @@ def load_hf_stage(stack: LayerStack, path: str, model: ModelSpec) -> None:
         named = list(module.named_parameters())
         if not named:  # e.g. a borrowed tied weight (pipeline/tied.py stripped it)
             continue
-        tensors = {name: _read_param(files, to_hf_names(prefix + name, model)[0], param, path,
-                                     model) for name, param in named}  # fmt: skip
+        tensors = {
+            name: _read_param(files, to_hf_names(prefix + name, model)[0], param, path, model)
+            for name, param in named
+        }
         params = [p for _, p in named]
         with gathered_parameters(params, modifier_rank=0), torch.no_grad():
             for name, param in named:
                 param.data.copy_(tensors[name].to(device=param.device, dtype=param.dtype))
 
 
-def _read_param(files: dict[str, str], hf_name: str, param: torch.Tensor, path: str,
-                model: ModelSpec) -> torch.Tensor:  # fmt: skip
+def _read_param(
+    files: dict[str, str], hf_name: str, param: torch.Tensor, path: str, model: ModelSpec
+) -> torch.Tensor:
     """`param` (HF name `hf_name` in memory) from the file tensors that hold it (`hf_files`:
     a fused expert weight from one tensor per expert; MoE blocks are not split over
     tensor-parallel ranks, and with expert parallelism only this rank's experts are read)."""
@@ -158,8 +164,10 @@ def _read_param(files: dict[str, str], hf_name: str, param: torch.Tensor, path: 
         per_expert = len(names) // shard.full_len
         names = names[start * per_expert : end * per_expert]
     with contextlib.ExitStack() as opened:  # each file opened once for all of its experts
-        handles = {file: opened.enter_context(safe_open(file, framework="pt"))
-                   for file in dict.fromkeys(files[name] for name in names)}  # fmt: skip
+        handles = {
+            file: opened.enter_context(safe_open(file, framework="pt"))
+            for file in dict.fromkeys(files[name] for name in names)
+        }
         parts = [handles[files[name]].get_tensor(name) for name in names]
     return join(hf_name, parts, experts)
 
@@ -173,9 +181,14 @@ def _read(file: str, hf_name: str, param: torch.Tensor, path: str) -> torch.Tens
             raise UserError(f"model.init_from={path}: {hf_name} {e}") from e
 
 
-def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
-                 tokenizer_from: str | None = None, origin: ExportOrigin | None = None,
-                 where: str | None = None) -> dict | None:  # fmt: skip
+def write_hf_dir(
+    path: str,
+    model: ModelSpec,
+    tensors: dict[str, torch.Tensor],
+    tokenizer_from: str | None = None,
+    origin: ExportOrigin | None = None,
+    where: str | None = None,
+) -> dict | None:
     """Write full tensors keyed by dsnd name as an HF directory: `config.json` (the model's
     full config, architectures set), `model.safetensors` (HF names; a tied weight under the
     embedding's name), and the tokenizer files of `tokenizer_from` when it has any, with the
@@ -184,18 +197,23 @@ def write_hf_dir(path: str, model: ModelSpec, tensors: dict[str, torch.Tensor],
     named: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         hf_name = to_hf_names(name, model)[0]  # a tie: the embedding's
-        for file_name, part in split(hf_name, tensor.detach().to("cpu"),
-                                     model.family.names.experts).items():  # fmt: skip
+        for file_name, part in split(
+            hf_name, tensor.detach().to("cpu"), model.family.names.experts
+        ).items():
             if file_name in named:
                 raise ValueError(f"two dsnd tensors map to the HF name {file_name!r}")
             named[file_name] = part.contiguous()
-    return write_whole(path, origin or ExportOrigin(None, None),
-                       lambda tmp: _write_files(tmp, model, named, tokenizer_from),
-                       where)  # fmt: skip
+    return write_whole(
+        path,
+        origin or ExportOrigin(None, None),
+        lambda tmp: _write_files(tmp, model, named, tokenizer_from),
+        where,
+    )
 
 
-def _write_files(path: str, model: ModelSpec, named: dict[str, torch.Tensor],
-                 tokenizer_from: str | None) -> None:  # fmt: skip
+def _write_files(
+    path: str, model: ModelSpec, named: dict[str, torch.Tensor], tokenizer_from: str | None
+) -> None:
     # the dtype the tensors are written in (a bf16 model directory trained in fp32 exports fp32:
     # its config must not tell from_pretrained to cast them back down)
     write_config(path, model, next(iter(named.values())).dtype)

@@ -36,10 +36,15 @@ class TiedLayerSpec(LayerSpec):
     and head): the module is built once; `forward_fn(module, x)`, when given, is what this
     position computes with it; `tied_weight_attr` names the shared parameters."""
 
-    def __init__(self, key: str, typename: type[nn.Module], *module_args: Any,
-                 forward_fn: Callable[..., Any] | None = None,
-                 tied_weight_attr: str | list[str] = "weight",
-                 **module_kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        key: str,
+        typename: type[nn.Module],
+        *module_args: Any,
+        forward_fn: Callable[..., Any] | None = None,
+        tied_weight_attr: str | list[str] = "weight",
+        **module_kwargs: Any,
+    ) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
         self.forward_fn = forward_fn

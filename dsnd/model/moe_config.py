@@ -45,8 +45,7 @@ def expert_layers(config: PretrainedConfig) -> list[int]:
     not in `mlp_only_layers`, and every `decoder_sparse_step`-th (Mixtral: every layer)."""
     step = getattr(config, "decoder_sparse_step", None) or 1
     dense = set(getattr(config, "mlp_only_layers", None) or [])
-    return [i for i in range(config.num_hidden_layers)
-            if i not in dense and (i + 1) % step == 0]  # fmt: skip
+    return [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
 
 
 def active_share(config: PretrainedConfig) -> float:
@@ -74,10 +73,13 @@ def moe_checks(config: PretrainedConfig, seq_len: int) -> list[str]:
     if experts < 1:  # before top-k, which it would otherwise be blamed on
         out.append(f"{experts_key(config)}={experts}: must be >= 1 (routed experts per layer)")
     elif not 1 <= top_k <= experts:
-        out.append(f"num_experts_per_tok={top_k}: must be in 1..{experts}, the number of "
-                   "experts per layer")  # fmt: skip
+        out.append(
+            f"num_experts_per_tok={top_k}: must be in 1..{experts}, the number of experts per layer"
+        )
     if getattr(config, "router_jitter_noise", 0) not in (0, 0.0, None):
-        out.append(f"router_jitter_noise={config.router_jitter_noise}: dsnd trains without "
-                   "random router noise (layouts would draw different noise); set it to 0 "
-                   "(--set model.overrides.router_jitter_noise=0)")  # fmt: skip
+        out.append(
+            f"router_jitter_noise={config.router_jitter_noise}: dsnd trains without "
+            "random router noise (layouts would draw different noise); set it to 0 "
+            "(--set model.overrides.router_jitter_noise=0)"
+        )
     return out

@@ -54,15 +54,23 @@ def parallelize(block: nn.Module, plan: TPPlan, tp: TensorParallel) -> None:
     for path, stride in plan.column.items():
         parent, leaf = _parent(block, path)
         in_f, out_f, transposed, bias = _features(getattr(parent, leaf))
-        setattr(parent, leaf, ColumnParallelLinear(
-            in_f, out_f, tp.group, bias=bias, transposed=transposed, stride=stride, enter=False
-        ))  # fmt: skip
+        setattr(
+            parent,
+            leaf,
+            ColumnParallelLinear(
+                in_f, out_f, tp.group, bias=bias, transposed=transposed, stride=stride, enter=False
+            ),
+        )
     for path in plan.row:
         parent, leaf = _parent(block, path)
         in_f, out_f, transposed, bias = _features(getattr(parent, leaf))
-        setattr(parent, leaf, RowParallelLinear(
-            in_f, out_f, tp.group, bias=bias, sequence_parallel=sp, transposed=transposed
-        ))  # fmt: skip
+        setattr(
+            parent,
+            leaf,
+            RowParallelLinear(
+                in_f, out_f, tp.group, bias=bias, sequence_parallel=sp, transposed=transposed
+            ),
+        )
     for path in plan.divide:
         parent, leaf = _parent(block, path)
         setattr(parent, leaf, divide(getattr(parent, leaf), tp.size, path))
@@ -87,11 +95,15 @@ def materialize(module: nn.Module, device: torch.device | str = "cpu") -> None:
         for name, param in list(mod.named_parameters(recurse=False)):
             if not param.is_meta:
                 continue
-            real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                requires_grad=param.requires_grad)  # fmt: skip
+            real = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device=device),
+                requires_grad=param.requires_grad,
+            )
             real.__dict__.update(param.__dict__)
             setattr(mod, name, real)
         for name, buf in mod.named_buffers(recurse=False):
             if buf.is_meta:
-                raise ValueError(f"{type(module).__name__}: buffer {mod_name}.{name} was built "
-                                 "on the meta device; build it on a real device")  # fmt: skip
+                raise ValueError(
+                    f"{type(module).__name__}: buffer {mod_name}.{name} was built "
+                    "on the meta device; build it on a real device"
+                )

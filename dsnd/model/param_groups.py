@@ -24,8 +24,9 @@ def _shape(param: nn.Parameter) -> tuple[int, ...]:
     return tuple(param.shape)
 
 
-def param_groups(model: nn.Module,
-                 shape_of: Callable[[nn.Parameter], tuple[int, ...]] = _shape) -> list[dict]:
+def param_groups(
+    model: nn.Module, shape_of: Callable[[nn.Parameter], tuple[int, ...]] = _shape
+) -> list[dict]:
     """`[{"params": decayed}, {"params": not_decayed, "weight_decay": 0.0}]` for trainable params,
     each group named (`name`: DeepSpeed splits named groups' expert parameters into groups of
     their own, `dsnd.engine.experts`).

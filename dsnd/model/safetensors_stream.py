@@ -31,14 +31,17 @@ _ALIGN = 8  # the header is padded with spaces to a multiple of 8 bytes
 Spec = tuple[torch.dtype, tuple[int, ...]]
 
 
-def layout(specs: Mapping[str, Spec], metadata: Mapping[str, str] | None = None
-           ) -> tuple[bytes, dict[str, tuple[int, int]]]:  # fmt: skip
+def layout(
+    specs: Mapping[str, Spec], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The file's first 8 + N bytes, and each tensor's [begin, end) in the data area.
 
     The order and the dtype names come from the library serialising one element per tensor
     (a few bytes each); the offsets are then the running sum of numel x element size."""
-    probe = save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in specs.items()},
-                 metadata=dict(metadata) if metadata is not None else None)  # fmt: skip
+    probe = save(
+        {name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in specs.items()},
+        metadata=dict(metadata) if metadata is not None else None,
+    )
     (length,) = struct.unpack("<Q", probe[:8])
     probed = json.loads(probe[8 : 8 + length].decode("utf-8"))  # keeps the library's order
     header: dict[str, object] = {}
@@ -61,8 +64,9 @@ class StreamedSafetensors:
     """`path` laid out for `specs` (name -> (dtype, shape)); `write` each tensor once, in any
     order; leaving the `with` block checks that every one was written (else ValueError)."""
 
-    def __init__(self, path: str, specs: Mapping[str, Spec],
-                 metadata: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, path: str, specs: Mapping[str, Spec], metadata: Mapping[str, str] | None = None
+    ) -> None:
         self.path, self._specs = path, dict(specs)
         prefix, self._offsets = layout(self._specs, metadata)
         self._data = len(prefix)
@@ -77,8 +81,9 @@ class StreamedSafetensors:
             raise ValueError(f"{name}: not a tensor of this file, or written twice")
         dtype, shape = self._specs[name]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"{name}: {tensor.dtype} {list(tensor.shape)}, declared {dtype} "
-                             f"{list(shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: {tensor.dtype} {list(tensor.shape)}, declared {dtype} {list(shape)}"
+            )
         flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.seek(self._data + self._offsets[name][0])
         self._file.write(memoryview(flat.numpy()))
@@ -87,9 +92,15 @@ class StreamedSafetensors:
     def __enter__(self) -> StreamedSafetensors:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         self._file.close()
         if kind is None and self._missing:
-            raise ValueError(f"{self.path}: {len(self._missing)} tensors never written, e.g. "
-                             f"{sorted(self._missing)[0]}")  # fmt: skip
+            raise ValueError(
+                f"{self.path}: {len(self._missing)} tensors never written, e.g. "
+                f"{sorted(self._missing)[0]}"
+            )

@@ -36,8 +36,19 @@ TOKENIZER_DIRS = ("additional_chat_templates",)  # transformers' named templates
 # What a model directory holds that is not its tokenizer: the network (config.json, weights and
 # their index, in any format), and the marker of a dsnd export (each export writes its own)
 _NETWORK_FILES = ("config.json", "dsnd-export.json")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
-                    ".onnx", ".npz", ".index.json")  # fmt: skip
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+    ".npz",
+    ".index.json",
+)
 # A directory holds a tokenizer when it holds one of these (config.json and weights alone do
 # not): only then are its other files taken for the tokenizer's
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -51,15 +62,19 @@ def tokenizer_files(directory: str | None) -> list[str]:
     defaults, and the chat template (transformers 5 writes it to chat_template.jinja, 4.x
     into tokenizer_config.json), which a fixed list of names once dropped from exports. A
     directory without a tokenizer (`_TOKENIZER_MARKERS`) gives nothing."""
-    if not directory or not any(os.path.isfile(os.path.join(directory, f))
-                                for f in _TOKENIZER_MARKERS):  # fmt: skip
+    if not directory or not any(
+        os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_MARKERS
+    ):
         return []
     out = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         if name in TOKENIZER_DIRS and os.path.isdir(path):
-            out += [f"{name}/{f}" for f in sorted(os.listdir(path))
-                    if not f.startswith(".") and os.path.isfile(os.path.join(path, f))]  # fmt: skip
+            out += [
+                f"{name}/{f}"
+                for f in sorted(os.listdir(path))
+                if not f.startswith(".") and os.path.isfile(os.path.join(path, f))
+            ]
         elif _tokenizer_file(name, path):
             out.append(name)
     return out
@@ -127,9 +142,11 @@ class ModelSpec:
 
     def describe(self) -> str:
         """One line: "llama (preset llama-tiny): hidden 64, 4 layers, 4 heads (2 kv), vocab 256"."""
-        return (f"{self.family.name} ({self.source}): hidden {self.hidden_size}, "
-                f"{self.num_layers} layers, {self.num_heads} heads ({self.num_kv_heads} kv), "
-                f"vocab {self.vocab_size}")  # fmt: skip
+        return (
+            f"{self.family.name} ({self.source}): hidden {self.hidden_size}, "
+            f"{self.num_layers} layers, {self.num_heads} heads ({self.num_kv_heads} kv), "
+            f"vocab {self.vocab_size}"
+        )
 
     def math(self) -> dict[str, Any]:
         """Every config value that changes the network (what a resume must match)."""
@@ -137,16 +154,25 @@ class ModelSpec:
 
     def manifest(self) -> dict[str, Any]:
         """What a checkpoint records to rebuild this model (`from_manifest`)."""
-        config = {k: v for k, v in self.config.to_dict().items()
-                  if k not in ("_name_or_path", "transformers_version")}  # fmt: skip
+        config = {
+            k: v
+            for k, v in self.config.to_dict().items()
+            if k not in ("_name_or_path", "transformers_version")
+        }
         entry = {"family": self.family.name, "source": self.source, "config": config}
         return entry | ({"directory": self.directory} if self.directory else {})
 
 
 # What checkpoints written before model configs (dsnd 0.1) recorded: the tiny presets' shape.
-LEGACY_SHAPE = {"hidden_size": "hidden_size", "num_layers": "num_layers",
-                "num_heads": "num_heads", "num_kv_heads": "num_kv_heads", "ffn_size": "ffn_size",
-                "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings"}  # fmt: skip
+LEGACY_SHAPE = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_layers",
+    "num_heads": "num_heads",
+    "num_kv_heads": "num_kv_heads",
+    "ffn_size": "ffn_size",
+    "vocab_size": "vocab_size",
+    "max_seq_len": "max_position_embeddings",
+}
 
 
 def from_manifest(entry: dict[str, Any]) -> ModelSpec:
@@ -154,8 +180,10 @@ def from_manifest(entry: dict[str, Any]) -> ModelSpec:
     checkpoints written before configs were recorded: their family's tiny preset reshaped)."""
     if "config" not in entry:
         shape = {new: entry[old] for old, new in LEGACY_SHAPE.items()}
-        overrides = {"tie_word_embeddings": entry["tie_embeddings"],
-                     "initializer_range": entry.get("init_std", 0.02)}  # fmt: skip
+        overrides = {
+            "tie_word_embeddings": entry["tie_embeddings"],
+            "initializer_range": entry.get("init_std", 0.02),
+        }
         return load_model(f"{entry['family']}-tiny", "manifest model", shape, overrides)
     family = by_name(entry["family"])
     config = _build(family, dict(entry["config"]))
@@ -195,8 +223,10 @@ def locate(name: str, key: str) -> tuple[str, str, str | None]:
         return name, name, os.path.dirname(os.path.abspath(name))
     if name in presets():
         return os.path.join(PRESET_DIR, f"{name}.json"), f"preset {name}", None
-    raise UserError(f"{key}={name!r}: not a preset ({', '.join(presets())}) nor a local "
-                    "directory or config.json (dsnd never downloads models)")  # fmt: skip
+    raise UserError(
+        f"{key}={name!r}: not a preset ({', '.join(presets())}) nor a local "
+        "directory or config.json (dsnd never downloads models)"
+    )
 
 
 # run-config shape keys -> the config.json keys they set (first one the family's class knows)
@@ -212,8 +242,9 @@ SHAPE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _apply(family: Family, raw: dict[str, Any], shape: dict[str, int | None],
-           overrides: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _apply(
+    family: Family, raw: dict[str, Any], shape: dict[str, int | None], overrides: dict[str, Any]
+) -> dict[str, Any]:
     """`raw` with the run's overrides; when the width or heads change, head_dim follows
     (hidden / heads) unless it is given too, as it would for a config built from scratch."""
     out = dict(raw)
@@ -271,8 +302,12 @@ def _get(raw: dict[str, Any], key: str) -> int:
     return next(raw[n] for n in SHAPE_KEYS[key] if raw.get(n) is not None)
 
 
-def load_model(source: str, key: str, shape: dict[str, int | None] | None = None,
-               overrides: dict[str, Any] | None = None) -> ModelSpec:  # fmt: skip
+def load_model(
+    source: str,
+    key: str,
+    shape: dict[str, int | None] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> ModelSpec:
     """The model `source` (preset, directory or config.json) names, with the run's overrides;
     `key` is the run-config key that named it, for errors. Raises UserError."""
     path, label, directory = locate(source, key)
@@ -280,8 +315,10 @@ def load_model(source: str, key: str, shape: dict[str, int | None] | None = None
     family = family_of(raw)
     if family is None:
         found = raw.get("architectures") or raw.get("model_type")
-        raise UserError(f"{key}={source}: architecture {found!r} is not supported; dsnd trains "
-                        f"{', '.join(supported())}")  # fmt: skip
+        raise UserError(
+            f"{key}={source}: architecture {found!r} is not supported; dsnd trains "
+            f"{', '.join(supported())}"
+        )
     bad = [k for k in (overrides or {}) if k in ("architectures", "model_type")]
     if bad:
         raise UserError(f"model.overrides.{bad[0]}: choose another model.config instead")
@@ -308,18 +345,34 @@ def check_model(model: ModelSpec, seq_len: int, where: str) -> None:
             f"max_position_embeddings of {model.source}; raise it with "
             "model.max_position_embeddings if the model may run longer sequences"
         )
-    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
-                 "vocab_size", "head_dim"):  # fmt: skip
+    for name in (
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "ffn_size",
+        "vocab_size",
+        "head_dim",
+    ):
         if getattr(model, name) < 1:
             raise UserError(f"{where}: {name} must be >= 1, got {getattr(model, name)}")
     if model.num_heads % model.num_kv_heads:
-        raise UserError(f"{where}: num_attention_heads={model.num_heads} is not divisible by "
-                        f"num_key_value_heads={model.num_kv_heads}")  # fmt: skip
+        raise UserError(
+            f"{where}: num_attention_heads={model.num_heads} is not divisible by "
+            f"num_key_value_heads={model.num_kv_heads}"
+        )
     if getattr(model.config, "head_dim", None) is None and model.hidden_size % model.num_heads:
-        raise UserError(f"{where}: hidden_size={model.hidden_size} is not divisible by "
-                        f"num_attention_heads={model.num_heads}")  # fmt: skip
+        raise UserError(
+            f"{where}: hidden_size={model.hidden_size} is not divisible by "
+            f"num_attention_heads={model.num_heads}"
+        )
     problems = model.family.check(model.config, seq_len)
     if problems:
-        raise UserError(f"{where}: {problems[0]}" + (
-            f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1
-            else ""))  # fmt: skip
+        raise UserError(
+            f"{where}: {problems[0]}"
+            + (
+                f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})"
+                if len(problems) > 1
+                else ""
+            )
+        )

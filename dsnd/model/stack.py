@@ -37,9 +37,12 @@ TIED_EMBED_KEY = "embed"
 _MATRICES = (nn.Linear, Conv1D, nn.Embedding)
 
 
-def layer_specs(model: ModelSpec, tp: TensorParallel | None = None,
-                cp: ContextParallel | None = None,
-                documents: Documents | None = None) -> list[LayerSpec]:  # fmt: skip
+def layer_specs(
+    model: ModelSpec,
+    tp: TensorParallel | None = None,
+    cp: ContextParallel | None = None,
+    documents: Documents | None = None,
+) -> list[LayerSpec]:
     """Embedding, `num_layers` blocks, final norm, head: `num_layers + 3` specs.
 
     With a tensor-parallel group of more than one rank each rank builds its shards (same
@@ -48,8 +51,7 @@ def layer_specs(model: ModelSpec, tp: TensorParallel | None = None,
     `documents` they keep the packed documents of each sample apart (`dsnd.model.documents`).
     """
     fam, config = model.family, model.config
-    blocks = [LayerSpec(fam.block, config, i, tp, cp, documents)
-              for i in range(model.num_layers)]  # fmt: skip
+    blocks = [LayerSpec(fam.block, config, i, tp, cp, documents) for i in range(model.num_layers)]
     if not model.tie_embeddings:
         return [
             LayerSpec(fam.embedding, config, tp, cp, documents),
@@ -60,8 +62,9 @@ def layer_specs(model: ModelSpec, tp: TensorParallel | None = None,
     attr = fam.embedding.tied_weight_attr
     head = {"forward_fn": tied_logits, "tied_weight_attr": attr}
     return [
-        TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, documents,
-                      tied_weight_attr=attr),
+        TiedLayerSpec(
+            TIED_EMBED_KEY, fam.embedding, config, tp, cp, documents, tied_weight_attr=attr
+        ),
         *blocks,
         LayerSpec(fam.final_norm, config, tp),
         TiedLayerSpec(TIED_EMBED_KEY, fam.embedding, config, tp, cp, documents, **head),
@@ -190,8 +193,13 @@ def layer_of(name: str, stack: LayerStack) -> int:
     raise KeyError(f"not a LayerStack parameter name: {name!r}")
 
 
-def _build(spec: LayerSpec, seed: int, index: int, init_std: float | None,
-           partition: Callable[[nn.Module], None] | None) -> nn.Module:  # fmt: skip
+def _build(
+    spec: LayerSpec,
+    seed: int,
+    index: int,
+    init_std: float | None,
+    partition: Callable[[nn.Module], None] | None,
+) -> nn.Module:
     """Layer `index` of the model: built on meta, this rank's shards allocated, initialised
     from (seed, index, name), then partitioned."""
     with torch.device("meta"):

@@ -10,5 +10,10 @@ back with all-to-all: `dsnd.moe.experts`), the capacity that drops rows past an 
 from dsnd.moe.counts import expert_counts
 from dsnd.moe.experts import ExpertParallel, ParallelExperts, moe_experts, parallelize_experts
 
-__all__ = ["ExpertParallel", "ParallelExperts", "expert_counts", "moe_experts",
-           "parallelize_experts"]  # fmt: skip
+__all__ = [
+    "ExpertParallel",
+    "ParallelExperts",
+    "expert_counts",
+    "moe_experts",
+    "parallelize_experts",
+]

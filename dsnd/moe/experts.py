@@ -55,8 +55,9 @@ class ExpertParallel(RankGroup):
     def local_range(self, experts: int) -> range:
         """The experts this rank computes, of `experts` per layer."""
         if experts % self.size:
-            raise ValueError(f"{experts} experts do not split over an expert-parallel group "
-                             f"of {self.size}")  # fmt: skip
+            raise ValueError(
+                f"{experts} experts do not split over an expert-parallel group of {self.size}"
+            )
         per_rank = experts // self.size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
@@ -69,8 +70,9 @@ class _Exchange(torch.autograd.Function):
     `alltoall_base_`, which `dsnd bench moe` counts."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, got: list[int], sent: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx, rows: torch.Tensor, got: list[int], sent: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.got, ctx.sent, ctx.group = got, sent, group
         out = rows.new_empty(sum(got), *rows.shape[1:])
         dist.all_to_all_single(out, rows.contiguous(), got, sent, group=group)
@@ -103,8 +105,10 @@ class ParallelExperts(nn.Module):
         self.ep = ep
         for name in EXPERT_TENSORS:
             whole = experts._parameters.pop(name)
-            local = nn.Parameter(whole.detach()[self.span.start : self.span.stop].clone(),
-                                 requires_grad=whole.requires_grad)  # fmt: skip
+            local = nn.Parameter(
+                whole.detach()[self.span.start : self.span.stop].clone(),
+                requires_grad=whole.requires_grad,
+            )
             local.__dict__.update(whole.__dict__)  # dsnd's marks (partial_grad under SP)
             local.tp_shard = Shard(0, ep.rank, ep.size, self.num_experts)
             local.expert_parallel = ep  # the shard is over ep.group; ep.data holds copies
@@ -121,8 +125,9 @@ class ParallelExperts(nn.Module):
         view.num_experts = len(self.span)
         return view
 
-    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         tokens, k = top_k_index.shape
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # rows grouped by expert, then by token

@@ -18,8 +18,13 @@ class MoeNumbers:
     """The counters of one stage (`RouterLoad`, the `Capacity` when the run caps experts) and
     how a step's numbers are made from them; `expert_parallel` when ep > 1."""
 
-    def __init__(self, load: RouterLoad, capacity: Capacity | None, expert_parallel: bool,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        load: RouterLoad,
+        capacity: Capacity | None,
+        expert_parallel: bool,
+        device: torch.device,
+    ) -> None:
         self.load, self.capacity = load, capacity
         self.expert_parallel, self.device = expert_parallel, device
 
@@ -43,8 +48,9 @@ class MoeNumbers:
         return row, tags
 
 
-def expert_load(load: list[list[float]], sent: list[float] | None = None
-                ) -> tuple[dict[str, float], dict[str, list[int]]]:  # fmt: skip
+def expert_load(
+    load: list[list[float]], sent: list[float] | None = None
+) -> tuple[dict[str, float], dict[str, list[int]]]:
     """From `RouterLoad.gathered` (per block, tokens per expert and rows sent to other
     expert-parallel ranks): TensorBoard tags per MoE layer, its busiest and idlest expert over
     the mean (1 and 1: perfectly balanced) and, with expert parallelism, the share of its

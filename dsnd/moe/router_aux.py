@@ -43,8 +43,12 @@ def wants_router_aux(config: PretrainedConfig) -> bool:
 class RouterAux:
     """The load-balancing loss's share of the MoE layers of `stack` (a `LayerStack`)."""
 
-    def __init__(self, stack: nn.Module, config: PretrainedConfig,
-                 sequence_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stack: nn.Module,
+        config: PretrainedConfig,
+        sequence_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.sequence_group = sequence_group  # the ranks sharing each sequence's tokens (SP)
         self.coef = config.router_aux_loss_coef
         self.experts, self.top_k = num_experts(config), config.num_experts_per_tok
@@ -71,9 +75,11 @@ class RouterAux:
             tokens = probs.shape[0]
             # a scatter, not bincount: no device-to-host sync on the GPU
             counts = torch.zeros(self.experts, device=device).scatter_add_(
-                0, chosen, torch.ones(chosen.shape, device=device))
-            sums = sums + torch.cat([probs.sum(0) / tokens, counts / tokens,
-                                     torch.ones(1, device=device)])  # fmt: skip
+                0, chosen, torch.ones(chosen.shape, device=device)
+            )
+            sums = sums + torch.cat(
+                [probs.sum(0) / tokens, counts / tokens, torch.ones(1, device=device)]
+            )
         return sums
 
     def loss(self, sums: torch.Tensor) -> torch.Tensor:
@@ -82,4 +88,4 @@ class RouterAux:
         if self.sequence_group is not None:
             sums = reduce_from_tp(sums, self.sequence_group)
         layers = sums[-1].detach().clamp(min=1)  # (no MoE layer at all: S = C = 0, loss 0)
-        return self.coef * e * (sums[:e] * sums[e:2 * e].detach()).sum() / layers**2
+        return self.coef * e * (sums[:e] * sums[e : 2 * e].detach()).sum() / layers**2

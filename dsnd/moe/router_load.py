@@ -41,8 +41,9 @@ class RouterLoad:
                 self._handles.append(router.register_forward_hook(self._hook(int(index) - 1)))
             experts = getattr(getattr(layer, "mlp", None), "experts", None)
             if isinstance(experts, ParallelExperts):
-                self._handles.append(experts.register_forward_hook(
-                    self._sent_hook(int(index) - 1), with_kwargs=True))  # fmt: skip
+                self._handles.append(
+                    experts.register_forward_hook(self._sent_hook(int(index) - 1), with_kwargs=True)
+                )
 
     def _row(self, block: int, on: torch.Tensor) -> torch.Tensor:
         if self.counts.device != on.device:  # counted where routing runs: no sync

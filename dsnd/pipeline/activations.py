@@ -15,10 +15,10 @@ tells them apart from the allocator's totals.
 - Sampled: the first step, then every `EVERY`-th. A step runs the same program on micro-batches
   of the same shapes as every other, so it holds the same bytes. Measuring costs two Python
   calls per saved tensor (torch's pack and unpack; llama-tiny saves 165 per forward), about half
-  of it torch's hook mechanism itself. Measured on one rank training llama-tiny (ZeRO-1, 16
-  samples per step in micro-batches of 2, one thread), median step time with every step
-  measured / none: 1.058 at 64 tokens per sample, 1.013 at 128 (this shared CPU's noise is a few
-  %); sampled, well under 0.1%.
+  of it torch's hook mechanism itself. Observed (not in the suite) on one rank training
+  llama-tiny (ZeRO-1, 16 samples per step in micro-batches of 2, one thread), median step time
+  with every step metered / none: 1.058 at 64 tokens per sample, 1.013 at 128 (this shared CPU's
+  noise is a few %); sampled, well under 0.1%.
 
 Under activation checkpointing the count is what checkpointing keeps (each chunk's input).
 Tensors that live only inside one forward or backward (temporaries, recomputation), gradients and

@@ -47,20 +47,26 @@ class StepClock:
         return [a.elapsed_time(b) / 1e3 for a, b in pairs]  # ms -> s
 
 
-PHASE = {S.FORWARD: "forward", S.BACKWARD: "backward", S.BACKWARD_INPUT: "backward",
-         S.BACKWARD_WEIGHT: "backward", S.STEP: "optimizer"}  # fmt: skip
+PHASE = {
+    S.FORWARD: "forward",
+    S.BACKWARD: "backward",
+    S.BACKWARD_INPUT: "backward",
+    S.BACKWARD_WEIGHT: "backward",
+    S.STEP: "optimizer",
+}
 """The phase each instruction's time counts to; receives count as pipeline_wait, everything
 else as comm."""
 
 
-def phase_times(program: list[Instr], laps: list[float], blocked_s: float | None,
-                phases: dict[str, float]) -> None:  # fmt: skip
+def phase_times(
+    program: list[Instr], laps: list[float], blocked_s: float | None, phases: dict[str, float]
+) -> None:
     """Add to `phases` the step's times: `laps` holds each instruction's seconds, then the wait
     for the step's sends. `blocked_s` is the host's time blocked in receives (CPU), or None where
     the laps are device times (CUDA): there a receive's lap is the stream's wait for it."""
     for x, spent in zip(program, laps, strict=False):
         phases[PHASE.get(x.op, "comm")] += spent
-    phases["comm"] += sum(laps[len(program):])
+    phases["comm"] += sum(laps[len(program) :])
     if blocked_s is None:
         blocked_s = sum(s for x, s in zip(program, laps, strict=False) if x.op in S.RECVS)
     phases["pipeline_wait"] = blocked_s

@@ -133,9 +133,16 @@ class _Step:
 class Executor:
     """Runs programs of one stage: `step(program, batches)` and `evaluate(batches)`."""
 
-    def __init__(self, engine: StageEngine, links: StageLinks, shape: StageShape,
-                 math: StageMath, role: StageRole, tied: TiedWeights | None,
-                 documents: Documents | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: StageEngine,
+        links: StageLinks,
+        shape: StageShape,
+        math: StageMath,
+        role: StageRole,
+        tied: TiedWeights | None,
+        documents: Documents | None = None,
+    ) -> None:
         self.engine, self.links, self.shape = engine, links, shape
         self.math, self.role, self.tied = math, role, tied
         self.documents = documents  # what the layers read the micro-batch's documents from
@@ -145,16 +152,22 @@ class Executor:
         self.activations = ActivationMeter(self._not_activations)
         self.clock = StepClock(engine.device)  # host clock on the CPU, CUDA events on a GPU
         self.table: dict[str, Callable[[Instr, _Step], None]] = {
-            S.RECV_ACT: self._recv_act, S.SEND_ACT: self._send_act, S.FORWARD: self._forward,
-            S.RECV_GRAD: self._recv_grad, S.SEND_GRAD: self._send_grad,
-            S.BACKWARD: self._backward, S.BACKWARD_INPUT: self._backward_input,
+            S.RECV_ACT: self._recv_act,
+            S.SEND_ACT: self._send_act,
+            S.FORWARD: self._forward,
+            S.RECV_GRAD: self._recv_grad,
+            S.SEND_GRAD: self._send_grad,
+            S.BACKWARD: self._backward,
+            S.BACKWARD_INPUT: self._backward_input,
             S.BACKWARD_WEIGHT: self._backward_weight,
             S.TIED_LEND: lambda x, state: self.tied.lend(),
             S.TIED_BORROW: lambda x, state: self.tied.borrow(self.engine.device),
             S.TIED_RETURN: lambda x, state: self.tied.give_back(),
             S.TIED_ADD: lambda x, state: self.tied.add_returned(),
-            S.SP_SUM: self._sp_sum, S.REDUCE: self._reduce, S.STEP: self._step,
-        }  # fmt: skip
+            S.SP_SUM: self._sp_sum,
+            S.REDUCE: self._reduce,
+            S.STEP: self._step,
+        }
 
     def _virtual(self, x: Instr) -> int:
         return x.chunk * self.role.stages + self.role.stage
@@ -165,11 +178,15 @@ class Executor:
     def _not_activations(self) -> list[torch.Tensor]:
         """What a forward may save that the activation count leaves out, besides parameters."""
         module = self.engine.engine.module
-        return [*module.buffers(), *module.parameters(),
-                *(self.tied.borrowed_leaves() if self.tied else [])]  # fmt: skip
+        return [
+            *module.buffers(),
+            *module.parameters(),
+            *(self.tied.borrowed_leaves() if self.tied else []),
+        ]
 
-    def step(self, program: list[Instr], batches: Batches,
-             layout: BatchExtras | None = None) -> StepResult:  # fmt: skip
+    def step(
+        self, program: list[Instr], batches: Batches, layout: BatchExtras | None = None
+    ) -> StepResult:
         """Execute `program` (one optimizer step of this stage) on this rank's micro-batches
         (with `layout`, their loss weights and documents)."""
         state = _Step(batches, layout)
@@ -224,8 +241,9 @@ class Executor:
             docs = state.layout.documents if state.layout is not None else None
             self.documents.use(None if docs is None else docs[x.micro])
 
-    def _loss(self, logits: torch.Tensor, x: Instr, state: _Step,
-              sums: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def _loss(
+        self, logits: torch.Tensor, x: Instr, state: _Step, sums: torch.Tensor | None
+    ) -> torch.Tensor:
         """Micro-batch x.micro's loss: its mean, times its weight in the global batch's mean over
         counted labels (`dsnd.data.batch_extras`; exactly 1 where every label counts), plus the
         routers' load-balancing loss of the forward's `sums`, where the model has one."""
@@ -312,8 +330,11 @@ class Executor:
             program.append(Instr(S.TIED_LEND if self.role.tie == "owner" else S.TIED_BORROW))
         for c in range(self.role.chunks):
             for m in range(len(batches)):
-                program += [x for x in S.program([Instr(S.FORWARD, m, c)], self.role)
-                            if x.op in (S.RECV_ACT, S.FORWARD, S.SEND_ACT)]  # fmt: skip
+                program += [
+                    x
+                    for x in S.program([Instr(S.FORWARD, m, c)], self.role)
+                    if x.op in (S.RECV_ACT, S.FORWARD, S.SEND_ACT)
+                ]
         state = _Step(batches, layout)
         self.engine.engine.eval()
         self.plain = False
@@ -331,4 +352,3 @@ class Executor:
         self.links.reset_recv_wait()
         self.engine.engine.train()
         return torch.stack(state.losses).double().mean() if state.losses else None
-

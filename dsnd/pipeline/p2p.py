@@ -21,10 +21,11 @@ out once per program.
 
 When to post matters as much as how far ahead. gloo matches a send with a receive the receiver
 has announced to the sender, and a receive posted right after another one completed costs
-0.3-0.4 ms, one posted right after a send about 0.07 ms (measured on 2 ranks, 2 cores,
-llama-tiny at pp=2, m=8: posts took 3.6 ms of a 70 ms step). So after a receive the links post
-another only when none is left on that channel, and top every channel up to `POST_AHEAD` after
-each send instead; a receive is then announced a whole hand-off before its message comes.
+0.3-0.4 ms, one posted right after a send about 0.07 ms (2 ranks, 2 cores, llama-tiny at pp=2,
+m=8: posts took 3.6 ms of a 70 ms step; docs/benchmarks.md, the `dsnd bench pipeline` section).
+So after a receive the links post another only when none is left on that channel, and top every
+channel up to `POST_AHEAD` after each send instead; a receive is then announced a whole hand-off
+before its message comes.
 
 Time blocked in receives is summed in `recv_wait_s`: on a stage, that is the pipeline bubble
 (plus transfer time) the schedule leaves it, which `dsnd bench pipeline` measures.
@@ -53,9 +54,12 @@ class StageLinks:
     """This rank's links to the other stages of its pipeline."""
 
     def __init__(
-        self, channels: Channels, pipe_ranks: list[int], device: torch.device,
+        self,
+        channels: Channels,
+        pipe_ranks: list[int],
+        device: torch.device,
         ahead: int = POST_AHEAD,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if ahead < 1:
             raise ValueError(f"need at least one receive posted ahead, got {ahead}")
         self.device, self.ahead = device, ahead

@@ -79,50 +79,75 @@ class StageRunner:
             load_hf_stage(stack, res.run.model.init_from, res.model)
         ep_groups = (ep.group, ep.data) if ep is not None else (None, None)
         prepare_experts(stack, plan.zero_stage, *ep_groups)
-        self.engine = build_engine(stack, res.ds, param_groups(stack, unpartitioned_shape),
-                                   Mpu(zero_groups))  # fmt: skip
+        self.engine = build_engine(
+            stack, res.ds, param_groups(stack, unpartitioned_shape), Mpu(zero_groups)
+        )
         after_build(self.engine, ep_groups[0])
         if groups.replicate is not None:
             replicate_gradients(self.engine.optimizer, groups.replicate)
         self.program = list(plan.programs[stage])
-        self.links = StageLinks(groups.channels, dist.get_process_group_ranks(groups.pipe),
-                                self.engine.device)  # fmt: skip
-        dtype = (torch.bfloat16 if self.engine.bfloat16_enabled()
-                 else torch.float16 if self.engine.fp16_enabled() else torch.float32)  # fmt: skip
+        self.links = StageLinks(
+            groups.channels, dist.get_process_group_ranks(groups.pipe), self.engine.device
+        )
+        dtype = (
+            torch.bfloat16
+            if self.engine.bfloat16_enabled()
+            else torch.float16
+            if self.engine.fp16_enabled()
+            else torch.float32
+        )
         tp, self.cp = tensor_parallel(res, groups), context_parallel(res, groups)
         seq = res.run.model.seq_len // self.cp.size // (tp.size if tp.sequence_parallel else 1)
         math = self._math(res, tp)
-        self.shape = StageShape(res.batch.micro, seq, res.model.hidden_size, dtype,
-                                math.aux.width if math.aux is not None else 0)  # fmt: skip
+        self.shape = StageShape(
+            res.batch.micro,
+            seq,
+            res.model.hidden_size,
+            dtype,
+            math.aux.width if math.aux is not None else 0,
+        )
         factor = res.run.model.moe_capacity_factor
         # tensor-parallel ranks without sequence parallelism route the same tokens: one counts
         counts = groups.coord.tp == 0 or tp.sequence_parallel
-        self.capacity = None if factor is None else Capacity(
-            self.engine.module, factor, res.model.num_layers, counts=counts)  # fmt: skip
-        self.moe = MoeNumbers(
-            RouterLoad(self.engine.module, res.model.config, res.model.num_layers, counts),
-            self.capacity, groups.expert is not None, self.engine.device,
-        ) if res.model.family.moe else None  # fmt: skip
-        stage_engine = StageEngine(self.engine, groups.replica, groups.coord.tp,
-                                   res.run.parallel.reshard_after_forward)  # fmt: skip
-        self.executor = Executor(stage_engine, self.links, self.shape, math, plan.role(stage),
-                                 self.tied, self.documents)  # fmt: skip
+        self.capacity = (
+            None
+            if factor is None
+            else Capacity(self.engine.module, factor, res.model.num_layers, counts=counts)
+        )
+        self.moe = (
+            MoeNumbers(
+                RouterLoad(self.engine.module, res.model.config, res.model.num_layers, counts),
+                self.capacity,
+                groups.expert is not None,
+                self.engine.device,
+            )
+            if res.model.family.moe
+            else None
+        )
+        stage_engine = StageEngine(
+            self.engine, groups.replica, groups.coord.tp, res.run.parallel.reshard_after_forward
+        )
+        self.executor = Executor(
+            stage_engine, self.links, self.shape, math, plan.role(stage), self.tied, self.documents
+        )
 
     def _math(self, res: Resolved, tp) -> StageMath:
         """The stage's loss and gradient syncs: vocab-parallel cross-entropy and the partial
         gradients' all-reduce with tp > 1, context-parallel loss scaling, the routers' aux."""
         math = StageMath()
         if tp.size > 1:
-            loss = partial(vocab_parallel_cross_entropy, group=tp.group,
-                           vocab_size=res.model.vocab_size)  # fmt: skip
+            loss = partial(
+                vocab_parallel_cross_entropy, group=tp.group, vocab_size=res.model.vocab_size
+            )
             params = list(self.engine.module.parameters())
             math = StageMath(loss, partial(allreduce_partial_grads, params, tp.group))
         if self.cp.size > 1:
             math = StageMath(context_parallel_loss(math.loss_fn, self.cp.group), math.sync_grads)
         if wants_router_aux(res.model.config):
             sequence_group = tp.group if tp.size > 1 and tp.sequence_parallel else None
-            math = replace(math, aux=RouterAux(self.engine.module, res.model.config,
-                                               sequence_group))  # fmt: skip
+            math = replace(
+                math, aux=RouterAux(self.engine.module, res.model.config, sequence_group)
+            )
         return math
 
     def run(self, micro_batches: Batches, layout: BatchExtras | None = None) -> StepResult:

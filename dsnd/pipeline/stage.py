@@ -46,8 +46,12 @@ def zero3_dtype(ds: dict) -> torch.dtype:
     return torch.float32
 
 
-def build_stage(res: Resolved, groups: ProcessGroups, documents: Documents | None = None,
-                ep: ExpertParallel | None = None) -> LayerStack:  # fmt: skip
+def build_stage(
+    res: Resolved,
+    groups: ProcessGroups,
+    documents: Documents | None = None,
+    ep: ExpertParallel | None = None,
+) -> LayerStack:
     """This rank's layers, initialised exactly as in the full model (seed, global index, name);
     with tp > 1 this rank's shard of each split tensor (`dsnd.model.parallelize`).
 
@@ -65,8 +69,10 @@ def build_stage(res: Resolved, groups: ProcessGroups, documents: Documents | Non
     hpz_ranks = groups.hpz  # (the topology's hpz > 1 only at ZeRO-3)
     use_hpz_group(hpz_ranks)
     if hpz_ranks is not None:
-        log.info("ZeRO++ hpZ: parameters' secondary partition over ranks %s",
-                 dist.get_process_group_ranks(hpz_ranks))  # fmt: skip
+        log.info(
+            "ZeRO++ hpZ: parameters' secondary partition over ranks %s",
+            dist.get_process_group_ranks(hpz_ranks),
+        )
 
     ep = ep or expert_parallel(groups)
 
@@ -101,8 +107,9 @@ def build_stage(res: Resolved, groups: ProcessGroups, documents: Documents | Non
             swapper = swapper or nvme_param_swapper(module)
 
     return LayerStack(
-        layer_specs(res.model, tensor_parallel(res, groups), context_parallel(res, groups),
-                    documents),
+        layer_specs(
+            res.model, tensor_parallel(res, groups), context_parallel(res, groups), documents
+        ),
         res.run.train.seed,
         layer_indices=plan.stage_layers(stage),
         activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,

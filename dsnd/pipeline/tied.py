@@ -84,9 +84,17 @@ class TiedWeights:
                 weight = getattr(holder, name)
                 peer = pipe_ranks[tie.borrower if me == tie.owner else tie.owner]
                 shape = unpartitioned_shape(weight)
-                self.ties.append(_Tie(owner=me == tie.owner, peer=peer, group=group,
-                                      holder=holder, name=name, dtype=weight.dtype,
-                                      shape=shape))  # fmt: skip
+                self.ties.append(
+                    _Tie(
+                        owner=me == tie.owner,
+                        peer=peer,
+                        group=group,
+                        holder=holder,
+                        name=name,
+                        dtype=weight.dtype,
+                        shape=shape,
+                    )
+                )
             if me == tie.borrower:
                 _strip_parameters(module)
 

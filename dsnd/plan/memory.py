@@ -68,8 +68,9 @@ def model_state_bytes(
     }
 
 
-def held_gradient_bytes(stage: int, psi: int, nd: int, bf16: bool, experts: int = 0,
-                        ep: int = 1) -> float:  # fmt: skip
+def held_gradient_bytes(
+    stage: int, psi: int, nd: int, bf16: bool, experts: int = 0, ep: int = 1
+) -> float:
     """Gradient bytes a rank holds at the peak of a dsnd step beyond `model_state_bytes`' grads
     (`experts` of the `psi` parameters routed experts split over `ep` ranks, as there).
 

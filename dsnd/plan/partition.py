@@ -140,8 +140,12 @@ def _show(method: object) -> str:
     return f"'{method}'" if isinstance(method, str) else str(method)
 
 
-def _named(method: str, specs: Sequence[Layer], num_stages: int,
-           balance_profile: Callable[[int], list[int]] | None) -> list[int]:  # fmt: skip
+def _named(
+    method: str,
+    specs: Sequence[Layer],
+    num_stages: int,
+    balance_profile: Callable[[int], list[int]] | None,
+) -> list[int]:
     lowered = method.lower()  # PipelineModule._partition_layers does the same
     if lowered == "profile":
         if balance_profile is None:
@@ -228,8 +232,7 @@ def _boundaries(parts: list[int], n: int, num_stages: int, stages: str) -> list[
     return parts
 
 
-def _stage_lists(stages: list[Sequence[Any]], n: int, num_stages: int,
-                 named: str) -> list[int]:  # fmt: skip
+def _stage_lists(stages: list[Sequence[Any]], n: int, num_stages: int, named: str) -> list[int]:
     shown = f"{KEY}={[list(s) for s in stages]}"
     if len(stages) != num_stages:
         raise UserError(f"{shown} lists {len(stages)} stages but {named}")

@@ -36,14 +36,20 @@ from dsnd.plan.schedule import (
 )
 from dsnd.topology import Topology
 
-ZERO_STAGES = {"1f1b": (0, 1, 2, 3), "gpipe": (0, 1, 2, 3), "interleaved-1f1b": (0, 1, 2, 3),
-               "zb-h1": (0, 1, 2)}  # fmt: skip
+ZERO_STAGES = {
+    "1f1b": (0, 1, 2, 3),
+    "gpipe": (0, 1, 2, 3),
+    "interleaved-1f1b": (0, 1, 2, 3),
+    "zb-h1": (0, 1, 2),
+}
 """ZeRO stages each schedule runs. ZB-H1's weight-gradient pass writes `.grad` itself, after the
 input-gradient pass. ZeRO 0-2 reduce what `.grad` holds at the step's end (ZeRO 1-2 inside
-`coalesce_grad_reduction`, whose flush reads `.grad`): parity measured at dp=2. ZeRO-3 gathers a
-layer's parameters for its backward and releases them after it, so the later weight pass finds
-them empty (measured: "attempting to assign a gradient of size [64, 64] to a tensor of size
-[0]"); running it would need ZeRO-3's gather/release hooks around the weight pass."""
+`coalesce_grad_reduction`, whose flush reads `.grad`): parity at dp=2 in
+`tests/distributed/test_parity_schedules.py::test_four_stages_and_tensor_parallel`. ZeRO-3
+gathers a layer's parameters for its backward and releases them after it, so the later weight
+pass finds them empty (DeepSpeed 0.19.8 raises "attempting to assign a gradient of size [64, 64]
+to a tensor of size [0]"); running it would need ZeRO-3's gather/release hooks around the weight
+pass."""
 
 
 @dataclass(frozen=True)
@@ -118,11 +124,15 @@ class Plan:
             chunks = [self.chunk_layers(s, c) for c in range(self.chunks)]
             held = ", ".join(f"{c[0]}..{c[-1]}" for c in chunks)
             compute = [x for x in self.programs[s] if x.op in COMPUTE]
-            lines.append(f"  stage {s}: layers {held}; {len(self.programs[s])} instructions, at "
-                         f"most {max_in_flight(compute)} micro-batch chunks in flight")  # fmt: skip
+            lines.append(
+                f"  stage {s}: layers {held}; {len(self.programs[s])} instructions, at "
+                f"most {max_in_flight(compute)} micro-batch chunks in flight"
+            )
         for tie in self.ties:
-            lines.append(f"  tied '{tie.key}': stage {tie.owner} owns it, stage {tie.borrower} "
-                         "borrows it each step")  # fmt: skip
+            lines.append(
+                f"  tied '{tie.key}': stage {tie.owner} owns it, stage {tie.borrower} "
+                "borrows it each step"
+            )
         lines.append(f"  bubble at unit costs (F=1, B=2 or I=W=1): {bubble(rows):.3f} of busy time")
         return lines + ["  " + line for line in chart(rows, width)]
 
@@ -132,13 +142,16 @@ def plan_json(plan: Plan) -> dict:
     roles = [plan.role(s) for s in range(plan.pp)]
     rows = timeline([list(p) for p in plan.programs], roles)
     return {
-        "schedule": plan.schedule, "virtual_stages": plan.chunks,
-        "micro_batches": plan.micro_batches, "parts": list(plan.parts),
-        "zero_stage": plan.zero_stage, "sequence_parallel": plan.sequence_parallel,
+        "schedule": plan.schedule,
+        "virtual_stages": plan.chunks,
+        "micro_batches": plan.micro_batches,
+        "parts": list(plan.parts),
+        "zero_stage": plan.zero_stage,
+        "sequence_parallel": plan.sequence_parallel,
         "ties": [t.__dict__ for t in plan.ties],
         "programs": [[str(x) for x in p] for p in plan.programs],
         "bubble_unit_costs": round(bubble(rows), 6),
-    }  # fmt: skip
+    }
 
 
 def make_plan(
@@ -167,16 +180,26 @@ def make_plan(
     chunks = f"parallel.pp={p} x parallel.virtual_stages={v} = {p * v} model chunks" * (v > 1)
     parts = tuple(partition(partition_method, specs, p * v, balance_profile, chunks))
     ties = _ties(specs, parts, p)
-    plan = Plan(topology, schedule, v, micro_batches, parts, zero_stage,
-                sequence_parallel and topology.tp > 1, ties, programs=())  # fmt: skip
+    plan = Plan(
+        topology,
+        schedule,
+        v,
+        micro_batches,
+        parts,
+        zero_stage,
+        sequence_parallel and topology.tp > 1,
+        ties,
+        programs=(),
+    )
     roles = [plan.role(s) for s in range(p)]
     programs = tuple(
         tuple(program(compute_order(schedule, p, s, micro_batches, v), roles[s])) for s in range(p)
     )
     plan = Plan(**{**plan.__dict__, "programs": programs})
     _check_param_groups(plan, specs, partition_method, expert_parallel)
-    _check_zero3_sub_groups(plan, model, ZERO3_SUB_GROUP if sub_group_size is None
-                            else sub_group_size)  # fmt: skip
+    _check_zero3_sub_groups(
+        plan, model, ZERO3_SUB_GROUP if sub_group_size is None else sub_group_size
+    )
     return plan
 
 
@@ -186,8 +209,9 @@ ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed's default sub_group_size
 def _check_zero3_sub_groups(plan: Plan, model: ModelSpec, size: float) -> None:
     """ZeRO-3 steps its parameters in sub-groups of `sub_group_size` elements, with collectives
     per sub-group over the model-parallel group; stages holding different numbers of them wait
-    on each other for ever (measured: `sub_group_size: 0`, axolotl's ZeRO-3 JSON, hangs at
-    pp=2 in the first step, and runs at pp=1). Refused unless every stage fits one sub-group."""
+    on each other for ever (observed, not in the suite: `sub_group_size: 0`, axolotl's ZeRO-3
+    JSON, hangs at pp=2 in the first step, and runs at pp=1; `tests/distributed/test_ds_corpus.py`
+    sees it refused). Refused unless every stage fits one sub-group."""
     if plan.pp == 1 or plan.zero_stage != 3:
         return
     largest = max(plan.stage_parameters(model))
@@ -206,12 +230,16 @@ def _check_schedule(schedule: str, p: int, v: int, m: int, zero: int) -> None:
         raise UserError(f"{key}={v} must be >= 1")
     if schedule in MULTI_CHUNK:
         if p < 2 or v < 2:
-            raise UserError(f"parallel.schedule={schedule} needs parallel.pp >= 2 and {key} >= 2 "
-                            f"(got pp={p}, {key}={v}; with one chunk it is 1f1b)")  # fmt: skip
+            raise UserError(
+                f"parallel.schedule={schedule} needs parallel.pp >= 2 and {key} >= 2 "
+                f"(got pp={p}, {key}={v}; with one chunk it is 1f1b)"
+            )
         if m % p:
-            raise UserError(f"parallel.schedule={schedule} needs the micro-batches per step "
-                            f"(gradient_accumulation_steps={m}) to be a multiple of "
-                            f"parallel.pp={p}")  # fmt: skip
+            raise UserError(
+                f"parallel.schedule={schedule} needs the micro-batches per step "
+                f"(gradient_accumulation_steps={m}) to be a multiple of "
+                f"parallel.pp={p}"
+            )
     elif v != 1:
         raise UserError(f"{key}={v} needs parallel.schedule=interleaved-1f1b (got {schedule})")
     if zero not in ZERO_STAGES[schedule]:
@@ -219,8 +247,10 @@ def _check_schedule(schedule: str, p: int, v: int, m: int, zero: int) -> None:
         why = " (ZeRO-3 releases a layer's gathered parameters before the weight pass)" * (
             schedule in SPLIT_BACKWARD
         )
-        raise UserError(f"parallel.schedule={schedule} runs with ZeRO stages {runs}, not "
-                        f"zero_optimization.stage={zero}{why}")  # fmt: skip
+        raise UserError(
+            f"parallel.schedule={schedule} runs with ZeRO stages {runs}, not "
+            f"zero_optimization.stage={zero}{why}"
+        )
 
 
 def _ties(specs: list, parts: tuple[int, ...], p: int) -> tuple[Tie, ...]:
@@ -233,8 +263,9 @@ def _ties(specs: list, parts: tuple[int, ...], p: int) -> tuple[Tie, ...]:
     for key, where in positions.items():
         stages = list(dict.fromkeys(stage_of[i] for i in where))
         if len(stages) > 2:
-            raise UserError(f"tied weight '{key}' would span pipeline stages {stages}; dsnd ties "
-                            "two stages")  # fmt: skip
+            raise UserError(
+                f"tied weight '{key}' would span pipeline stages {stages}; dsnd ties two stages"
+            )
         if len(stages) == 2:
             ties.append(Tie(key, owner=stages[0], borrower=stages[1]))
     return tuple(ties)

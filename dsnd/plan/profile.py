@@ -133,9 +133,16 @@ def _build(spec: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
     return module.to(device=device, dtype=dtype).train()  # blocks build rotary tables on the CPU
 
 
-def _step(layer: Callable[[torch.Tensor], torch.Tensor], index: int, last: bool,
-          model: ModelSpec, seq_len: int, micro: int, dtype: torch.dtype,
-          device: torch.device) -> Callable[[], None]:  # fmt: skip
+def _step(
+    layer: Callable[[torch.Tensor], torch.Tensor],
+    index: int,
+    last: bool,
+    model: ModelSpec,
+    seq_len: int,
+    micro: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Callable[[], None]:
     """A forward and backward pass of one micro-batch through `layer`, on fixed random inputs."""
     shape = (micro, seq_len)
     if index == 0:
@@ -224,8 +231,9 @@ def balance(
 
     slowest, _ = _solve(n, num_stages, fits, lambda i, j, rest: max(time_of(i, j), rest))
     if slowest == math.inf:
-        least, _ = _solve(n, num_stages, lambda i, j: True,
-                          lambda i, j, rest: max(memory_of(i, j), rest))  # fmt: skip
+        least, _ = _solve(
+            n, num_stages, lambda i, j: True, lambda i, j, rest: max(memory_of(i, j), rest)
+        )
         raise UserError(
             f"{CAP_KEY}={memory_cap / GIB:.3g}: no split of the {n} layers into {num_stages} "
             f"stages keeps every stage under {memory_cap / GIB:.3g} GiB; the best split's "
@@ -248,8 +256,10 @@ def _check(seconds: Sequence[float], memory: Sequence[int], num_stages: int) -> 
     if num_stages < 1:
         raise UserError(f"{PP_KEY}={num_stages}: needs at least one stage")
     if num_stages > len(seconds):
-        raise UserError(f"{PP_KEY}={num_stages}: the model has only {len(seconds)} layers, "
-                        "and every stage needs one")  # fmt: skip
+        raise UserError(
+            f"{PP_KEY}={num_stages}: the model has only {len(seconds)} layers, "
+            "and every stage needs one"
+        )
 
 
 def _segment_sum(values: Sequence[float]) -> Callable[[int, int], float]:
@@ -421,8 +431,9 @@ def profile_partition(
     seconds = [c.seconds for c in costs]
     parts = balance(seconds, [c.memory_bytes for c in costs], num_stages, memory_cap)
     stage_seconds = [round(sum(seconds[a:b]), 6) for a, b in pairwise(parts)]
-    log.info("profile partition of %s: parts %s, stage seconds %s", model.source, parts,
-             stage_seconds)  # fmt: skip
+    log.info(
+        "profile partition of %s: parts %s, stage seconds %s", model.source, parts, stage_seconds
+    )
     return parts, costs
 
 

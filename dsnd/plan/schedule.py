@@ -37,8 +37,19 @@ TIED_RETURN, TIED_ADD = "tied_return", "tied_add"
 SP_SUM, REDUCE, STEP = "sp_sum", "reduce", "step"
 
 COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-OPS = COMPUTE + (RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, TIED_LEND, TIED_BORROW, TIED_RETURN,
-                 TIED_ADD, SP_SUM, REDUCE, STEP)  # fmt: skip
+OPS = COMPUTE + (
+    RECV_ACT,
+    SEND_ACT,
+    RECV_GRAD,
+    SEND_GRAD,
+    TIED_LEND,
+    TIED_BORROW,
+    TIED_RETURN,
+    TIED_ADD,
+    SP_SUM,
+    REDUCE,
+    STEP,
+)
 GRADS = (BACKWARD, BACKWARD_WEIGHT)  # the instructions that leave weight gradients
 SENDS, RECVS = (SEND_ACT, SEND_GRAD), (RECV_ACT, RECV_GRAD)
 
@@ -284,7 +295,8 @@ class _Run:
                 raise RuntimeError(
                     f"stage {s} receives {x} but the next message on its stream is {sent} "
                     f"(for chunk {to_chunk}): sends and receives out of order, which NCCL "
-                    "(tags ignored) would hand to the wrong receive")  # fmt: skip
+                    "(tags ignored) would hand to the wrong receive"
+                )
         role = self.roles[s]
         vs, last_vs = x.chunk * role.stages + s, role.stages * role.chunks - 1
         needs = []  # what this instruction's inputs come from, on this stage
@@ -300,8 +312,13 @@ class _Run:
         if x.op in RENDEZVOUS or x.op in RENDEZVOUS.values() or x.op == STEP:
             peers = [t for t in range(len(self.programs)) if t != s]
             want = {STEP: STEP}.get(x.op) or RENDEZVOUS.get(x.op) or _sender(x.op)
-            partner = [t for t in peers if self.next(t) is not None and self.next(t).op == want
-                       and (x.op == STEP or self.roles[t].tie != role.tie)]  # fmt: skip
+            partner = [
+                t
+                for t in peers
+                if self.next(t) is not None
+                and self.next(t).op == want
+                and (x.op == STEP or self.roles[t].tie != role.tie)
+            ]
             if x.op == STEP and len(partner) != len(peers):
                 return "every stage at its step (the gradient norm spans the replica)"
             if x.op != STEP and not partner:
@@ -336,14 +353,16 @@ def simulate(programs: list[list[Instr]], roles: list[StageRole]) -> list[tuple[
     run = _Run(programs, roles)
     order: list[tuple[int, Instr]] = []
     while any(run.next(s) is not None for s in range(len(programs))):
-        ready = [s for s in range(len(programs))
-                 if run.next(s) is not None and run.waits_for(s) is None]  # fmt: skip
+        ready = [
+            s for s in range(len(programs)) if run.next(s) is not None and run.waits_for(s) is None
+        ]
         if not ready:
             blocked = "; ".join(
-                f"stage {s} finished" if run.next(s) is None
+                f"stage {s} finished"
+                if run.next(s) is None
                 else f"stage {s} blocked at {run.next(s)} on {run.waits_for(s)}"
                 for s in range(len(programs))
-            )  # fmt: skip
+            )
             raise RuntimeError(f"deadlock: {blocked} (after {len(order)} instructions)")
         for s in ready:  # decided on the state at the start of the tick, applied together
             order.append((s, run.next(s)))

@@ -67,9 +67,13 @@ class WandbWriter:
     def __init__(self, section: dict[str, Any], log_dir: str, config: dict[str, Any]) -> None:
         import wandb  # the optional dependency; the config check refuses the section without it
 
-        self._run = wandb.init(project=section.get("project", "deepspeed"),
-                               group=section.get("group"), entity=section.get("team"),
-                               dir=log_dir, config=config)  # fmt: skip
+        self._run = wandb.init(
+            project=section.get("project", "deepspeed"),
+            group=section.get("group"),
+            entity=section.get("team"),
+            dir=log_dir,
+            config=config,
+        )
 
     def write(self, step: int, scalars: dict[str, float | None]) -> None:
         clean = {k: v for k, v in scalars.items() if v is not None and math.isfinite(v)}
@@ -97,8 +101,10 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, row: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in row.items()}  # fmt: skip
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()
+        }
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 

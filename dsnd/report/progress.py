@@ -85,9 +85,11 @@ class Progress:
         tokens_per_s = self.rate.add(row["tokens_per_s"], row["step_time_s"])
         eta = self.rate.step_seconds * (self.total - step)
         evaluated = f" eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-        return (f"step {step}/{self.total} loss {row['loss']:.4f}{evaluated} lr {row['lr']:.2e} "
-                f"grad_norm {row['grad_norm'] or 0.0:.3f} tokens/s {tokens_per_s:.0f} "
-                f"ETA {_clock(eta)}")  # fmt: skip
+        return (
+            f"step {step}/{self.total} loss {row['loss']:.4f}{evaluated} lr {row['lr']:.2e} "
+            f"grad_norm {row['grad_norm'] or 0.0:.3f} tokens/s {tokens_per_s:.0f} "
+            f"ETA {_clock(eta)}"
+        )
 
     def update(self, row: dict) -> None:
         step = row["step"]
@@ -104,8 +106,9 @@ def use_console_prefix(prefix: str, level: int) -> None:
     """Console lines start with the rank's coordinates; the console keeps `level` even when a
     logger is opened wider for the rank's log file."""
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(message)s",
-                                               datefmt="%H:%M:%S"))  # fmt: skip
+        handler.setFormatter(
+            logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+        )
         handler.setLevel(level)
 
 
@@ -130,8 +133,10 @@ class _LogFileHandler(logging.FileHandler):
             return
         if not self.failed:
             self.failed = True
-            sys.stderr.write(f"dsnd: cannot write {self.baseFilename} ({error.strerror or error}); "
-                             "this rank's log stops there\n")  # fmt: skip
+            sys.stderr.write(
+                f"dsnd: cannot write {self.baseFilename} ({error.strerror or error}); "
+                "this rank's log stops there\n"
+            )
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # what a full disk still refuses to take

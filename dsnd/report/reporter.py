@@ -39,8 +39,15 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
             json.dump(mask_config(ds), f, indent=2)
 
 
-def step_row(step: int, loss: float, lr: float, norm: float | None, elapsed: float,
-             tokens: int, numbers: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def step_row(
+    step: int,
+    loss: float,
+    lr: float,
+    norm: float | None,
+    elapsed: float,
+    tokens: int,
+    numbers: dict[str, Any],
+) -> dict[str, Any]:
     """The metrics.jsonl row of one optimizer step (`numbers`: `telemetry.step_numbers`)."""
     return {
         "step": step,
@@ -63,16 +70,28 @@ def step_row(step: int, loss: float, lr: float, norm: float | None, elapsed: flo
 
 def layout_of(topology: Topology) -> dict[str, int]:
     """A run's parallel layout, as metrics.jsonl's "run_start" records it."""
-    return {"pp": topology.pp, "dp": topology.dp, "tp": topology.tp, "cp": topology.cp,
-            "ep": topology.ep, "world": topology.world_size}  # fmt: skip
+    return {
+        "pp": topology.pp,
+        "dp": topology.dp,
+        "tp": topology.tp,
+        "cp": topology.cp,
+        "ep": topology.ep,
+        "world": topology.world_size,
+    }
 
 
 def saved_layout(manifest: dict) -> dict[str, int]:
     """The layout a checkpoint was saved on (its manifest; ep from its run config)."""
     topo = manifest["topology"]
     parallel = ((manifest.get("config") or {}).get("run") or {}).get("parallel") or {}
-    return {"pp": topo["pp"], "dp": topo["dp"], "tp": topo["tp"], "cp": topo.get("cp", 1),
-            "ep": parallel.get("ep", 1), "world": topo["world_size"]}  # fmt: skip
+    return {
+        "pp": topo["pp"],
+        "dp": topo["dp"],
+        "tp": topo["tp"],
+        "cp": topo.get("cp", 1),
+        "ep": parallel.get("ep", 1),
+        "world": topo["world_size"],
+    }
 
 
 def layout_text(layout: dict[str, int]) -> str:
@@ -80,8 +99,12 @@ def layout_text(layout: dict[str, int]) -> str:
     return " ".join(f"{k}={layout[k]}" for k in ("pp", "dp", "tp", "cp", "ep") if k in layout)
 
 
-def start_mark(step: int, layout: dict[str, int], resumed_from: str | None = None,
-               saved: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+def start_mark(
+    step: int,
+    layout: dict[str, int],
+    resumed_from: str | None = None,
+    saved: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """metrics.jsonl's "run_start", on the first row a process writes: the step it started at,
     its layout, and for a resume the checkpoint and the layout it was saved on."""
     return {"step": step, "layout": layout, "resumed_from": resumed_from, "saved_layout": saved}
@@ -93,8 +116,11 @@ def mark_label(mark: dict[str, Any]) -> str | None:
     if not mark.get("resumed_from"):
         return None
     saved, now = mark.get("saved_layout") or {}, mark["layout"]
-    changed = [f"{k} {saved[k]}->{now[k]}" for k in ("pp", "dp", "tp", "cp", "ep")
-               if k in saved and saved[k] != now.get(k)]  # fmt: skip
+    changed = [
+        f"{k} {saved[k]}->{now[k]}"
+        for k in ("pp", "dp", "tp", "cp", "ep")
+        if k in saved and saved[k] != now.get(k)
+    ]
     return f"resumed, layout {' '.join(changed)}" if changed else "resumed"
 
 
@@ -105,8 +131,7 @@ def mark_text(mark: dict[str, Any]) -> str:
         return f"started at step {mark['step']} {where}"
     saved = mark.get("saved_layout")
     was = f", saved on {layout_text(saved)}" if saved else ""
-    return (f"{mark_label(mark)}: at step {mark['step']} from {mark['resumed_from']} "
-            f"{where}{was}")  # fmt: skip
+    return f"{mark_label(mark)}: at step {mark['step']} from {mark['resumed_from']} {where}{was}"
 
 
 class ExpertLoadWatch:
@@ -128,21 +153,33 @@ class ExpertLoadWatch:
 
     def update(self, numbers: dict[str, Any]) -> dict[str, Any] | None:
         """The step's alert ({"layer", "max_over_mean", "steps"}) or None."""
-        loads = {int(k[len("moe/layer"):-len(self.SUFFIX)]): v for k, v in numbers.items()
-                 if k.startswith("moe/layer") and k.endswith(self.SUFFIX)}  # fmt: skip
+        loads = {
+            int(k[len("moe/layer") : -len(self.SUFFIX)]): v
+            for k, v in numbers.items()
+            if k.startswith("moe/layer") and k.endswith(self.SUFFIX)
+        }
         if not self.threshold or not loads:
             return None
         layer, worst = max(loads.items(), key=lambda item: item[1])
         self.streak = self.streak + 1 if worst > self.limit else 0
         if self.streak != EXPERT_LOAD_STEPS:
             return None
-        capped = "" if self.limit == self.threshold else (
-            f", capped at {self.limit:.2f}x: 90% of the most an expert can get here")  # fmt: skip
-        log.warning("expert load: MoE layer %d's busiest expert got %.2fx the mean tokens, over "
-                    "log.expert_load_warn %s%s, for %d steps in a row: the router is collapsing "
-                    "onto few experts (the load-balancing loss, output_router_logits and "
-                    "router_aux_loss_coef, counters it)", layer, worst, self.threshold, capped,
-                    self.streak)  # fmt: skip
+        capped = (
+            ""
+            if self.limit == self.threshold
+            else (f", capped at {self.limit:.2f}x: 90% of the most an expert can get here")
+        )
+        log.warning(
+            "expert load: MoE layer %d's busiest expert got %.2fx the mean tokens, over "
+            "log.expert_load_warn %s%s, for %d steps in a row: the router is collapsing "
+            "onto few experts (the load-balancing loss, output_router_logits and "
+            "router_aux_loss_coef, counters it)",
+            layer,
+            worst,
+            self.threshold,
+            capped,
+            self.streak,
+        )
         return {"layer": layer, "max_over_mean": worst, "steps": self.streak}
 
 
@@ -184,15 +221,23 @@ class Reporter:
             for board in self.boards:
                 board.note(mark["step"], mark_text(mark))
                 if label:
-                    board.write(mark["step"], {"events/resume": 1.0, "events/layout_change":
-                                               1.0 if "layout" in label else None})  # fmt: skip
+                    board.write(
+                        mark["step"],
+                        {
+                            "events/resume": 1.0,
+                            "events/layout_change": 1.0 if "layout" in label else None,
+                        },
+                    )
         alert = self.load_watch.update(numbers)
         if alert is None:
             return row
         for board in self.boards:
-            board.note(row["step"], f"expert load: MoE layer {alert['layer']}'s busiest expert "
-                                    f"{alert['max_over_mean']:.2f}x the mean for "
-                                    f"{alert['steps']} steps")  # fmt: skip
+            board.note(
+                row["step"],
+                f"expert load: MoE layer {alert['layer']}'s busiest expert "
+                f"{alert['max_over_mean']:.2f}x the mean for "
+                f"{alert['steps']} steps",
+            )
         numbers["events/expert_load"] = alert["max_over_mean"]
         return {**row, "moe_load_alert": alert}
 
@@ -200,12 +245,15 @@ class Reporter:
         row = self._marks(row, numbers)
         self.metrics.write(row)
         scalars = {
-            "train/loss": row["loss"], "train/lr": row["lr"], "train/grad_norm": row["grad_norm"],
+            "train/loss": row["loss"],
+            "train/lr": row["lr"],
+            "train/grad_norm": row["grad_norm"],
             **numbers,
-            "eval/loss": row.get("eval_loss"), "eval/perplexity": row.get("eval_perplexity"),
+            "eval/loss": row.get("eval_loss"),
+            "eval/perplexity": row.get("eval_perplexity"),
             "train/loss_scale": row.get("loss_scale"),
             "train/skipped_steps": row.get("skipped_steps"),
-        }  # fmt: skip
+        }
         for board in self.boards:
             board.write(row["step"], scalars)
         self.progress.update(row)
@@ -215,8 +263,12 @@ class Reporter:
         checkpoint root when it saved none), the monitors' directories, every rank's log and
         the export."""
         checkpoint = f"checkpoint {saved}" if saved else f"checkpoints {root} (none saved)"
-        places = [f"metrics {self.metrics.path}", checkpoint, *self.places,
-                  f"logs {os.path.join(self.log_dir, 'logs')}"]  # fmt: skip
+        places = [
+            f"metrics {self.metrics.path}",
+            checkpoint,
+            *self.places,
+            f"logs {os.path.join(self.log_dir, 'logs')}",
+        ]
         return "outputs: " + ", ".join(places + ([f"export {export}"] if export else []))
 
     def close(self) -> None:

@@ -29,8 +29,15 @@ import torch.distributed as dist
 from dsnd.pipeline.phases import PHASES
 from dsnd.topology import Topology
 
-STATS = (*PHASES, "live_bytes", "peak_bytes", "reserved_bytes", "activation_peak_bytes",
-         "stop_requested", "step_skipped")  # fmt: skip
+STATS = (
+    *PHASES,
+    "live_bytes",
+    "peak_bytes",
+    "reserved_bytes",
+    "activation_peak_bytes",
+    "stop_requested",
+    "step_skipped",
+)
 MEMORY = ("live_bytes", "peak_bytes", "activation_peak_bytes")  # tagged on every device
 CUDA_MEMORY = ("reserved_bytes",)  # tagged where measured (CUDA), absent on CPU
 
@@ -43,29 +50,42 @@ def start_step_memory(device: torch.device, cuda: Any = torch.cuda) -> None:
         cuda.reset_peak_memory_stats(device)
 
 
-def rank_memory(device: torch.device, model_states: Callable[[], float],
-                cuda: Any = torch.cuda) -> tuple[float, float, float]:  # fmt: skip
+def rank_memory(
+    device: torch.device, model_states: Callable[[], float], cuda: Any = torch.cuda
+) -> tuple[float, float, float]:
     """(live, peak, reserved) bytes of this rank on `device` (see the module docstring);
     reserved is NaN on CPU, where no caching allocator holds memory, and live is the stage's
     model states there (`model_states`: the engine adapter counts them)."""
     if device.type == "cuda":
-        return (float(cuda.memory_allocated(device)), float(cuda.max_memory_allocated(device)),
-                float(cuda.memory_reserved(device)))  # fmt: skip
+        return (
+            float(cuda.memory_allocated(device)),
+            float(cuda.max_memory_allocated(device)),
+            float(cuda.memory_reserved(device)),
+        )
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     return float(model_states()), float(peak_kib * 1024), math.nan
 
 
-def gather_stats(times: dict[str, float], memory: tuple[float, float, float], skipped: bool,
-                 device: torch.device, stop_requested: bool = False,
-                 activation_bytes: int = 0) -> torch.Tensor:  # fmt: skip
+def gather_stats(
+    times: dict[str, float],
+    memory: tuple[float, float, float],
+    skipped: bool,
+    device: torch.device,
+    stop_requested: bool = False,
+    activation_bytes: int = 0,
+) -> torch.Tensor:
     """(world, len(STATS)) float64: every rank's phase times, memory (`memory` from
     `rank_memory`; `activation_bytes`: the step's `StepResult.activation_peak_bytes`), stop
     request and whether DeepSpeed `skipped` its optimizer step (collective, on `device`). The
     stop request rides along so that all ranks agree on the step to stop at without a collective
     of its own; the skip so that `check_skips_agree` can see every rank's."""
-    mine = torch.tensor([times[p] for p in PHASES] + list(memory)
-                        + [float(activation_bytes), float(stop_requested), float(skipped)],
-                        dtype=torch.float64, device=device)  # fmt: skip
+    mine = torch.tensor(
+        [times[p] for p in PHASES]
+        + list(memory)
+        + [float(activation_bytes), float(stop_requested), float(skipped)],
+        dtype=torch.float64,
+        device=device,
+    )
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return torch.stack(everyone).cpu()
@@ -84,13 +104,21 @@ def check_skips_agree(stats: torch.Tensor) -> None:
     skipped = stats[:, STATS.index("step_skipped")] > 0
     if skipped.any() and not skipped.all():
         ranks = [i for i, s in enumerate(skipped.tolist()) if s]
-        raise RuntimeError(f"ranks {ranks} skipped the optimizer step (gradient overflow) and "
-                           f"the other ranks of {len(skipped)} applied it")  # fmt: skip
+        raise RuntimeError(
+            f"ranks {ranks} skipped the optimizer step (gradient overflow) and "
+            f"the other ranks of {len(skipped)} applied it"
+        )
 
 
-def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens: int,
-                 samples: int, flops_per_token: float,
-                 peak_flops: float | None) -> dict[str, float | None]:  # fmt: skip
+def step_numbers(
+    stats: torch.Tensor,
+    topology: Topology,
+    elapsed: float,
+    tokens: int,
+    samples: int,
+    flops_per_token: float,
+    peak_flops: float | None,
+) -> dict[str, float | None]:
     """TensorBoard tags for one step. Times are means over ranks; the bubble is the mean share of
     the step a rank spends blocked in pipeline receives; MFU = achieved model FLOP/s over the
     peak of all ranks; memory is the largest rank of each pipeline stage (reserved bytes only
@@ -121,4 +149,3 @@ def step_numbers(stats: torch.Tensor, topology: Topology, elapsed: float, tokens
             if measured:
                 out[f"memory/stage{stage}_{kind}"] = max(measured)
     return out
-

@@ -90,8 +90,9 @@ def load_full(param: nn.Parameter, full: torch.Tensor) -> None:
     _copy(param, shard.take(full) if shard is not None else full)
 
 
-def enter_tp(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool,
-             sequence_dim: int = 1) -> torch.Tensor:  # fmt: skip
+def enter_tp(
+    x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool, sequence_dim: int = 1
+) -> torch.Tensor:
     """Enter a tensor-parallel region: f (copy_to_tp), or with sequence parallelism the
     all-gather of the sequence slices. Call once per input shared by several split layers."""
     if sequence_parallel:
@@ -99,8 +100,9 @@ def enter_tp(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool,
     return copy_to_tp(x, group)
 
 
-def leave_tp(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool,
-             sequence_dim: int = 1) -> torch.Tensor:  # fmt: skip
+def leave_tp(
+    x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool, sequence_dim: int = 1
+) -> torch.Tensor:
     """Leave a tensor-parallel region: g (all-reduce of the partial sums), or with sequence
     parallelism their reduce-scatter along the sequence."""
     if sequence_parallel:
@@ -141,10 +143,19 @@ class ColumnParallelLinear(_ParallelLinear):
     k equal output parts (a fused q|k|v) separately, see `dsnd.tp.shard`.
     """
 
-    def __init__(self, in_f: int, out_f: int, group: dist.ProcessGroup, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, transposed: bool = False, stride: int = 1,
-                 enter: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_f: int,
+        out_f: int,
+        group: dist.ProcessGroup,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        transposed: bool = False,
+        stride: int = 1,
+        enter: bool = True,
+    ) -> None:
         super().__init__(in_f, out_f, transposed)
         if gather_output and sequence_parallel:
             raise ValueError("gather_output and sequence_parallel exclude each other")
@@ -179,9 +190,17 @@ class RowParallelLinear(_ParallelLinear):
     added after the reduction, once.
     """
 
-    def __init__(self, in_f: int, out_f: int, group: dist.ProcessGroup, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, transposed: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_f: int,
+        out_f: int,
+        group: dist.ProcessGroup,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        transposed: bool = False,
+    ) -> None:
         super().__init__(in_f, out_f, transposed)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel")
@@ -201,8 +220,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, -1)
-        y = leave_tp(self._matmul(x, None), self.group, self.sequence_parallel,
-                     self.sequence_dim)  # fmt: skip
+        y = leave_tp(self._matmul(x, None), self.group, self.sequence_parallel, self.sequence_dim)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -214,8 +232,14 @@ class _VocabRows(nn.Module):
     tp and rank i holds the contiguous rows ``[i * v, (i + 1) * v)``, ``v = padded / tp``;
     padded rows are zero."""
 
-    def __init__(self, vocab: int, hidden: int, group: dist.ProcessGroup,
-                 sequence_parallel: bool, sequence_dim: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        group: dist.ProcessGroup,
+        sequence_parallel: bool,
+        sequence_dim: int,
+    ) -> None:
         super().__init__()
         shard = _shard(group, 0, vocab)
         self.group = group
@@ -243,8 +267,10 @@ class _VocabRows(nn.Module):
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
-        return (f"vocab={self.vocab} (padded {self.padded_vocab}), hidden={self.hidden}, "
-                f"rows [{self.vocab_start}, {self.vocab_end})")  # fmt: skip
+        return (
+            f"vocab={self.vocab} (padded {self.padded_vocab}), hidden={self.hidden}, "
+            f"rows [{self.vocab_start}, {self.vocab_end})"
+        )
 
 
 class VocabParallelEmbedding(_VocabRows):
@@ -255,8 +281,14 @@ class VocabParallelEmbedding(_VocabRows):
     `sequence_dim` instead. `logits` is the tied output head on the same weight.
     """
 
-    def __init__(self, vocab: int, hidden: int, group: dist.ProcessGroup,
-                 sequence_parallel: bool = False, sequence_dim: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        group: dist.ProcessGroup,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+    ) -> None:
         super().__init__(vocab, hidden, group, sequence_parallel, sequence_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -283,8 +315,7 @@ def allreduce_partial_grads(params: Iterable[nn.Parameter], group: dist.ProcessG
     heads: either way its gradient is a partial sum; call this after backward
     and before the optimizer (or DeepSpeed's data-parallel reduction). One flat all-reduce.
     """
-    grads = [p.grad for p in params
-             if getattr(p, "partial_grad", False) and p.grad is not None]  # fmt: skip
+    grads = [p.grad for p in params if getattr(p, "partial_grad", False) and p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

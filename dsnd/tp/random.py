@@ -139,5 +139,7 @@ class TPRandomState:
         if self._device is not None and tp.get("cuda") is None:
             raise ValueError("RNG state holds no CUDA generator state but CUDA is in use")
         self._set_global(state["default"])
-        self._tp_state = {"cpu": tp["cpu"].clone(),
-                          "cuda": None if self._device is None else tp["cuda"].clone()}  # fmt: skip
+        self._tp_state = {
+            "cpu": tp["cpu"].clone(),
+            "cuda": None if self._device is None else tp["cuda"].clone(),
+        }

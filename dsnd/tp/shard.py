@@ -75,8 +75,9 @@ class Shard:
         out = torch.cat(pieces, dim=self.dim) if pieces else None
         have = 0 if out is None else out.shape[self.dim]
         if have < self.local_len:  # the padded tail of a vocabulary
-            shape = list(self.full_shape(full.get_shape() if hasattr(full, "get_shape")
-                                         else full.shape))  # fmt: skip
+            shape = list(
+                self.full_shape(full.get_shape() if hasattr(full, "get_shape") else full.shape)
+            )
             shape[self.dim] = self.local_len - have
             dtype = out.dtype if out is not None else torch.float32
             pad = torch.zeros(shape, dtype=dtype, device=out.device if out is not None else "cpu")

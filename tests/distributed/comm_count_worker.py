@@ -62,8 +62,10 @@ def main(out_path: str) -> None:
             issue(sub)
         dist.all_reduce(torch.ones(1))  # after the block: not counted
         mine = [vars(c) | {"sent": c.sent} for c in counter.calls]
-        groups = {"world": [dist.group.WORLD.group_name, dist.get_process_group_ranks(None)],
-                  "sub": [sub.group_name, dist.get_process_group_ranks(sub)]}  # fmt: skip
+        groups = {
+            "world": [dist.group.WORLD.group_name, dist.get_process_group_ranks(None)],
+            "sub": [sub.group_name, dist.get_process_group_ranks(sub)],
+        }
         calls = everyone(mine)
     write_json(out_path, {"calls": calls, "groups": groups}, info.rank)
 

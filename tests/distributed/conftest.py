@@ -17,9 +17,12 @@ def chat_sets(tmp_path_factory) -> tuple[str, ...]:
     """Chat JSONL with its own tokenizer, loss on the assistant's tokens only, documents packed
     apart: the run keys of the parity case with masks and packing."""
     tmp = tmp_path_factory.mktemp("chat")
-    return (f"data.path={chat_jsonl(tmp / 'chat.jsonl', conversations(200))}",
-            "data.format=chat", f"data.vocab={word_tokenizer(tmp / 'tok')}",
-            "data.packing=documents")  # fmt: skip
+    return (
+        f"data.path={chat_jsonl(tmp / 'chat.jsonl', conversations(200))}",
+        "data.format=chat",
+        f"data.vocab={word_tokenizer(tmp / 'tok')}",
+        "data.packing=documents",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -45,19 +48,25 @@ def single(tmp_path_factory, chat_sets, blend_sets):
     user's JSONL corpus."""
     tmp = tmp_path_factory.mktemp("w1")
     corpus = tmp / "docs.jsonl"
-    docs = [{"text": f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs. " * 4}
-            for i in range(200)]  # fmt: skip
+    docs = [
+        {"text": f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs. " * 4}
+        for i in range(200)
+    ]
     corpus.write_text("\n".join(json.dumps(d) for d in docs))
     jsonl = case("w1-jsonl", 0)
     jsonl["sets"].append(f"data.path={corpus}")
-    return run_cases(tmp, 1, [
-        case("ref-llama", None, reference=True),
-        case("ref-gpt2", None, "gpt2-tiny", reference=True),
-        case("ref-chat", None, reference=True, sets=chat_sets),
-        case("ref-chat-stream", None, reference=True, sets=(*chat_sets, "data.packing=stream")),
-        case("ref-blend", None, reference=True, sets=blend_sets),
-        case("w1-z0", 0),
-        case("w1-z3", 3),
-        case("w1-gpt2-z0", 0, "gpt2-tiny"),
-        jsonl,
-    ])  # fmt: skip
+    return run_cases(
+        tmp,
+        1,
+        [
+            case("ref-llama", None, reference=True),
+            case("ref-gpt2", None, "gpt2-tiny", reference=True),
+            case("ref-chat", None, reference=True, sets=chat_sets),
+            case("ref-chat-stream", None, reference=True, sets=(*chat_sets, "data.packing=stream")),
+            case("ref-blend", None, reference=True, sets=blend_sets),
+            case("w1-z0", 0),
+            case("w1-z3", 3),
+            case("w1-gpt2-z0", 0, "gpt2-tiny"),
+            jsonl,
+        ],
+    )

@@ -53,10 +53,13 @@ def _pipeline_engine(res, ds: dict):
     from dsnd.engine.pipe import deepspeed_specs
 
     specs = layer_specs(res.model)
-    module = PipelineModule(layers=deepspeed_specs(specs), num_stages=res.topology.pp,
-                            topology=pipe_topology(res.topology.pp, res.topology.tp,
-                                                   res.topology.dp), loss_fn=lm_loss,
-                            partition_method=res.run.parallel.partition)  # fmt: skip
+    module = PipelineModule(
+        layers=deepspeed_specs(specs),
+        num_stages=res.topology.pp,
+        topology=pipe_topology(res.topology.pp, res.topology.tp, res.topology.dp),
+        loss_fn=lm_loss,
+        partition_method=res.run.parallel.partition,
+    )
     seed = res.run.train.seed
     with torch.no_grad():  # dsnd's (seed, global index, name) weights, the tied module at 0
         for name, layer in module.named_children():
@@ -65,8 +68,9 @@ def _pipeline_engine(res, ds: dict):
         for key, layer in module.tied_modules.items():
             assert key == TIED_EMBED_KEY
             init_layer(layer, seed, 0, layer.init_std)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module),
-                                           config=ds, dist_init_required=False)  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=param_groups(module), config=ds, dist_init_required=False
+    )
     return engine
 
 
@@ -74,8 +78,9 @@ def _plain_engine(res, ds: dict):
     import deepspeed
 
     model = build_model(res.model, res.run.train.seed)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                           config=ds, dist_init_required=False)  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model), config=ds, dist_init_required=False
+    )
     return engine
 
 
@@ -125,8 +130,14 @@ def run_case(case: dict, res) -> list[dict]:
             )
             loss = _step(engine, pipe, micro)
             norm = engine.get_global_grad_norm()
-            rows.append({"step": step + 1, "loss": loss, "lr": lr,
-                         "grad_norm": None if norm is None else float(norm)})  # fmt: skip
+            rows.append(
+                {
+                    "step": step + 1,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": None if norm is None else float(norm),
+                }
+            )
             if step + 1 == case["save_at"]:
                 engine.save_checkpoint(case["save_dir"])
     finally:
@@ -144,6 +155,7 @@ def main(out_path: str, cases_path: str) -> None:
     with world(info, timeout_s=120):
         results = {c["name"]: run_case(c, res) for c, res in zip(cases, resolved, strict=True)}
     write_json(out_path, results, info.rank)
+
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

@@ -29,11 +29,18 @@ from tests.models import spec_of  # noqa: E402
 SPECS = {
     "mixtral": spec_of("mixtral-tiny"),
     "qwen3_moe": spec_of("qwen3-moe-tiny"),
-    "qwen2_moe": spec_of("qwen1.5-moe-a2.7b", {"moe_intermediate_size": 32, "num_experts": 8,
-                                               "shared_expert_intermediate_size": 48},
-                         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
-                         ffn_size=96, vocab_size=256),
-}  # fmt: skip
+    "qwen2_moe": spec_of(
+        "qwen1.5-moe-a2.7b",
+        {"moe_intermediate_size": 32, "num_experts": 8, "shared_expert_intermediate_size": 48},
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        ffn_size=96,
+        vocab_size=256,
+    ),
+}
 
 
 def _block(spec, layer: int = 1) -> torch.nn.Module:
@@ -51,11 +58,14 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _case(spec, ep: ExpertParallel, world_size: int) -> dict:
     # uneven token counts per rank
-    tokens = [torch.randn(2, 5 + 3 * r, spec.hidden_size,
-                          generator=torch.Generator().manual_seed(r))
-              for r in range(world_size)]  # fmt: skip
-    weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(100 + r))
-               for r, t in enumerate(tokens)]  # fmt: skip
+    tokens = [
+        torch.randn(2, 5 + 3 * r, spec.hidden_size, generator=torch.Generator().manual_seed(r))
+        for r in range(world_size)
+    ]
+    weights = [
+        torch.randn(t.shape, generator=torch.Generator().manual_seed(100 + r))
+        for r, t in enumerate(tokens)
+    ]
     ref = _block(spec).mlp
     ref_in = [t.clone().requires_grad_() for t in tokens]
     loss = sum((ref(x) * w).sum() for x, w in zip(ref_in, weights, strict=True))

@@ -99,14 +99,19 @@ def check_degrees() -> dict:
     hpz = build_groups(Topology(pp=1, dp=4, tp=1, hpz=2))
     pipe = build_groups(Topology(pp=2, dp=2, tp=1), ring=True, ties=[(0, 1), (0, 1)])
     return {
-        "expert": ranks(ep.expert), "expert_data": ranks(ep.expert_data),
-        "ep_shard": ranks(ep.shard), "ep_replicate": ranks(ep.replicate),
-        "shard": ranks(hsdp.shard), "replicate": ranks(hsdp.replicate),
-        "zero_data": ranks(hsdp.for_zero().data), "data": ranks(hsdp.data),
-        "hpz": ranks(hpz.hpz), "no_hpz": ranks(ep.hpz),
+        "expert": ranks(ep.expert),
+        "expert_data": ranks(ep.expert_data),
+        "ep_shard": ranks(ep.shard),
+        "ep_replicate": ranks(ep.replicate),
+        "shard": ranks(hsdp.shard),
+        "replicate": ranks(hsdp.replicate),
+        "zero_data": ranks(hsdp.for_zero().data),
+        "data": ranks(hsdp.data),
+        "hpz": ranks(hpz.hpz),
+        "no_hpz": ranks(ep.hpz),
         "channels": {f"{a}{b}{k}": ranks_of(g) for (a, b, k), g in pipe.channels.items()},
         "pairs": {f"{a}{b}": ranks(g) for (a, b), g in pipe.pairs.items()},
-    }  # fmt: skip
+    }
 
 
 def main(out_path: str) -> None:

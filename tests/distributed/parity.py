@@ -26,8 +26,9 @@ def case(
     return {"name": name, "sets": [*all_sets, *sets], "reference": reference}
 
 
-def run_cases(tmp_path, world: int, cases: list[dict],
-              worker: str = "tests/distributed/train_cases.py") -> dict:  # fmt: skip
+def run_cases(
+    tmp_path, world: int, cases: list[dict], worker: str = "tests/distributed/train_cases.py"
+) -> dict:
     cases_file, out = tmp_path / "cases.json", tmp_path / "out.json"
     for c in cases:
         c["sets"] = [s.replace("runs/test", str(tmp_path)) for s in c["sets"]]

@@ -54,9 +54,10 @@ def test_schedules_hold_the_micro_batches_they_keep_in_flight(tmp_path):
         case("gpt2-pp1", 1, "gpt2-tiny", sets=STEPS),
         case("gpt2-pp2-gpipe", 1, "gpt2-tiny", sets=(*STEPS, *PP2, *GPIPE)),
     ]
-    got = {name: [[row[KEY.format(s)] for s in range(2) if KEY.format(s) in row]
-                  for row in rows]
-           for name, rows in run_cases(tmp_path, 2, cases).items()}  # fmt: skip
+    got = {
+        name: [[row[KEY.format(s)] for s in range(2) if KEY.format(s) in row] for row in rows]
+        for name, rows in run_cases(tmp_path, 2, cases).items()
+    }
     for name, rows in got.items():  # the second step repeats the first, measured, step's
         assert len(rows) == 2 and rows[0] == rows[1], (name, rows)
     peak = {name: rows[-1] for name, rows in got.items()}

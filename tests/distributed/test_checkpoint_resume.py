@@ -23,8 +23,9 @@ PP2 = ("parallel.pp=2",)
 def _exact_cases(tag: str, zero: int, *sets: str) -> list[dict]:
     """Straight 10 steps; and 5 steps, then (same log.dir, so checkpoint.resume=auto finds the
     step-5 checkpoint) up to 10."""
-    straight = case(f"straight-{tag}", zero, sets=(*sets, "train.steps=10",
-                                                    "checkpoint.resume=never"))  # fmt: skip
+    straight = case(
+        f"straight-{tag}", zero, sets=(*sets, "train.steps=10", "checkpoint.resume=never")
+    )
     first = case(f"halves-{tag}", zero, sets=(*sets, "train.steps=5"))
     rest = case(f"halves-{tag}", zero, sets=(*sets, "train.steps=10"))
     rest["name"] = f"halves-{tag}-rest"
@@ -68,12 +69,12 @@ def test_resume_is_exact_and_reshapes(tmp_path):
         case("to-pp1-dp4-z1", 1, sets=("train.steps=10", f"checkpoint.resume={saved}")),
         case(
             "to-pp4-z0", 0, sets=("parallel.pp=4", "train.steps=10", f"checkpoint.resume={saved}")
-        ),  # fmt: skip
+        ),
         case(
             "to-tp2-pp2-z3",
             3,
             sets=(*PP2, "parallel.tp=2", "train.steps=10", f"checkpoint.resume={saved}"),
-        ),  # fmt: skip
+        ),
         # onto the other schedules: two chunks per stage (layers regrouped), a split backward
         case(
             "to-interleaved-z1",
@@ -93,16 +94,29 @@ def test_resume_is_exact_and_reshapes(tmp_path):
         ),
     ]
     bf16 = (*PP2, "ds.bf16.enabled=true")
-    got = run_cases(tmp_path, 4, [
-        *_exact_cases("z1", 1, *PP2),
-        case("betas-z1", 1, sets=(*PP2, BETAS, "train.steps=10", "checkpoint.resume=" + os.path
-                                  .join(tmp_path, "halves-z1", "checkpoints", "step_00000005"))),
-        *_exact_cases("z3", 3, *PP2),
-        *reshaped,
-        # bf16: the fp32 masters are saved, the bf16 weights restored from them
-        *_exact_cases("bf16-z0", 0, *bf16),  # FP16_UnfusedOptimizer (fp16/fp32 group lists)
-        *_exact_cases("bf16-z2", 2, *bf16),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            *_exact_cases("z1", 1, *PP2),
+            case(
+                "betas-z1",
+                1,
+                sets=(
+                    *PP2,
+                    BETAS,
+                    "train.steps=10",
+                    "checkpoint.resume="
+                    + os.path.join(tmp_path, "halves-z1", "checkpoints", "step_00000005"),
+                ),
+            ),
+            *_exact_cases("z3", 3, *PP2),
+            *reshaped,
+            # bf16: the fp32 masters are saved, the bf16 weights restored from them
+            *_exact_cases("bf16-z0", 0, *bf16),  # FP16_UnfusedOptimizer (fp16/fp32 group lists)
+            *_exact_cases("bf16-z2", 2, *bf16),
+        ],
+    )
     for tag in ("z1", "z3", "bf16-z0", "bf16-z2"):
         _assert_exact(got, tag)
     _assert_new_betas_apply(got)
@@ -120,8 +134,12 @@ def _assert_marked(got: dict) -> None:
     """Each run's first row says where it started and on which layout (`dsnd plot` and
     TensorBoard mark resumes and layout changes from it); a default run evaluates at its end."""
     pp2 = {"pp": 2, "dp": 2, "tp": 1, "cp": 1, "ep": 1, "world": 4}
-    assert got["halves-z3"][0]["run_start"] == {"step": 0, "layout": pp2, "resumed_from": None,
-                                                "saved_layout": None}  # fmt: skip
+    assert got["halves-z3"][0]["run_start"] == {
+        "step": 0,
+        "layout": pp2,
+        "resumed_from": None,
+        "saved_layout": None,
+    }
     again = got["halves-z3-rest"][0]["run_start"]
     assert (again["step"], again["layout"], again["saved_layout"]) == (5, pp2, pp2)
     assert again["resumed_from"].endswith("step_00000005")

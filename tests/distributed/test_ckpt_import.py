@@ -44,28 +44,45 @@ LAYOUTS = {  # dsnd layout the import continues on: (ZeRO stage, --set items)
 
 @pytest.mark.dist
 def test_deepspeed_checkpoints_continue_in_dsnd(tmp_path, capsys):
-    ds_cases = [{"name": name, "engine": engine, "json": json_path, "sets": [f"model.preset={p}"],
-                 "steps": STEPS, "save_at": SAVE_AT, "save_dir": str(tmp_path / f"ds-{name}")}
-                for name, (engine, json_path, p) in SOURCES.items()]  # fmt: skip
+    ds_cases = [
+        {
+            "name": name,
+            "engine": engine,
+            "json": json_path,
+            "sets": [f"model.preset={p}"],
+            "steps": STEPS,
+            "save_at": SAVE_AT,
+            "save_dir": str(tmp_path / f"ds-{name}"),
+        }
+        for name, (engine, json_path, p) in SOURCES.items()
+    ]
     (tmp_path / "ds").mkdir()
     theirs = run_cases(tmp_path / "ds", 4, ds_cases, worker="tests/distributed/ds_native_worker.py")
 
     cases = []
     for name, (_, _, preset) in SOURCES.items():
         out = str(tmp_path / f"dsnd-{name}")
-        rc = cli.main(["ckpt", "import", str(tmp_path / f"ds-{name}"), out,
-                       "--set", f"model.preset={preset}"])  # fmt: skip
+        rc = cli.main(
+            ["ckpt", "import", str(tmp_path / f"ds-{name}"), out, "--set", f"model.preset={preset}"]
+        )
         said = capsys.readouterr()
         assert rc == 0, said.err
         assert said.out.startswith(f"wrote {out}/step_{SAVE_AT:08d}: step {SAVE_AT} of "), said.out
         assert verify(os.path.join(out, f"step_{SAVE_AT:08d}")) == []
         for layout, (zero, sets) in LAYOUTS.items():
-            cases.append(case(f"{name}-to-{layout}", zero, preset, sets=(
-                *sets, f"train.steps={STEPS}", f"checkpoint.resume={out}")))  # fmt: skip
+            cases.append(
+                case(
+                    f"{name}-to-{layout}",
+                    zero,
+                    preset,
+                    sets=(*sets, f"train.steps={STEPS}", f"checkpoint.resume={out}"),
+                )
+            )
     # the pipeline's checkpoint for another model: refused by name, nothing written
     other = str(tmp_path / "refused")
-    rc = cli.main(["ckpt", "import", str(tmp_path / "ds-pipe-z1"), other,
-                   "--set", "model.preset=llama-tiny"])  # fmt: skip
+    rc = cli.main(
+        ["ckpt", "import", str(tmp_path / "ds-pipe-z1"), other, "--set", "model.preset=llama-tiny"]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and not os.path.exists(other), err
     assert err.endswith(
@@ -132,38 +149,69 @@ def _refuses_numbers_dsnd_cannot_resume(tmp_path, capsys) -> None:
     files, read through DeepSpeed's conversion): one line naming the DeepSpeed file and key,
     nothing written."""
     bad = {  # name: (source, files, edit, what the refusal names)
-        "nan-lr-z3": ("plain-z3", "*_optim_states.pt", lambda s: _set_lr(s, float("nan")),
-                      "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
-                      "optimizer_state_dict.param_groups[0].lr' is nan, expected a finite "
-                      "number >= 0"),
-        "nan-lr-z1": ("pipe-z1", "*_optim_states.pt", lambda s: _set_lr(s, float("nan")),
-                      "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
-                      "base_optimizer_state.param_groups[0].lr' is nan, expected a finite "
-                      "number >= 0"),
-        "str-lr-z1": ("pipe-z1", "*_optim_states.pt", lambda s: _set_lr(s, "0.1"),
-                      "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
-                      "base_optimizer_state.param_groups[0].lr' is '0.1', expected a finite "
-                      "number >= 0"),
-        "step-1e12": ("plain-z3", "*_model_states.pt", lambda s: s.update(global_steps=10**12),
-                      "zero_pp_rank_0_mp_rank_00_model_states.pt: 'global_steps' is "
-                      "1000000000000, expected an integer in [0, 99999999] (a step "
-                      "directory's name holds 8 digits)"),
-        "sched-1e9": ("pipe-z1", "mp_rank_*_model_states.pt",
-                      lambda s: s["lr_scheduler"].update(last_batch_iteration=-10**9),
-                      "mp_rank_00_model_states.pt: 'lr_scheduler.last_batch_iteration' is "
-                      "-1000000000, expected an integer in [-1, 99999999]"),
-        "nan-moment-z1": ("pipe-z1", "zero_pp_rank_0_mp_rank_00_optim_states.pt", _nan_moment,
-                          "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
-                          "base_optimizer_state.state[0].exp_avg' holds NaN or infinite values "
-                          "(DeepSpeed's conversion carried them into parameter "
-                          "1.attn.c_attn.weight's exp_avg); dsnd continues only a finite state"),
-        "text-step-z3": ("plain-z3", "*_optim_states.pt", _text_step,
-                         "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
-                         f"optimizer_state_dict.state[0].step' is '3', {STEP_RULE}"),
-        "text-step-z1": ("pipe-z1", "*_optim_states.pt", _text_step,
-                         "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
-                         f"base_optimizer_state.state[0].step' is '3', {STEP_RULE}"),
-    }  # fmt: skip
+        "nan-lr-z3": (
+            "plain-z3",
+            "*_optim_states.pt",
+            lambda s: _set_lr(s, float("nan")),
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+            "optimizer_state_dict.param_groups[0].lr' is nan, expected a finite "
+            "number >= 0",
+        ),
+        "nan-lr-z1": (
+            "pipe-z1",
+            "*_optim_states.pt",
+            lambda s: _set_lr(s, float("nan")),
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+            "base_optimizer_state.param_groups[0].lr' is nan, expected a finite "
+            "number >= 0",
+        ),
+        "str-lr-z1": (
+            "pipe-z1",
+            "*_optim_states.pt",
+            lambda s: _set_lr(s, "0.1"),
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+            "base_optimizer_state.param_groups[0].lr' is '0.1', expected a finite "
+            "number >= 0",
+        ),
+        "step-1e12": (
+            "plain-z3",
+            "*_model_states.pt",
+            lambda s: s.update(global_steps=10**12),
+            "zero_pp_rank_0_mp_rank_00_model_states.pt: 'global_steps' is "
+            "1000000000000, expected an integer in [0, 99999999] (a step "
+            "directory's name holds 8 digits)",
+        ),
+        "sched-1e9": (
+            "pipe-z1",
+            "mp_rank_*_model_states.pt",
+            lambda s: s["lr_scheduler"].update(last_batch_iteration=-(10**9)),
+            "mp_rank_00_model_states.pt: 'lr_scheduler.last_batch_iteration' is "
+            "-1000000000, expected an integer in [-1, 99999999]",
+        ),
+        "nan-moment-z1": (
+            "pipe-z1",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            _nan_moment,
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+            "base_optimizer_state.state[0].exp_avg' holds NaN or infinite values "
+            "(DeepSpeed's conversion carried them into parameter "
+            "1.attn.c_attn.weight's exp_avg); dsnd continues only a finite state",
+        ),
+        "text-step-z3": (
+            "plain-z3",
+            "*_optim_states.pt",
+            _text_step,
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+            f"optimizer_state_dict.state[0].step' is '3', {STEP_RULE}",
+        ),
+        "text-step-z1": (
+            "pipe-z1",
+            "*_optim_states.pt",
+            _text_step,
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt: 'optimizer_state_dict."
+            f"base_optimizer_state.state[0].step' is '3', {STEP_RULE}",
+        ),
+    }
     for name, (source, pattern, edit, what) in bad.items():
         tag = _edited(tmp_path / f"ds-{source}", tmp_path / f"bad-{name}", pattern, edit)
         out = tmp_path / f"refused-{name}"

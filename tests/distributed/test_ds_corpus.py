@@ -22,8 +22,11 @@ from dsnd.errors import UserError, problems_of
 from tests.distributed.parity import run_cases
 
 CORPUS = pathlib.Path(__file__).parent.parent / "deepspeed_configs"
-BATCH = ("ds.train_batch_size=null", "ds.train_micro_batch_size_per_gpu=2",
-         "ds.gradient_accumulation_steps=2")  # fmt: skip
+BATCH = (
+    "ds.train_batch_size=null",
+    "ds.train_micro_batch_size_per_gpu=2",
+    "ds.gradient_accumulation_steps=2",
+)
 LAYOUT = ("parallel.pp=2", "train.steps=2", "checkpoint.every=0", "checkpoint.resume=never")
 
 REFUSED = {
@@ -41,16 +44,24 @@ REFUSED = {
 
 def sets_for(path: pathlib.Path, log_dir: pathlib.Path) -> list[str]:
     run_dir = log_dir / path.stem
-    return [f"deepspeed={path}", *LAYOUT, *BATCH, f"log.dir={run_dir}",
-            *nvme_paths(path, run_dir / "nvme")]  # fmt: skip
+    return [
+        f"deepspeed={path}",
+        *LAYOUT,
+        *BATCH,
+        f"log.dir={run_dir}",
+        *nvme_paths(path, run_dir / "nvme"),
+    ]
 
 
 def nvme_paths(path: pathlib.Path, directory: pathlib.Path) -> list[str]:
     """The JSON's NVMe offload sections pointed at `directory` (made here), not at the disk its
     authors named."""
     zero = load_json(str(path)).get("zero_optimization")
-    keys = [k for k in ("offload_param", "offload_optimizer")
-            if isinstance(zero, dict) and (zero.get(k) or {}).get("device") == "nvme"]  # fmt: skip
+    keys = [
+        k
+        for k in ("offload_param", "offload_optimizer")
+        if isinstance(zero, dict) and (zero.get(k) or {}).get("device") == "nvme"
+    ]
     if keys:
         directory.mkdir(parents=True, exist_ok=True)
     return [f"ds.zero_optimization.{key}.nvme_path={directory}" for key in keys]
@@ -74,12 +85,16 @@ def test_every_corpus_json_trains_or_is_refused_for_a_listed_reason(tmp_path):
     paths = sorted(CORPUS.glob("*.json"))
     assert len(paths) >= 20
     outcomes = {p.name: outcome(p, tmp_path) for p in paths}
-    unlisted = [r for kind, reasons in outcomes.values() if kind == "refused"
-                for r in reasons if r.startswith("UNLISTED")]  # fmt: skip
+    unlisted = [
+        r
+        for kind, reasons in outcomes.values()
+        if kind == "refused"
+        for r in reasons
+        if r.startswith("UNLISTED")
+    ]
     assert not unlisted, "\n".join(unlisted)
     accepted = [p for p in paths if outcomes[p.name][0] == "accepted"]
-    cases = [{"name": p.stem, "sets": sets_for(p, tmp_path), "reference": False}
-             for p in accepted]  # fmt: skip
+    cases = [{"name": p.stem, "sets": sets_for(p, tmp_path), "reference": False} for p in accepted]
     rows = run_cases(tmp_path, 2, cases)
     table = []
     for p in paths:
@@ -87,13 +102,16 @@ def test_every_corpus_json_trains_or_is_refused_for_a_listed_reason(tmp_path):
         if kind == "accepted":
             losses = [r["loss"] for r in rows[p.stem]]
             assert len(losses) == 2 and all(math.isfinite(x) for x in losses), p.name
-            detail = [f"trained: loss {losses[0]:.4f} -> {losses[1]:.4f}",
-                      f"{len(outcomes[p.name][1])} notes"]  # fmt: skip
+            detail = [
+                f"trained: loss {losses[0]:.4f} -> {losses[1]:.4f}",
+                f"{len(outcomes[p.name][1])} notes",
+            ]
         table.append(f"{p.name:48} {kind:9} {'; '.join(detail)}")
     text = "\n".join(table)
     # comms_logger on: DeepSpeed's summary of its collectives, written where dsnd logs
-    summary = json.loads((tmp_path / "deepspeed-docs-comms-logger" / "comms_summary.json")
-                         .read_text())  # fmt: skip
+    summary = json.loads(
+        (tmp_path / "deepspeed-docs-comms-logger" / "comms_summary.json").read_text()
+    )
     assert summary and all(isinstance(op, str) for op in summary), summary
     (tmp_path / "corpus.txt").write_text(text + "\n")
     print("\n" + text)

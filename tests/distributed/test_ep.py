@@ -28,5 +28,6 @@ def test_split_experts_equal_the_whole_block(tmp_path):
                 assert found[key] < RTOL, (rank, family, key, found[key])
             assert found["router_grad_max"] > 1e-3, (rank, family)
             # a rank holds its experts' slices of the (E, ., .) tensors, nothing of the others
-            assert found["gate_up_proj_held"] == found["down_proj_held"] \
-                == found["local_experts"], (rank, family)  # fmt: skip
+            assert (
+                found["gate_up_proj_held"] == found["down_proj_held"] == found["local_experts"]
+            ), (rank, family)

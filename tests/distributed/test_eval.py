@@ -14,12 +14,18 @@ EVAL = ("eval.every=2", "eval.batches=2", "train.steps=4")
 
 @pytest.mark.dist
 def test_eval_loss_every_n_steps_is_layout_independent(tmp_path):
-    got = run_cases(tmp_path, 2, [
-        case("llama-pp2-z1", 1, sets=(*EVAL, "parallel.pp=2")),
-        case("llama-dp2-z3", 3, sets=EVAL),
-        case("gpt2-pp2-z0", 0, "gpt2-tiny", sets=(*EVAL, "parallel.pp=2")),  # tied across stages
-        case("gpt2-tp2-z2", 2, "gpt2-tiny", sets=(*EVAL, "parallel.tp=2")),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        2,
+        [
+            case("llama-pp2-z1", 1, sets=(*EVAL, "parallel.pp=2")),
+            case("llama-dp2-z3", 3, sets=EVAL),
+            case(
+                "gpt2-pp2-z0", 0, "gpt2-tiny", sets=(*EVAL, "parallel.pp=2")
+            ),  # tied across stages
+            case("gpt2-tp2-z2", 2, "gpt2-tiny", sets=(*EVAL, "parallel.tp=2")),
+        ],
+    )
     for family in ("llama", "gpt2"):
         a, b = (rows for name, rows in got.items() if name.startswith(family))
         for x, y in zip(a, b, strict=True):

@@ -34,11 +34,16 @@ SCALER = ("loss_scale", "skipped", "skipped_steps")
 
 @pytest.mark.dist
 def test_fp16_loss_scaling_parity_overflow_and_exact_resume(tmp_path):
-    got = run_cases(tmp_path, 4, [
-        case("ref", 1, reference=True),
-        *(case(f"low-pp2-z{z}", z, sets=(LOW, "parallel.pp=2")) for z in (0, 1, 3)),
-        *_exact_cases("high-z1", 1, HIGH, "parallel.pp=2"),
-    ], worker=WORKER)  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            case("ref", 1, reference=True),
+            *(case(f"low-pp2-z{z}", z, sets=(LOW, "parallel.pp=2")) for z in (0, 1, 3)),
+            *_exact_cases("high-z1", 1, HIGH, "parallel.pp=2"),
+        ],
+        worker=WORKER,
+    )
     ref = got["ref"]
     for z in (0, 1, 3):
         rows = got[f"low-pp2-z{z}"]

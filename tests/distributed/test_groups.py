@@ -17,19 +17,43 @@ WORLD = 4
 # (pp, tp) -> the rank groups along each axis (rank = pp_index * dp * tp + dp_index * tp + tp_index)
 # "model" is one full replica: every pipe x tensor rank of one data-parallel index.
 GOLDEN = {
-    (1, 1): {"data": [[0, 1, 2, 3]], "tensor": [[0], [1], [2], [3]],
-             "pipe": [[0], [1], [2], [3]], "model": [[0], [1], [2], [3]]},
-    (2, 1): {"data": [[0, 1], [2, 3]], "tensor": [[0], [1], [2], [3]],
-             "pipe": [[0, 2], [1, 3]], "model": [[0, 2], [1, 3]]},
-    (1, 2): {"data": [[0, 2], [1, 3]], "tensor": [[0, 1], [2, 3]],
-             "pipe": [[0], [1], [2], [3]], "model": [[0, 1], [2, 3]]},
-    (2, 2): {"data": [[0], [1], [2], [3]], "tensor": [[0, 1], [2, 3]],
-             "pipe": [[0, 2], [1, 3]], "model": [[0, 1, 2, 3]]},
-    (4, 1): {"data": [[0], [1], [2], [3]], "tensor": [[0], [1], [2], [3]],
-             "pipe": [[0, 1, 2, 3]], "model": [[0, 1, 2, 3]]},
-    (1, 4): {"data": [[0], [1], [2], [3]], "tensor": [[0, 1, 2, 3]],
-             "pipe": [[0], [1], [2], [3]], "model": [[0, 1, 2, 3]]},
-}  # fmt: skip
+    (1, 1): {
+        "data": [[0, 1, 2, 3]],
+        "tensor": [[0], [1], [2], [3]],
+        "pipe": [[0], [1], [2], [3]],
+        "model": [[0], [1], [2], [3]],
+    },
+    (2, 1): {
+        "data": [[0, 1], [2, 3]],
+        "tensor": [[0], [1], [2], [3]],
+        "pipe": [[0, 2], [1, 3]],
+        "model": [[0, 2], [1, 3]],
+    },
+    (1, 2): {
+        "data": [[0, 2], [1, 3]],
+        "tensor": [[0, 1], [2, 3]],
+        "pipe": [[0], [1], [2], [3]],
+        "model": [[0, 1], [2, 3]],
+    },
+    (2, 2): {
+        "data": [[0], [1], [2], [3]],
+        "tensor": [[0, 1], [2, 3]],
+        "pipe": [[0, 2], [1, 3]],
+        "model": [[0, 1, 2, 3]],
+    },
+    (4, 1): {
+        "data": [[0], [1], [2], [3]],
+        "tensor": [[0], [1], [2], [3]],
+        "pipe": [[0, 1, 2, 3]],
+        "model": [[0, 1, 2, 3]],
+    },
+    (1, 4): {
+        "data": [[0], [1], [2], [3]],
+        "tensor": [[0, 1, 2, 3]],
+        "pipe": [[0], [1], [2], [3]],
+        "model": [[0, 1, 2, 3]],
+    },
+}
 
 LAYOUTS = list(GOLDEN)
 IDS = [f"pp{pp}-tp{tp}" for pp, tp in LAYOUTS]
@@ -45,8 +69,9 @@ def found(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("groups") / "out.json"
     run_ranks(WORLD, ["tests/distributed/groups_worker.py", str(out)], timeout=120)
     raw = json.loads(out.read_text())
-    found = {tuple(int(x) for x in key.split(",")): rows for key, rows in raw.items()
-             if key != "degrees"}  # fmt: skip
+    found = {
+        tuple(int(x) for x in key.split(",")): rows for key, rows in raw.items() if key != "degrees"
+    }
     found["degrees"] = raw["degrees"]
     return found
 

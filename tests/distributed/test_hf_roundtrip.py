@@ -36,9 +36,15 @@ def _hf_model(preset: str) -> torch.nn.Module:
 
 
 def _case(name: str, preset: str, zero: int, src, out, steps: int, pp: int, *extra: str) -> dict:
-    sets = [f"model.preset={preset}", f"deepspeed=ds_configs/zero{zero}.json", f"parallel.pp={pp}",
-            f"train.steps={steps}", f"checkpoint.export_hf={out}", f"log.dir=runs/test/{name}",
-            *extra]  # fmt: skip
+    sets = [
+        f"model.preset={preset}",
+        f"deepspeed=ds_configs/zero{zero}.json",
+        f"parallel.pp={pp}",
+        f"train.steps={steps}",
+        f"checkpoint.export_hf={out}",
+        f"log.dir=runs/test/{name}",
+        *extra,
+    ]
     if src is not None:
         sets.append(f"model.init_from={src}")
         if steps:  # a fine-tune's default linear decay has no warm-up, which DeepSpeed's
@@ -91,8 +97,18 @@ def test_hf_checkpoint_roundtrip_through_pipeline_stages(tmp_path):
         cases.append(_case(name, preset, zero, src, tmp_path / "hf" / name, steps, pp))
     # the same run resumed for one more step: its export replaces the earlier one, whole
     log_dir, trained = tmp_path / "llama-z0-trained", tmp_path / "hf" / "llama-z0-trained"
-    cases.append(_case("llama-z0-trained-more", "llama-tiny", 0, tmp_path / "in-llama-tiny",
-                       trained, 2, 2, f"log.dir={log_dir}"))  # fmt: skip
+    cases.append(
+        _case(
+            "llama-z0-trained-more",
+            "llama-tiny",
+            0,
+            tmp_path / "in-llama-tiny",
+            trained,
+            2,
+            2,
+            f"log.dir={log_dir}",
+        )
+    )
     rows = run_cases(tmp_path, 2, cases)
     assert rows["llama-z0"] == [] and len(rows["llama-z0-trained"]) == 1
     assert [r["step"] for r in rows["llama-z0-trained-more"]] == [2]
@@ -107,8 +123,11 @@ def _check_replaced(log_dir, export: str, exports: list[str]) -> None:
     from dsnd.model.export_dir import read_marker
 
     said = last_log_text(str(log_dir), 0, "exported step ")
-    assert re.fullmatch(rf"2 as a transformers directory \(\d+ tensors\) to {re.escape(export)} "
-                        r"\(replacing the export of step 1 there\)", said), said  # fmt: skip
+    assert re.fullmatch(
+        rf"2 as a transformers directory \(\d+ tensors\) to {re.escape(export)} "
+        r"\(replacing the export of step 1 there\)",
+        said,
+    ), said
     marker = read_marker(export)
     assert (marker["checkpoint_root"], marker["step"]) == (f"{log_dir}/checkpoints", 2), marker
     assert sorted(os.listdir(os.path.dirname(export))) == sorted(exports)
@@ -143,16 +162,16 @@ def test_hf_roundtrip_tensor_parallel_and_init_independent_of_tp(tmp_path):
         for steps in (0, 1):
             for layout, extra in (("tp1", ()), ("tp2", tp2)):
                 name = f"own-{preset}-{steps}-{layout}"
-                cases.append(_case(name, preset, 3, None, tmp_path / "hf" / name, steps, 2,
-                                   *extra))  # fmt: skip
+                cases.append(_case(name, preset, 3, None, tmp_path / "hf" / name, steps, 2, *extra))
     run_cases(tmp_path, 4, cases)
     for name, preset, *_ in plan:
         _check_export(tmp_path / "hf" / name, models[preset], TOKENS, 0)
     for preset in ("llama-tiny", "gpt2-tiny"):
         for steps in (0, 1):
-            one, two = (load_file(tmp_path / "hf" / f"own-{preset}-{steps}-{t}" /
-                                  "model.safetensors")
-                        for t in ("tp1", "tp2"))  # fmt: skip
+            one, two = (
+                load_file(tmp_path / "hf" / f"own-{preset}-{steps}-{t}" / "model.safetensors")
+                for t in ("tp1", "tp2")
+            )
             assert sorted(one) == sorted(two), preset
             for key in one:
                 if steps == 0:

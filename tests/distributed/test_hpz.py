@@ -29,18 +29,24 @@ def _hpz_ranks(tmp_path, name: str, rank: int) -> str:
 
 @pytest.mark.dist
 def test_hpz_parity_and_exact_resume(single, tmp_path):
-    got = run_cases(tmp_path, 4, [
-        *_exact_cases("z3-hpz", 3, "parallel.pp=2", HPZ),
-        case("hpz-pp1-dp4", 3, sets=(HPZ,)),
-        case("hpz-tp2", 3, sets=("parallel.tp=2", HPZ)),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            *_exact_cases("z3-hpz", 3, "parallel.pp=2", HPZ),
+            case("hpz-pp1-dp4", 3, sets=(HPZ,)),
+            case("hpz-tp2", 3, sets=("parallel.tp=2", HPZ)),
+        ],
+    )
     ref = single["ref-llama"]
     assert_same(got["straight-z3-hpz"][:STEPS], ref, "straight-z3-hpz")
     _assert_exact(got, "z3-hpz")
     assert_same(got["hpz-pp1-dp4"], ref, "hpz-pp1-dp4")
     assert_same(got["hpz-tp2"], ref, "hpz-tp2")
-    want = {"straight-z3-hpz": ["[0, 1]", "[0, 1]", "[2, 3]", "[2, 3]"],
-            "hpz-pp1-dp4": ["[0, 1]", "[0, 1]", "[2, 3]", "[2, 3]"],
-            "hpz-tp2": ["[0, 2]", "[1, 3]", "[0, 2]", "[1, 3]"]}  # fmt: skip
+    want = {
+        "straight-z3-hpz": ["[0, 1]", "[0, 1]", "[2, 3]", "[2, 3]"],
+        "hpz-pp1-dp4": ["[0, 1]", "[0, 1]", "[2, 3]", "[2, 3]"],
+        "hpz-tp2": ["[0, 2]", "[1, 3]", "[0, 2]", "[1, 3]"],
+    }
     for name, ranks in want.items():
         assert [_hpz_ranks(tmp_path, name, r) for r in range(4)] == ranks, name

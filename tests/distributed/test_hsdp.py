@@ -35,12 +35,16 @@ OFFLOAD = (
 def test_hsdp_parity_memory_and_resume_on_plain_zero3(single, tmp_path):
     saved = os.path.join(tmp_path, "hsdp", "checkpoints", "step_00000005")
     hsdp = case("hsdp", 3, sets=(*SHARD2, "train.steps=10", "checkpoint.every=5"))
-    got = run_cases(tmp_path, 4, [
-        hsdp,
-        case("hsdp-to-plain", 3, sets=("train.steps=10", f"checkpoint.resume={saved}")),
-        case("hsdp-pp2-shard1", 3, sets=("parallel.pp=2", "parallel.dp_shard=1")),
-        case("hsdp-offload", 3, sets=(*SHARD2, *OFFLOAD)),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            hsdp,
+            case("hsdp-to-plain", 3, sets=("train.steps=10", f"checkpoint.resume={saved}")),
+            case("hsdp-pp2-shard1", 3, sets=("parallel.pp=2", "parallel.dp_shard=1")),
+            case("hsdp-offload", 3, sets=(*SHARD2, *OFFLOAD)),
+        ],
+    )
     ref = single["ref-llama"]
     assert_same(got["hsdp"][:STEPS], ref, "hsdp")
     assert_same(got["hsdp-pp2-shard1"], ref, "hsdp-pp2-shard1")
@@ -52,10 +56,12 @@ def test_hsdp_parity_memory_and_resume_on_plain_zero3(single, tmp_path):
         for key in ("loss", "grad_norm", "lr"):
             assert a[key] == pytest.approx(b[key], rel=RTOL), ("hsdp-to-plain", a["step"], key)
 
-    want = ["ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [0, 2]",
-            "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [1, 3]",
-            "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [0, 2]",
-            "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [1, 3]"]  # fmt: skip
+    want = [
+        "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [0, 2]",
+        "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [1, 3]",
+        "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [0, 2]",
+        "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [1, 3]",
+    ]
     assert [last_log_text(tmp_path / "hsdp", r, "HSDP: ") for r in range(4)] == want
 
     res = resolve(load(None, hsdp["sets"]), 4)

@@ -19,8 +19,10 @@ def test_a_receive_posted_ahead_of_a_send_on_one_group_fails_the_replay():
     assert "would not run on NCCL (lazy mode)" in message
     # each rank's blocking send waits behind its own receive, first on the pair's stream
     for me, peer in ((0, 1), (1, 0)):
-        assert (f"rank {me} never gets past: wait for rank {me} op 1 send peer {peer} on group 0 "
-                "(16 B torch.float32) at nccl_rules_worker.py:") in message  # fmt: skip
+        assert (
+            f"rank {me} never gets past: wait for rank {me} op 1 send peer {peer} on group 0 "
+            "(16 B torch.float32) at nccl_rules_worker.py:"
+        ) in message
         assert f"never completes: rank {me} op 0 recv peer {peer} on group 0" in message
 
 

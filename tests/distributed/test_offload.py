@@ -62,20 +62,39 @@ def _basic_optimizer(tmp_path, name: str) -> str:
 @pytest.mark.dist
 def test_offload_parity_exact_resume_and_resume_across(single, tmp_path):
     resumed = {
-        "offload-to-plain-z3": case("offload-to-plain-z3", 3, sets=(
-            *PP2, "train.steps=10", f"checkpoint.resume={_step5(tmp_path, 'halves-z3-offload')}")),
-        "plain-to-offload-z1": case("plain-to-offload-z1", 1, sets=(
-            *PP2, OPTIMIZER, CPU_ADAM, "train.steps=10",
-            f"checkpoint.resume={_step5(tmp_path, 'plain-z3')}")),
-    }  # fmt: skip
-    got = run_cases(tmp_path, 4, [
-        *_exact_cases("z3-offload", 3, *PP2, OPTIMIZER, PARAMS, CPU_ADAM),
-        case("z2-offload-torch-adam", 2, sets=(*PP2, OPTIMIZER)),
-        case("plain-z3", 3, sets=PP2),
-        *resumed.values(),
-        *_exact_cases("z3-nvme", 3, *PP2, *_nvme(tmp_path / "nvme"), CPU_ADAM, VOCAB_8K),
-        case("plain-z3-vocab8k", 3, sets=(*PP2, VOCAB_8K)),
-    ])  # fmt: skip
+        "offload-to-plain-z3": case(
+            "offload-to-plain-z3",
+            3,
+            sets=(
+                *PP2,
+                "train.steps=10",
+                f"checkpoint.resume={_step5(tmp_path, 'halves-z3-offload')}",
+            ),
+        ),
+        "plain-to-offload-z1": case(
+            "plain-to-offload-z1",
+            1,
+            sets=(
+                *PP2,
+                OPTIMIZER,
+                CPU_ADAM,
+                "train.steps=10",
+                f"checkpoint.resume={_step5(tmp_path, 'plain-z3')}",
+            ),
+        ),
+    }
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            *_exact_cases("z3-offload", 3, *PP2, OPTIMIZER, PARAMS, CPU_ADAM),
+            case("z2-offload-torch-adam", 2, sets=(*PP2, OPTIMIZER)),
+            case("plain-z3", 3, sets=PP2),
+            *resumed.values(),
+            *_exact_cases("z3-nvme", 3, *PP2, *_nvme(tmp_path / "nvme"), CPU_ADAM, VOCAB_8K),
+            case("plain-z3-vocab8k", 3, sets=(*PP2, VOCAB_8K)),
+        ],
+    )
     ref = single["ref-llama"]
     straight = got["straight-z3-offload"]
     assert_same(straight[:STEPS], ref, "straight-z3-offload")

@@ -65,16 +65,29 @@ def test_optimizers_match_torch_and_resume_exactly(tmp_path):
     uses = {opt: (stage, sets) for stage, sets, _, opt in [*PARITY.values(), *EXACT.values()]}
     references = {opt: f"ref-{json.loads(opt.split('=', 1)[1])['type']}" for opt in uses}
     saved = os.path.join(tmp_path, "adagrad-z0", "checkpoints", "step_00000005")
-    across = case("adagrad-z0-to-offload-z3", 3, sets=(
-        *PP2, ADAGRAD, OFFLOAD, "train.steps=10", f"checkpoint.resume={saved}"))  # fmt: skip
-    got = run_cases(tmp_path, 4, [
-        *(case(references[opt], stage, reference=True, sets=(*sets, f"train.steps={steps}"))
-          for opt, (stage, sets) in uses.items() for steps in [10 if opt == ADAGRAD else STEPS]),
-        *(case(name, stage, sets=(*PP2, *sets)) for name, (stage, sets, *_) in PARITY.items()),
-        *(c for tag, (stage, sets, *_) in EXACT.items()
-          for c in _exact_cases(tag, stage, *PP2, *sets)),
-        across,
-    ])  # fmt: skip
+    across = case(
+        "adagrad-z0-to-offload-z3",
+        3,
+        sets=(*PP2, ADAGRAD, OFFLOAD, "train.steps=10", f"checkpoint.resume={saved}"),
+    )
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            *(
+                case(references[opt], stage, reference=True, sets=(*sets, f"train.steps={steps}"))
+                for opt, (stage, sets) in uses.items()
+                for steps in [10 if opt == ADAGRAD else STEPS]
+            ),
+            *(case(name, stage, sets=(*PP2, *sets)) for name, (stage, sets, *_) in PARITY.items()),
+            *(
+                c
+                for tag, (stage, sets, *_) in EXACT.items()
+                for c in _exact_cases(tag, stage, *PP2, *sets)
+            ),
+            across,
+        ],
+    )
     runs = {**{name: name for name in PARITY}, **{tag: f"straight-{tag}" for tag in EXACT}}
     for name, (_, _, built, opt) in {**PARITY, **EXACT}.items():
         assert_same(got[runs[name]][:STEPS], got[references[opt]][:STEPS], name)

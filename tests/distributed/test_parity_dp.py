@@ -28,10 +28,17 @@ def test_trains_on_a_jsonl_corpus(single):
 
 @pytest.mark.dist
 def test_two_ranks_zero_0_to_3_match_single_process(single, tmp_path):
-    got = run_cases(tmp_path, 2, [
-        case("w2-z0", 0), case("w2-z1", 1), case("w2-z2", 2), case("w2-z3", 3),
-        case("w2-gpt2-z3", 3, "gpt2-tiny"),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        2,
+        [
+            case("w2-z0", 0),
+            case("w2-z1", 1),
+            case("w2-z2", 2),
+            case("w2-z3", 3),
+            case("w2-gpt2-z3", 3, "gpt2-tiny"),
+        ],
+    )
     for stage in range(4):
         assert_same(got[f"w2-z{stage}"], single["ref-llama"], f"llama z{stage} world 2")
     assert_same(got["w2-gpt2-z3"], single["ref-gpt2"], "gpt2 (tied) z3 world 2")

@@ -24,9 +24,15 @@ FAMILIES = {  # family -> the preset that stands for it (Llama 3.2: tied, llama3
 
 def reduced(preset: str) -> tuple[str, ...]:
     """--set items shrinking `preset` to 4 blocks of width 64 over the byte vocabulary."""
-    return (f"model.preset={preset}", "model.hidden_size=64", "model.num_layers=4",
-            "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_size=128",
-            "model.vocab_size=256")  # fmt: skip
+    return (
+        f"model.preset={preset}",
+        "model.hidden_size=64",
+        "model.num_layers=4",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_size=128",
+        "model.vocab_size=256",
+    )
 
 
 def family_case(name: str, zero: int | None, *sets: str, reference: bool = False) -> dict:
@@ -47,26 +53,33 @@ def _check(got: dict, refs: dict) -> None:
 
 @pytest.mark.dist
 def test_each_family_on_pp2_tp2_and_tp2_dp2(references, tmp_path):
-    got = run_cases(tmp_path, 4, [
-        family_case("mistral-pp2-tp2-z1", 1, *PP2_TP2),
-        family_case("mistral-tp2-dp2-z3", 3, *TP2),
-        family_case("qwen2-pp2-tp2-z3", 3, *PP2_TP2),
-        family_case("qwen2-tp2-dp2-sp-z1", 1, *TP2, *SP),
-        family_case("qwen3-pp2-tp2-z1", 1, *PP2_TP2),
-        family_case("qwen3-tp2-dp2-z3", 3, *TP2),
-        family_case("llama32-pp2-tp2-sp-z3", 3, *PP2_TP2, *SP),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            family_case("mistral-pp2-tp2-z1", 1, *PP2_TP2),
+            family_case("mistral-tp2-dp2-z3", 3, *TP2),
+            family_case("qwen2-pp2-tp2-z3", 3, *PP2_TP2),
+            family_case("qwen2-tp2-dp2-sp-z1", 1, *TP2, *SP),
+            family_case("qwen3-pp2-tp2-z1", 1, *PP2_TP2),
+            family_case("qwen3-tp2-dp2-z3", 3, *TP2),
+            family_case("llama32-pp2-tp2-sp-z3", 3, *PP2_TP2, *SP),
+        ],
+    )
     _check(got, references)
 
 
 @pytest.mark.dist
-def test_pp2_tp2_dp2_on_eight_ranks_llama_and_qwen2_tied_with_biases(references, single,
-                                                                     tmp_path):  # fmt: skip
+def test_pp2_tp2_dp2_on_eight_ranks_llama_and_qwen2_tied_with_biases(references, single, tmp_path):
     """Eight ranks start once for both: llama-tiny at ZeRO-1, Qwen2.5 (its head tied to the
     embedding across the two stages, q/k/v biases) at ZeRO-3 under sequence parallelism."""
-    got = run_cases(tmp_path, 8, [
-        case("tp2-pp2-dp2-z1", 1, sets=PP2_TP2),
-        family_case("qwen2-pp2-tp2-dp2-sp-z3", 3, *PP2_TP2, *SP),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        8,
+        [
+            case("tp2-pp2-dp2-z1", 1, sets=PP2_TP2),
+            family_case("qwen2-pp2-tp2-dp2-sp-z3", 3, *PP2_TP2, *SP),
+        ],
+    )
     assert_same_as_references({"tp2-pp2-dp2-z1": got.pop("tp2-pp2-dp2-z1")}, single)
     _check(got, references)

@@ -30,15 +30,20 @@ import pytest
 
 from tests.distributed.parity import RTOL, assert_same, case, run_cases
 
-OFFLOAD = ('ds.zero_optimization.offload_optimizer={"device": "cpu"}',
-           'ds.zero_optimization.offload_param={"device": "cpu"}',
-           "ds.optimizer.params.torch_adam=null")  # DeepSpeedCPUAdam on the offloaded states
+OFFLOAD = (
+    'ds.zero_optimization.offload_optimizer={"device": "cpu"}',
+    'ds.zero_optimization.offload_param={"device": "cpu"}',
+    "ds.optimizer.params.torch_adam=null",
+)  # DeepSpeedCPUAdam on the offloaded states
 AUX = ("model.overrides.output_router_logits=true", "model.overrides.router_aux_loss_coef=0.2")
-FAMILIES = {"mixtral": ("mixtral-tiny", ()), "qwen3moe": ("qwen3-moe-tiny", ()),
-            "mixtralaux": ("mixtral-tiny", AUX),
-            "qwen3moeaux": ("qwen3-moe-tiny", AUX),
-            "mixtralcap": ("mixtral-tiny", ("model.moe_capacity_factor=1.0",)),
-            "qwen3moecap": ("qwen3-moe-tiny", ("model.moe_capacity_factor=1.0",))}  # fmt: skip
+FAMILIES = {
+    "mixtral": ("mixtral-tiny", ()),
+    "qwen3moe": ("qwen3-moe-tiny", ()),
+    "mixtralaux": ("mixtral-tiny", AUX),
+    "qwen3moeaux": ("qwen3-moe-tiny", AUX),
+    "mixtralcap": ("mixtral-tiny", ("model.moe_capacity_factor=1.0",)),
+    "qwen3moecap": ("qwen3-moe-tiny", ("model.moe_capacity_factor=1.0",)),
+}
 """Case name prefixes: the preset and its sets (with the routers' load-balancing loss, its
 coefficient ten times Mixtral's and 200 times Qwen3-MoE's, so that its share shows at
 1e-4)."""
@@ -54,36 +59,50 @@ def moe_case(name: str, zero: int | None, *sets: str, reference: bool = False) -
 def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
     (tmp_path / "w1").mkdir()
     (tmp_path / "w4").mkdir()
-    refs = run_cases(tmp_path / "w1", 1, [moe_case(f"{f}-ref", None, reference=True)
-                                          for f in FAMILIES])  # fmt: skip
-    got = run_cases(tmp_path / "w4", 4, [
-        moe_case("mixtral-pp2-dp2-zbh1-z1", 1, "parallel.pp=2", "parallel.schedule=zb-h1"),
-        moe_case("mixtral-dp4-ep2-z3-offload", 3, EP2, *OFFLOAD),
-        moe_case("mixtral-pp2-dp2-ep2-z1", 1, "parallel.pp=2", EP2),
-        moe_case("mixtral-dp4-ep4-z0", 0, "parallel.ep=4"),
-        moe_case("mixtral-tp2-dp2-ep2-z1", 1, TP2, EP2),  # MoE block whole on both tp ranks
-        moe_case("mixtral-cp2-dp2-ep2-z1", 1, "parallel.cp=2", EP2),  # ring attention
-        moe_case("qwen3moe-pp2-dp2-z3", 3, "parallel.pp=2"),
-        moe_case("qwen3moe-dp4-ep2-z3", 3, EP2),  # expert-data-parallel groups of 2
-        moe_case("qwen3moe-tp2-dp2-ep2-sp-z2", 2, TP2, EP2, "parallel.sequence_parallel=true"),
-        moe_case("qwen3moe-pp2-dp2-ep2-z1", 1, "parallel.pp=2", EP2),
-        moe_case("qwen3moe-tp2-dp2-ep2-z1", 1, TP2, EP2),
-        # bf16 (fp32 masters), experts sharded over their own ranks: close to fp32, not equal
-        moe_case("mixtral-dp4-ep2-z2-bf16", 2, EP2, "ds.bf16.enabled=true"),
-        # with the load-balancing loss, its sums carried from stage to stage
-        moe_case("mixtralaux-pp4-z0", 0, "parallel.pp=4"),  # across three stage boundaries
-        moe_case("mixtralaux-pp2-dp2-ep2-zbh1-z2", 2, "parallel.pp=2", EP2,
-                 "parallel.schedule=zb-h1"),
-        moe_case("mixtralaux-tp2-dp2-ep2-sp-z2", 2, TP2, EP2, "parallel.sequence_parallel=true"),
-        moe_case("qwen3moeaux-pp2-dp2-ep2-il2-ac-z3", 3, "parallel.pp=2", EP2,
-                 "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
-                 "parallel.activation_checkpoint_interval=1"),
-        # capacity 1.0: each expert takes at most 1/E of a rank's rows of a forward
-        moe_case("mixtralcap-dp4-ep2-z1", 1, EP2),
-        moe_case("mixtralcap-pp2-dp2-ep2-z3", 3, "parallel.pp=2", EP2),
-        moe_case("qwen3moecap-dp4-ep2-z1", 1, EP2),
-        *resume_cases(tmp_path / "w4"),
-    ])  # fmt: skip
+    refs = run_cases(
+        tmp_path / "w1", 1, [moe_case(f"{f}-ref", None, reference=True) for f in FAMILIES]
+    )
+    got = run_cases(
+        tmp_path / "w4",
+        4,
+        [
+            moe_case("mixtral-pp2-dp2-zbh1-z1", 1, "parallel.pp=2", "parallel.schedule=zb-h1"),
+            moe_case("mixtral-dp4-ep2-z3-offload", 3, EP2, *OFFLOAD),
+            moe_case("mixtral-pp2-dp2-ep2-z1", 1, "parallel.pp=2", EP2),
+            moe_case("mixtral-dp4-ep4-z0", 0, "parallel.ep=4"),
+            moe_case("mixtral-tp2-dp2-ep2-z1", 1, TP2, EP2),  # MoE block whole on both tp ranks
+            moe_case("mixtral-cp2-dp2-ep2-z1", 1, "parallel.cp=2", EP2),  # ring attention
+            moe_case("qwen3moe-pp2-dp2-z3", 3, "parallel.pp=2"),
+            moe_case("qwen3moe-dp4-ep2-z3", 3, EP2),  # expert-data-parallel groups of 2
+            moe_case("qwen3moe-tp2-dp2-ep2-sp-z2", 2, TP2, EP2, "parallel.sequence_parallel=true"),
+            moe_case("qwen3moe-pp2-dp2-ep2-z1", 1, "parallel.pp=2", EP2),
+            moe_case("qwen3moe-tp2-dp2-ep2-z1", 1, TP2, EP2),
+            # bf16 (fp32 masters), experts sharded over their own ranks: close to fp32, not equal
+            moe_case("mixtral-dp4-ep2-z2-bf16", 2, EP2, "ds.bf16.enabled=true"),
+            # with the load-balancing loss, its sums carried from stage to stage
+            moe_case("mixtralaux-pp4-z0", 0, "parallel.pp=4"),  # across three stage boundaries
+            moe_case(
+                "mixtralaux-pp2-dp2-ep2-zbh1-z2", 2, "parallel.pp=2", EP2, "parallel.schedule=zb-h1"
+            ),
+            moe_case(
+                "mixtralaux-tp2-dp2-ep2-sp-z2", 2, TP2, EP2, "parallel.sequence_parallel=true"
+            ),
+            moe_case(
+                "qwen3moeaux-pp2-dp2-ep2-il2-ac-z3",
+                3,
+                "parallel.pp=2",
+                EP2,
+                "parallel.schedule=interleaved-1f1b",
+                "parallel.virtual_stages=2",
+                "parallel.activation_checkpoint_interval=1",
+            ),
+            # capacity 1.0: each expert takes at most 1/E of a rank's rows of a forward
+            moe_case("mixtralcap-dp4-ep2-z1", 1, EP2),
+            moe_case("mixtralcap-pp2-dp2-ep2-z3", 3, "parallel.pp=2", EP2),
+            moe_case("qwen3moecap-dp4-ep2-z1", 1, EP2),
+            *resume_cases(tmp_path / "w4"),
+        ],
+    )
     check_resume(got)
     check_inspect(tmp_path / "w4")
     check_router_load(got)
@@ -96,8 +115,9 @@ def test_moe_families_on_pipeline_and_data_parallel_layouts(tmp_path):
         if "moe_dropped_tokens" in ref[0] or "moe_dropped_tokens" in rows[0]:
             drops = [r["moe_dropped_tokens"] for r in rows]
             blocks = MOE_BLOCKS[name.split("-")[0]]
-            assert drops == [{**dict.fromkeys(blocks, 0), **r["moe_dropped_tokens"]}
-                             for r in ref], name  # the same rows dropped, layer by layer
+            assert drops == [
+                {**dict.fromkeys(blocks, 0), **r["moe_dropped_tokens"]} for r in ref
+            ], name  # the same rows dropped, layer by layer
             assert all(sum(d.values()) > 0 for d in drops), drops  # the cap bites at 1.0
         if "moe_aux_loss" in ref[0] or "moe_aux_loss" in rows[0]:  # part of the loss compared
             for got_row, want in zip(rows, ref, strict=True):
@@ -114,15 +134,21 @@ def resume_cases(root) -> list[dict]:
         moe_case("qwen3moe-straight", 3, pp2, EP2, ten, "checkpoint.resume=never"),
         moe_case("qwen3moe-halves", 3, pp2, EP2),
         rest,
-        moe_case("qwen3moe-to-pp1-dp4-ep4-z1", 1, ten, "parallel.ep=4",
-                 f"checkpoint.resume={saved}"),
+        moe_case(
+            "qwen3moe-to-pp1-dp4-ep4-z1", 1, ten, "parallel.ep=4", f"checkpoint.resume={saved}"
+        ),
         moe_case("qwen3moe-to-tp2-dp2-ep1-z2", 2, ten, TP2, f"checkpoint.resume={saved}"),
     ]
 
 
-MOE_BLOCKS = {"mixtral": ["0", "1", "2", "3"], "mixtralaux": ["0", "1", "2", "3"],
-              "mixtralcap": ["0", "1", "2", "3"], "qwen3moecap": ["1", "2", "3"],
-              "qwen3moe": ["1", "2", "3"], "qwen3moeaux": ["1", "2", "3"]}  # qwen3: 0 dense
+MOE_BLOCKS = {
+    "mixtral": ["0", "1", "2", "3"],
+    "mixtralaux": ["0", "1", "2", "3"],
+    "mixtralcap": ["0", "1", "2", "3"],
+    "qwen3moecap": ["1", "2", "3"],
+    "qwen3moe": ["1", "2", "3"],
+    "qwen3moeaux": ["1", "2", "3"],
+}  # qwen3: 0 dense
 
 
 def check_router_load(got: dict) -> None:
@@ -156,8 +182,10 @@ def check_state_bytes(got: dict) -> None:
     from dsnd.config.resolve import resolve
     from dsnd.plan.memory import model_state_bytes
 
-    for name, stage, sets, freed in (("mixtralcap-dp4-ep2-z1", 1, (EP2,), ("grads",)),
-                                     ("qwen3moe-dp4-ep2-z3", 3, (EP2,), ())):  # fmt: skip
+    for name, stage, sets, freed in (
+        ("mixtralcap-dp4-ep2-z1", 1, (EP2,), ("grads",)),
+        ("qwen3moe-dp4-ep2-z3", 3, (EP2,), ()),
+    ):
         res = resolve(load(None, moe_case(name, stage, *sets)["sets"]), 4)
         psi, experts = res.plan.stage_parameters(res.model)[0], res.plan.stage_experts(res.model)[0]
         assert experts > psi / 2, (name, psi, experts)  # the experts are most of the model
@@ -177,7 +205,8 @@ def check_inspect(root) -> None:
     for layer in r["experts"]:
         assert sorted(layer["tensors"].values()) == [[8, 64, 32], [8, 64, 64]]
     assert "experts layer_002  8 experts: down_proj [8, 64, 32], gate_up_proj [8, 64, 64]" in (
-        format_report(r))
+        format_report(r)
+    )
 
 
 def check_resume(got: dict) -> None:

@@ -22,24 +22,35 @@ SP = ("parallel.sequence_parallel=true",)
 
 @pytest.mark.dist
 def test_tp2_zero_0_to_3_with_and_without_sequence_parallel(single, tmp_path):
-    got = run_cases(tmp_path, 2, [
-        case("tp2-z0", 0, sets=TP2),
-        case("tp2-z1", 1, sets=TP2),
-        case("tp2-sp-z3", 3, sets=(*TP2, *SP)),
-        case("gpt2-tp2-z0", 0, "gpt2-tiny", sets=TP2),
-        case("gpt2-tp2-sp-z2", 2, "gpt2-tiny", sets=(*TP2, *SP)),
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        2,
+        [
+            case("tp2-z0", 0, sets=TP2),
+            case("tp2-z1", 1, sets=TP2),
+            case("tp2-sp-z3", 3, sets=(*TP2, *SP)),
+            case("gpt2-tp2-z0", 0, "gpt2-tiny", sets=TP2),
+            case("gpt2-tp2-sp-z2", 2, "gpt2-tiny", sets=(*TP2, *SP)),
+        ],
+    )
     assert_same_as_references(got, single)
 
 
 @pytest.mark.dist
 def test_tp2_with_two_stages_or_two_replicas(single, tmp_path):
-    got = run_cases(tmp_path, 4, [
-        case("tp2-pp2-z1", 1, sets=PP2_TP2),
-        case("tp2-pp2-z3", 3, sets=PP2_TP2),
-        case("tp2-pp2-sp-ckpt1-z0", 0,
-             sets=(*PP2_TP2, *SP, "parallel.activation_checkpoint_interval=1")),
-        case("tp2-dp2-z3", 3, sets=TP2),
-        case("gpt2-tp2-pp2-z3", 3, "gpt2-tiny", sets=PP2_TP2),  # tie across stages, split
-    ])  # fmt: skip
+    got = run_cases(
+        tmp_path,
+        4,
+        [
+            case("tp2-pp2-z1", 1, sets=PP2_TP2),
+            case("tp2-pp2-z3", 3, sets=PP2_TP2),
+            case(
+                "tp2-pp2-sp-ckpt1-z0",
+                0,
+                sets=(*PP2_TP2, *SP, "parallel.activation_checkpoint_interval=1"),
+            ),
+            case("tp2-dp2-z3", 3, sets=TP2),
+            case("gpt2-tp2-pp2-z3", 3, "gpt2-tiny", sets=PP2_TP2),  # tie across stages, split
+        ],
+    )
     assert_same_as_references(got, single)

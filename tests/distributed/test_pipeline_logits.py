@@ -38,8 +38,15 @@ def test_pipeline_logits_equal_transformers(tmp_path):
     )
     want["qwen2.5-0.5b-sp"] = want["qwen2.5-0.5b"]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run_ranks(4, ["tests/distributed/logits_worker.py", str(tmp_path / "out.json"),
-                  str(tmp_path / "cases.json")], timeout=400)  # fmt: skip
+    run_ranks(
+        4,
+        [
+            "tests/distributed/logits_worker.py",
+            str(tmp_path / "out.json"),
+            str(tmp_path / "cases.json"),
+        ],
+        timeout=400,
+    )
     got = json.loads((tmp_path / "out.json").read_text())
     assert sorted(got) == sorted(want)
     for name, logits in got.items():

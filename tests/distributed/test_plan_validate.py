@@ -11,15 +11,40 @@ import sys
 
 import pytest
 
-FIXED = ("tp=1", "cp=1", "micro_batch=1", "activation_checkpointing=false", "schedule=1f1b",
-         "zero_stage=3")  # fmt: skip
+FIXED = (
+    "tp=1",
+    "cp=1",
+    "micro_batch=1",
+    "activation_checkpointing=false",
+    "schedule=1f1b",
+    "zero_stage=3",
+)
 
 
 @pytest.mark.dist
 def test_validate_memory_within_15_percent():
-    argv = [sys.executable, "-m", "dsnd", "plan", "--model", "llama-tiny", "--world", "2",
-            "--gpu", "cpu", "--seq", "64", "--global-batch", "8", "--validate", "2",
-            "--steps", "3", "--json", *(f"--fix={item}" for item in FIXED)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dsnd",
+        "plan",
+        "--model",
+        "llama-tiny",
+        "--world",
+        "2",
+        "--gpu",
+        "cpu",
+        "--seq",
+        "64",
+        "--global-batch",
+        "8",
+        "--validate",
+        "2",
+        "--steps",
+        "3",
+        "--json",
+        *(f"--fix={item}" for item in FIXED),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)["validation"]

@@ -70,7 +70,9 @@ def test_pipeline_run_writes_every_scalar_to_tensorboard(tmp_path):
     # where the run started, on which layout; the held-out loss at its end (a default run's)
     (start,) = events.Tensors("events/text_summary")
     assert (start.step, start.tensor_proto.string_val[0].decode()) == (
-        0, "started at step 0 on pp=2 dp=1 tp=1 cp=1 ep=1 (world 2)")  # fmt: skip
+        0,
+        "started at step 0 on pp=2 dp=1 tp=1 cp=1 ep=1 (world 2)",
+    )
     assert [e.step for e in events.Scalars("eval/loss")] == [STEPS]
     assert events.Scalars("eval/loss")[0].value == pytest.approx(rows[-1]["eval_loss"], rel=1e-6)
     # every rank's own log file, its lines prefixed with its coordinates

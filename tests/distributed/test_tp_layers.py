@@ -37,8 +37,7 @@ def assert_close(row: dict, keys: list[str], where) -> None:
         assert row[key] < ATOL, (where, key, row[key])
 
 
-MLP_KEYS = ["out", "x_grad", "col_weight_grad", "col_bias_grad", "row_weight_grad",
-            "row_bias_grad"]  # fmt: skip
+MLP_KEYS = ["out", "x_grad", "col_weight_grad", "col_bias_grad", "row_weight_grad", "row_bias_grad"]
 
 
 @pytest.mark.dist
@@ -90,10 +89,14 @@ def test_sequence_parallel_bias_gradient_is_partial_until_reduced(found):
 #   and all-reduces the input gradient (f), the gather's adjoint being a plain split.
 BLOCK_CALLS = {
     "mlp": ({"all_reduce": 1}, {"all_reduce": 1}),
-    "mlp_sp": ({"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1},
-               {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}),
-    "mlp_gather_scatter": ({"all_gather_into_tensor": 1, "all_reduce": 1},
-                           {"all_gather_into_tensor": 1, "all_reduce": 1}),
+    "mlp_sp": (
+        {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1},
+        {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1},
+    ),
+    "mlp_gather_scatter": (
+        {"all_gather_into_tensor": 1, "all_reduce": 1},
+        {"all_gather_into_tensor": 1, "all_reduce": 1},
+    ),
     # embedding: g after the masked lookup; its backward is the identity (or, with SP, the
     # reduce-scatter's adjoint all-gather)
     "embedding": ({"all_reduce": 1}, {}),
@@ -103,10 +106,14 @@ BLOCK_CALLS = {
     # a whole transformer block = attention (f ... g) + MLP (f ... g): Megatron's 2 all-reduces
     # forward and 2 backward; with SP 2 all-gathers + 2 reduce-scatters each way
     **{f"{family}_block": ({"all_reduce": 2}, {"all_reduce": 2}) for family in ("llama", "gpt2")},
-    **{f"{family}_block_sp": ({"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
-                              {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2})
-       for family in ("llama", "gpt2")},
-}  # fmt: skip
+    **{
+        f"{family}_block_sp": (
+            {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
+            {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
+        )
+        for family in ("llama", "gpt2")
+    },
+}
 
 
 @pytest.mark.dist

@@ -113,10 +113,12 @@ def mlp_case(group, sequence_parallel: bool, gather_output: bool = False) -> dic
     y_ref = fc2(F.gelu(fc1(x_ref)))
     (y_ref * probe).sum().backward()
 
-    col = ColumnParallelLinear(HIDDEN, FFN, group, gather_output=gather_output,
-                               sequence_parallel=sequence_parallel)  # fmt: skip
-    row = RowParallelLinear(FFN, HIDDEN, group, input_is_parallel=not gather_output,
-                            sequence_parallel=sequence_parallel)  # fmt: skip
+    col = ColumnParallelLinear(
+        HIDDEN, FFN, group, gather_output=gather_output, sequence_parallel=sequence_parallel
+    )
+    row = RowParallelLinear(
+        FFN, HIDDEN, group, input_is_parallel=not gather_output, sequence_parallel=sequence_parallel
+    )
     col.load_full(w1, b1)
     row.load_full(w2, b2)
     # under sequence parallelism each rank holds its slice of the sequence, in and out
@@ -144,7 +146,7 @@ def mlp_case(group, sequence_parallel: bool, gather_output: bool = False) -> dic
             "col_weight": list(col.weight.shape),
             "row_weight": list(row.weight.shape),
             "y": list(y.shape),
-        },  # fmt: skip
+        },
         "attrs": {
             "col_weight": [col.weight.tensor_model_parallel, col.weight.partition_dim],
             "col_bias": [col.bias.tensor_model_parallel, col.bias.partition_dim],
@@ -227,9 +229,17 @@ def block_case(group, family: str, sequence_parallel: bool) -> dict:
     """One transformer block (split by its family's TP plan) against the unsplit block, both
     initialised by dsnd from the same (seed, layer index): outputs, input and parameter
     gradients, and the collectives of forward and backward."""
-    dims = spec_of(f"{family}-tiny", {"tie_word_embeddings": False}, hidden_size=32,
-                   num_layers=1, num_heads=8, num_kv_heads=4 if family == "llama" else 8,
-                   ffn_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ)  # fmt: skip
+    dims = spec_of(
+        f"{family}-tiny",
+        {"tie_word_embeddings": False},
+        hidden_size=32,
+        num_layers=1,
+        num_heads=8,
+        num_kv_heads=4 if family == "llama" else 8,
+        ffn_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+    )
     tp = TensorParallel(group, sequence_parallel)
     ref = LayerStack(layer_specs(dims), seed=5, layer_indices=[1])
     block = LayerStack(layer_specs(dims, tp), seed=5, layer_indices=[1])
@@ -251,9 +261,7 @@ def block_case(group, family: str, sequence_parallel: bool) -> dict:
         "forward_calls": forward,
         "backward_calls": backward,
         "out": diff(gather(y, 1, group) if sequence_parallel else y, ref(x)),
-        "x_grad": diff(
-            gather(x_tp.grad, 1, group) if sequence_parallel else x_tp.grad, x_ref.grad
-        ),  # fmt: skip
+        "x_grad": diff(gather(x_tp.grad, 1, group) if sequence_parallel else x_tp.grad, x_ref.grad),
         "param_grads": grads,
         "names_equal": sorted(want) == sorted(n for n, _ in block.named_parameters()),
     }

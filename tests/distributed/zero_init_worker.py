@@ -69,5 +69,6 @@ def main(out_path: str) -> None:
         specs_module.init_layer = original
     write_json(f"{out_path}.{info.rank}", result, info.rank, writer=info.rank)
 
+
 if __name__ == "__main__":
     main(sys.argv[1])

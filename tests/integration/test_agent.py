@@ -37,10 +37,25 @@ def launches(out_dir, hosts, actions=(), hang_s=60.0, env=None, devices=None):
     world = sum(len(r) for r in hosts)
     program = [sys.executable, RANK_PROGRAM, str(out_dir), *actions]
     env = {"PYTHONPATH": ROOT, **(env or {})}
-    return [AgentLaunch(f"host{i}", AGENT, AgentSpec(f"host{i}", ranks, world, "127.0.0.1", 1,
-                                                     program, ROOT, env, hang_s,
-                                                     (devices or {}).get(i, [])))
-            for i, ranks in enumerate(hosts)]  # fmt: skip
+    return [
+        AgentLaunch(
+            f"host{i}",
+            AGENT,
+            AgentSpec(
+                f"host{i}",
+                ranks,
+                world,
+                "127.0.0.1",
+                1,
+                program,
+                ROOT,
+                env,
+                hang_s,
+                (devices or {}).get(i, []),
+            ),
+        )
+        for i, ranks in enumerate(hosts)
+    ]
 
 
 def record(out_dir, rank, timeout=30.0) -> dict:
@@ -103,13 +118,18 @@ def test_a_sigabrt_is_named_an_nccl_watchdog_abort_and_ranks_see_their_hosts_slo
     the job under that name; every rank saw its own host's selected slots as its GPUs, over the
     value the spec's variables carry."""
     env = {"DUMP_ENV": "CUDA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES": "7"}
-    result = supervise(launches(tmp_path, [[0, 1], [2]], ["2=abort"], env=env,
-                                devices={0: [1, 3], 1: [2]}), out=io.BytesIO())  # fmt: skip
-    assert result.failure.startswith("rank 2 on host host1 was killed by SIGABRT: NCCL watchdog "
-                                     "abort (collective timeout?)")  # fmt: skip
+    result = supervise(
+        launches(tmp_path, [[0, 1], [2]], ["2=abort"], env=env, devices={0: [1, 3], 1: [2]}),
+        out=io.BytesIO(),
+    )
+    assert result.failure.startswith(
+        "rank 2 on host host1 was killed by SIGABRT: NCCL watchdog abort (collective timeout?)"
+    )
     assert [record(tmp_path, r)["env"]["CUDA_VISIBLE_DEVICES"] for r in range(3)] == [
-        "1,3", "1,3", "2"
-    ]  # fmt: skip
+        "1,3",
+        "1,3",
+        "2",
+    ]
 
 
 def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path):
@@ -123,8 +143,11 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path):
     after_start(tmp_path, [0, 1], stop)
     result = supervise(launches(tmp_path, [[0], [1]], hang_s=3.0), out=io.BytesIO())
     took = time.monotonic() - stopped_at[0]
-    assert re.fullmatch(r"rank 1 on host host1 was stopped \(SIGSTOP or a debugger\) for \d s "
-                        r"\(dist\.timeout_s=3\)", result.failure)  # fmt: skip
+    assert re.fullmatch(
+        r"rank 1 on host host1 was stopped \(SIGSTOP or a debugger\) for \d s "
+        r"\(dist\.timeout_s=3\)",
+        result.failure,
+    )
     assert 3.0 <= took < 3.0 + 5, took
     assert not any(alive(record(tmp_path, r)["pid"]) for r in (0, 1))
 
@@ -148,8 +171,9 @@ def test_ctrl_c_asks_once_then_kills(tmp_path):
 
     after_start(tmp_path, [0, 1], twice)
     t0 = time.monotonic()
-    result = supervise(launches(tmp_path, [[0], [1]], ["0=stubborn", "1=stubborn"]),
-                       out=io.BytesIO())  # fmt: skip
+    result = supervise(
+        launches(tmp_path, [[0], [1]], ["0=stubborn", "1=stubborn"]), out=io.BytesIO()
+    )
     assert result.stop_signal == "SIGINT"
     assert {(o.code, o.ended_by_agent) for o in result.outcomes} == {(-9, True)}
     assert time.monotonic() - t0 < 20

@@ -34,17 +34,34 @@ def _flip_byte(path: str, offset: int = 200) -> None:
 def test_kill_during_save_then_resume_then_corruption(tmp_path):
     log_dir = tmp_path / "run"
     root = log_dir / "checkpoints"
-    common = ["--set", "parallel.pp=2", "--set", "train.steps=6", "--set", "checkpoint.every=2",
-              "--set", f"log.dir={log_dir}", "--set", "dist.timeout_s=60"]  # fmt: skip
+    common = [
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        f"log.dir={log_dir}",
+        "--set",
+        "dist.timeout_s=60",
+    ]
 
     def launch(env=None):
-        return run_cli(["launch", "--nprocs", "2", "--master-port", str(free_port()), *common],
-                       timeout=TIMEOUT, env=env)  # fmt: skip
+        return run_cli(
+            ["launch", "--nprocs", "2", "--master-port", str(free_port()), *common],
+            timeout=TIMEOUT,
+            env=env,
+        )
 
     killed = launch({"DSND_FAULT_KILL_IN_SAVE": "4:1"})
     assert killed.returncode != 0, killed.stdout[-2000:]
-    assert sorted(os.listdir(root)) == [".dsnd.lock", ".tmp-step_00000004", "latest",
-                                        "step_00000002"]  # fmt: skip
+    assert sorted(os.listdir(root)) == [
+        ".dsnd.lock",
+        ".tmp-step_00000004",
+        "latest",
+        "step_00000002",
+    ]
     assert (root / "latest").read_text() == "step_00000002\n"
     first = metrics_rows(log_dir)
     assert [r["step"] for r in first] == [1, 2, 3, 4]
@@ -59,28 +76,45 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
     for again, before in zip(rows[:2], first[2:], strict=True):
         for key in ("loss", "grad_norm", "lr"):
             assert again[key] == before[key], (again["step"], key)
-    assert sorted(os.listdir(root)) == [".dsnd.lock", "latest", "step_00000002", "step_00000004",
-                                        "step_00000006"]  # fmt: skip
+    assert sorted(os.listdir(root)) == [
+        ".dsnd.lock",
+        "latest",
+        "step_00000002",
+        "step_00000004",
+        "step_00000006",
+    ]
 
     # a flipped byte in the newest checkpoint's model file
     bad = root / "step_00000006" / "layer_002-model.safetensors"
     _flip_byte(str(bad))
-    strict = run_cli(["train", "--set", f"log.dir={log_dir}", "--set", f"checkpoint.resume={root}",
-                      "--set", "train.steps=8"], timeout=TIMEOUT)  # fmt: skip
+    strict = run_cli(
+        [
+            "train",
+            "--set",
+            f"log.dir={log_dir}",
+            "--set",
+            f"checkpoint.resume={root}",
+            "--set",
+            "train.steps=8",
+        ],
+        timeout=TIMEOUT,
+    )
     assert strict.returncode == 2
     assert strict.stderr.strip().splitlines()[-1] == (
         f"dsnd: error: {bad}: SHA-256 does not match the manifest (corrupt)"
     )
     assert "Traceback" not in strict.stderr
-    refused = run_cli(["launch", "--nprocs", "2", *common, "--set", f"checkpoint.resume={root}"],
-                      timeout=TIMEOUT)  # fmt: skip
+    refused = run_cli(
+        ["launch", "--nprocs", "2", *common, "--set", f"checkpoint.resume={root}"], timeout=TIMEOUT
+    )
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == strict.stderr.strip().splitlines()[-1:]
     assert "spawned" not in refused.stdout + refused.stderr  # no rank started
 
     # auto skips it for step 4, reshaped to one process (pp=1), and trains steps 5..6
-    auto = run_cli(["train", "--set", f"log.dir={log_dir}", "--set", "train.steps=6"],
-                   timeout=TIMEOUT)  # fmt: skip
+    auto = run_cli(
+        ["train", "--set", f"log.dir={log_dir}", "--set", "train.steps=6"], timeout=TIMEOUT
+    )
     assert auto.returncode == 0, auto.stdout[-3000:] + auto.stderr[-3000:]
     assert "skipping checkpoint" in auto.stderr and "layer_002-model.safetensors" in auto.stderr
     after = metrics_rows(log_dir)[8:]
@@ -89,8 +123,9 @@ def test_kill_during_save_then_resume_then_corruption(tmp_path):
         assert abs(got["loss"] - want["loss"]) <= 1e-4 * abs(want["loss"]), got["step"]
 
     # now step 6 is newest again (the auto run saved it); asking for 6 steps trains nothing
-    done = run_cli(["train", "--set", f"log.dir={log_dir}", "--set", "train.steps=6"],
-                   timeout=TIMEOUT)  # fmt: skip
+    done = run_cli(
+        ["train", "--set", f"log.dir={log_dir}", "--set", "train.steps=6"], timeout=TIMEOUT
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "is at step 6, train.steps=6: nothing to train" in done.stdout
     assert len(metrics_rows(log_dir)) == 10

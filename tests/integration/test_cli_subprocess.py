@@ -65,8 +65,16 @@ def test_acceptance_dry_run_prints_four_ranks():
     table, plan = rest[:end], rest[end:]
     assert plan[0].startswith("plan: pp=2 dp=1 tp=2, ZeRO-0, schedule 1f1b")
     argv = command.split()  # then the default log.dir made absolute, and the job id
-    assert argv[1:-4] == ["-u", "-m", "dsnd", "train", "--set", "parallel.pp=2",
-                          "--set", "parallel.tp=2"]  # fmt: skip
+    assert argv[1:-4] == [
+        "-u",
+        "-m",
+        "dsnd",
+        "train",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.tp=2",
+    ]
     assert argv[-4:-2] == ["--set", f"log.dir={ROOT}/runs/dsnd"] and argv[-2] == "--job-id"
     assert agent.startswith("agent on localhost: ") and agent.endswith("-m dsnd.launcher.agent")
     assert len(table) == 5  # exactly the header and 4 rows

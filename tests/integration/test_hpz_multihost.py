@@ -18,8 +18,9 @@ from tests.procs import last_log_text
 
 @pytest.mark.launch
 def test_hpz_secondary_partition_stays_on_each_host(cluster, tmp_path, reference_losses):  # noqa: F811
-    log_dir = launch_zero3_dp4(cluster, tmp_path, reference_losses,
-                               "ds.zero_optimization.zero_hpz_partition_size=2")  # fmt: skip
+    log_dir = launch_zero3_dp4(
+        cluster, tmp_path, reference_losses, "ds.zero_optimization.zero_hpz_partition_size=2"
+    )
     # ranks 0, 1 ran on 127.0.0.1 and ranks 2, 3 on 127.0.0.2 (checked), so each hpZ group
     # below is one host's ranks
     hpz = [last_log_text(log_dir, rank, "ZeRO++ hpZ: ") for rank in range(4)]

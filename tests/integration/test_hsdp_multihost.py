@@ -22,8 +22,11 @@ from tests.integration.test_multihost import (  # noqa: F401 (reference_losses: 
 )
 from tests.procs import ROOT, last_log_text
 
-HSDP = ("parallel.pp=1", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}",
-        "parallel.dp_shard=2")  # fmt: skip
+HSDP = (
+    "parallel.pp=1",
+    f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}",
+    "parallel.dp_shard=2",
+)
 """The run `launch_zero3_dp4` makes of dp_shard=2, as this process resolves it."""
 
 

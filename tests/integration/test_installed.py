@@ -20,9 +20,14 @@ def installed_env() -> dict[str, str]:
 
 def test_console_script_trains_from_an_empty_directory(tmp_path):
     assert os.access(DSND, os.X_OK), "install the project first: pip install '.[test,mpi]'"
-    proc = subprocess.run([DSND, "train", "--set", "train.steps=2", "--set", "log.dir=out"],
-                          cwd=tmp_path, env=installed_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [DSND, "train", "--set", "train.steps=2", "--set", "log.dir=out"],
+        cwd=tmp_path,
+        env=installed_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -35,10 +40,13 @@ def test_console_script_trains_from_an_empty_directory(tmp_path):
     # it all went
     said = [line.split(" INFO ", 1)[1] for line in proc.stderr.splitlines() if " INFO " in line]
     first = [i for i, text in enumerate(said) if text.startswith("training ")]
-    batch = said.index("batch: train_batch_size 16 = micro 2 x gradient_accumulation_steps 8 x "
-                       "dp 1 (pp=1, tp=1)")  # fmt: skip
+    batch = said.index(
+        "batch: train_batch_size 16 = micro 2 x gradient_accumulation_steps 8 x dp 1 (pp=1, tp=1)"
+    )
     precision = said.index("precision: fp32")
     steps = [i for i, text in enumerate(said) if text.startswith("step ")]
     assert first and len(steps) == 2 and first[0] < batch < precision < steps[0], said
-    assert said[-1] == ("outputs: metrics out/metrics.jsonl, checkpoint "
-                        "out/checkpoints/step_00000002, TensorBoard out, logs out/logs"), said
+    assert said[-1] == (
+        "outputs: metrics out/metrics.jsonl, checkpoint "
+        "out/checkpoints/step_00000002, TensorBoard out, logs out/logs"
+    ), said

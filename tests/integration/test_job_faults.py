@@ -45,9 +45,14 @@ def _train(*sets: str, env=None, prefix: list[str] | None = None):
     args = [a for s in sets for a in ("--set", s)]
     if prefix is None:
         return run_cli(["train", *QUIET, *args], timeout=TIMEOUT, env=env)
-    return subprocess.run([*prefix, sys.executable, "-m", "dsnd", "train", *QUIET, *args],
-                          cwd=ROOT, env=rank_env(env), capture_output=True, text=True,
-                          timeout=TIMEOUT)  # fmt: skip
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "dsnd", "train", *QUIET, *args],
+        cwd=ROOT,
+        env=rank_env(env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
 
 
 class Launch:
@@ -57,10 +62,14 @@ class Launch:
         self.tag = uuid.uuid4().hex
         argv = [sys.executable, "-m", "dsnd", "launch", "--nprocs", "2", *extra, *QUIET]
         argv += [a for s in sets for a in ("--set", s)]
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=rank_env({"DSND_TEST_RUN": self.tag,
-                                                                  **(env or {})}),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=rank_env({"DSND_TEST_RUN": self.tag, **(env or {})}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def finish(self) -> tuple[int, str, str]:
         out, err = self.proc.communicate(timeout=TIMEOUT)
@@ -94,17 +103,24 @@ def _verify(path) -> subprocess.CompletedProcess:
 
 def test_divergence_stops_without_a_nan_checkpoint_and_is_not_restarted(tmp_path):
     log_dir = tmp_path / "run"
-    run = Launch("parallel.pp=2", "train.steps=6", "checkpoint.every=1", f"log.dir={log_dir}",
-                 "ds.scheduler.params.warmup_min_lr=1e10",
-                 "ds.scheduler.params.warmup_max_lr=1e10",
-                 extra=("--max-restarts", "2"))  # fmt: skip
+    run = Launch(
+        "parallel.pp=2",
+        "train.steps=6",
+        "checkpoint.every=1",
+        f"log.dir={log_dir}",
+        "ds.scheduler.params.warmup_min_lr=1e10",
+        "ds.scheduler.params.warmup_max_lr=1e10",
+        extra=("--max-restarts", "2"),
+    )
     rc, out, err = run.finish()
     assert rc == 1, out[-3000:] + err[-3000:]
     assert "restarting" not in err  # a restart would only diverge again
     lines = _error_lines(err)
-    assert lines == ["dsnd: error: training diverged at step 2: loss nan, grad_norm nan; stopped "
-                     "without saving this state (lower the learning rate, then resume from the "
-                     "last checkpoint)"]  # fmt: skip
+    assert lines == [
+        "dsnd: error: training diverged at step 2: loss nan, grad_norm nan; stopped "
+        "without saving this state (lower the learning rate, then resume from the "
+        "last checkpoint)"
+    ]
     assert re.fullmatch(
         r"dsnd: job failed: rank [01] on host localhost exited with code 3 "
         r"\(training diverged\)",
@@ -113,7 +129,9 @@ def test_divergence_stops_without_a_nan_checkpoint_and_is_not_restarted(tmp_path
     root = log_dir / "checkpoints"
     assert (root / "latest").read_text() == "step_00000001\n"
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
-        "latest", "step_00000001"]  # fmt: skip
+        "latest",
+        "step_00000001",
+    ]
     assert _verify(root).returncode == 0
     assert [r["step"] for r in metrics_rows(log_dir)] == [1]
     assert run.leftovers() == []
@@ -130,9 +148,15 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     work = tmp_path / "work"
     work.mkdir()
     log_dir = tmp_path / "tuned"
-    run = Launch("train.steps=24", "checkpoint.every=0", f"log.dir={log_dir}", "train.seed=7",
-                 f"checkpoint.resume={given}", cwd=str(work),
-                 extra=("--max-restarts", "1"))  # fmt: skip
+    run = Launch(
+        "train.steps=24",
+        "checkpoint.every=0",
+        f"log.dir={log_dir}",
+        "train.seed=7",
+        f"checkpoint.resume={given}",
+        cwd=str(work),
+        extra=("--max-restarts", "1"),
+    )
     run.wait_for(lambda: len(metrics_rows(log_dir)) >= 2, "step 4")
     shutil.rmtree(work)
     run.kill_rank(1)
@@ -150,8 +174,13 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
     # never: the foreign checkpoint stays unused by the restart too
     fresh = tmp_path / "fresh"
     shutil.copytree(other / "checkpoints", fresh / "checkpoints")
-    run = Launch("train.steps=24", "checkpoint.every=0", f"log.dir={fresh}",
-                 "checkpoint.resume=never", extra=("--max-restarts", "1"))  # fmt: skip
+    run = Launch(
+        "train.steps=24",
+        "checkpoint.every=0",
+        f"log.dir={fresh}",
+        "checkpoint.resume=never",
+        extra=("--max-restarts", "1"),
+    )
     run.wait_for(lambda: len(metrics_rows(fresh)) >= 2, "step 2")
     run.kill_rank(1)
     rc, out, err = run.finish()
@@ -166,12 +195,16 @@ def test_one_writer_per_checkpoint_dir_and_no_silent_resume_of_another_run(tmp_p
     log_dir = tmp_path / "run"
     first = Launch("train.steps=100000", "checkpoint.every=0", f"log.dir={log_dir}")
     first.wait_for(lambda: len(metrics_rows(log_dir)) >= 1, "step 1")
-    second = _train("train.steps=2", f"log.dir={tmp_path / 'other'}",
-                    f"checkpoint.dir={log_dir / 'checkpoints'}")  # fmt: skip
+    second = _train(
+        "train.steps=2",
+        f"log.dir={tmp_path / 'other'}",
+        f"checkpoint.dir={log_dir / 'checkpoints'}",
+    )
     assert second.returncode == 2, second.stderr[-3000:]
     [line] = _error_lines(second.stderr)
-    assert line.startswith(f"dsnd: error: checkpoint.dir {log_dir / 'checkpoints'} is in use by "
-                           "job ")  # fmt: skip
+    assert line.startswith(
+        f"dsnd: error: checkpoint.dir {log_dir / 'checkpoints'} is in use by job "
+    )
     assert (
         "one run writes to it at a time (wait for it to end, or set another checkpoint.dir)" in line
     )
@@ -185,10 +218,12 @@ def test_one_writer_per_checkpoint_dir_and_no_silent_resume_of_another_run(tmp_p
     other_seed = _train("train.steps=4", f"log.dir={log_dir}", "train.seed=99")
     assert other_seed.returncode == 2
     [line] = _error_lines(other_seed.stderr)
-    assert line == (f"dsnd: error: {log_dir}/checkpoints/step_00000002: written by a run with "
-                    "other settings (train.seed 1234 -> 99); name it in checkpoint.resume to "
-                    "continue from it anyway, or start fresh with checkpoint.resume=never or "
-                    "another checkpoint.dir")  # fmt: skip
+    assert line == (
+        f"dsnd: error: {log_dir}/checkpoints/step_00000002: written by a run with "
+        "other settings (train.seed 1234 -> 99); name it in checkpoint.resume to "
+        "continue from it anyway, or start fresh with checkpoint.resume=never or "
+        "another checkpoint.dir"
+    )
     assert [r["step"] for r in metrics_rows(log_dir)][-2:] == [1, 2]  # nothing trained
 
 
@@ -211,38 +246,66 @@ def test_read_only_checkpoint_dir_is_one_line_before_anything_runs(tmp_path):
     assert ro.returncode == 2, ro.stderr[-3000:]
     assert ro.stderr.strip().splitlines() == [
         f"dsnd: error: checkpoint.dir {root} is not writable (Read-only file system); nothing "
-        "was started"]  # fmt: skip
+        "was started"
+    ]
     launch = subprocess.run(
-        [*_read_only(root), sys.executable, "-m", "dsnd", "launch", "--nprocs", "2", *QUIET,
-         "--set", f"log.dir={log_dir}", "--set", "train.steps=4"],
-        cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
+        [
+            *_read_only(root),
+            sys.executable,
+            "-m",
+            "dsnd",
+            "launch",
+            "--nprocs",
+            "2",
+            *QUIET,
+            "--set",
+            f"log.dir={log_dir}",
+            "--set",
+            "train.steps=4",
+        ],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert launch.returncode == 2, launch.stderr[-3000:]
     assert launch.stderr.strip().splitlines() == [
         f"dsnd: error: preflight: checkpoint directory {root} is not writable here (Read-only "
-        "file system)"]  # fmt: skip
+        "file system)"
+    ]
     assert sorted(os.listdir(root)) == before and _verify(root).returncode == 0
     assert [r["step"] for r in metrics_rows(log_dir)] == [1, 2]
 
 
 def test_the_rank_whose_disk_filled_is_named_not_its_peer(tmp_path):
     log_dir = tmp_path / "run"
-    run = Launch("parallel.pp=2", "train.steps=4", "checkpoint.every=1", f"log.dir={log_dir}",
-                 env={"DSND_FAULT_FULL_DISK_IN_SAVE": "2:1"})  # fmt: skip
+    run = Launch(
+        "parallel.pp=2",
+        "train.steps=4",
+        "checkpoint.every=1",
+        f"log.dir={log_dir}",
+        env={"DSND_FAULT_FULL_DISK_IN_SAVE": "2:1"},
+    )
     rc, out, err = run.finish()
     assert rc == 1
-    assert err.strip().splitlines()[-1] == ("dsnd: job failed: rank 1 on host localhost exited "
-                                            "with code 1")  # fmt: skip
+    assert err.strip().splitlines()[-1] == (
+        "dsnd: job failed: rank 1 on host localhost exited with code 1"
+    )
     log1 = (log_dir / "logs" / "rank_00001.log").read_text()
     assert "Traceback" in log1 and "No space left on device" in log1
     assert (log_dir / "checkpoints" / "latest").read_text() == "step_00000001\n"
     # one line from the rank whose disk filled (its peer learnt of it in the save: exit 4), no
     # traceback on the console, and the unfinished checkpoint removed at once
     assert "Traceback" not in err, err[-3000:]
-    assert (f"dsnd: error: checkpoint step_00000002 not saved: rank 1: No space left on device "
-            f"({log_dir}/checkpoints/.tmp-step_00000002); step_00000001 stays latest") in err, err
-    assert sorted(n for n in os.listdir(log_dir / "checkpoints") if not n.startswith(".dsnd")) \
-        == ["latest", "step_00000001"]  # fmt: skip
+    assert (
+        f"dsnd: error: checkpoint step_00000002 not saved: rank 1: No space left on device "
+        f"({log_dir}/checkpoints/.tmp-step_00000002); step_00000001 stays latest"
+    ) in err, err
+    assert sorted(n for n in os.listdir(log_dir / "checkpoints") if not n.startswith(".dsnd")) == [
+        "latest",
+        "step_00000001",
+    ]
     assert run.leftovers() == []
 
 
@@ -276,14 +339,19 @@ shutdown()
 
 def test_a_state_holding_nan_is_never_committed(tmp_path):
     root = tmp_path / "ck"
-    proc = subprocess.run([sys.executable, "-c", _SAVE_NAN, str(root)], cwd=ROOT,
-                          env=rank_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVE_NAN, str(root)],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-2:] == [
         str(root / "step_00000001"),
         "step 2: the model or optimizer state holds NaN or infinite values; not saved (the last "
         "committed checkpoint stays latest)",
-    ]  # fmt: skip
+    ]
     assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
     assert (root / "latest").read_text() == "step_00000001\n"

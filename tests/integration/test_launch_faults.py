@@ -41,18 +41,42 @@ class Launch:
         self.log_dir = tmp_path / name
         self.root = self.log_dir / "checkpoints"
         hostfile = cluster.hostfile(str(tmp_path / "hosts"), slots=1)
-        self.argv = [*cluster.prefix, sys.executable, "-m", "dsnd", "launch",
-                     "--hostfile", hostfile, "--master-port", str(free_port()),
-                     "--set", "parallel.pp=2",
-                     "--set", f"train.steps={steps}", "--set", "checkpoint.every=3",
-                     "--set", f"log.dir={self.log_dir}", "--set", "log.tensorboard=false",
-                     "--set", f"launch.env={PASSED}", *extra]  # fmt: skip
+        self.argv = [
+            *cluster.prefix,
+            sys.executable,
+            "-m",
+            "dsnd",
+            "launch",
+            "--hostfile",
+            hostfile,
+            "--master-port",
+            str(free_port()),
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            f"train.steps={steps}",
+            "--set",
+            "checkpoint.every=3",
+            "--set",
+            f"log.dir={self.log_dir}",
+            "--set",
+            "log.tensorboard=false",
+            "--set",
+            f"launch.env={PASSED}",
+            *extra,
+        ]
         self.env = rank_env({**cluster.env, "DSND_TEST_RUN": self.tag, "HF_TOKEN": SECRET})
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Launch:
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         return self
 
     def finish(self, timeout: float = TIMEOUT) -> tuple[int, str, str]:
@@ -113,16 +137,20 @@ def test_reference_run_across_two_hosts_masks_its_secret(reference):
 
 def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster, tmp_path):
     # never: no checkpoint from before this job; the restart resumes the job's own step 6
-    run = Launch(cluster, tmp_path, "killed", "--max-restarts", "1",
-                 "--set", "checkpoint.resume=never").start()  # fmt: skip
+    run = Launch(
+        cluster, tmp_path, "killed", "--max-restarts", "1", "--set", "checkpoint.resume=never"
+    ).start()
     latest = run.root / "latest"
-    run.wait_for(lambda: latest.exists() and latest.read_text() == "step_00000006\n",
-                 "the step-6 checkpoint")  # fmt: skip
+    run.wait_for(
+        lambda: latest.exists() and latest.read_text() == "step_00000006\n", "the step-6 checkpoint"
+    )
     os.kill(run.rank_pid(1), signal.SIGKILL)
     rc, out, err = run.finish()
     assert rc == 0, out[-3000:] + err[-3000:]
-    assert ("dsnd: attempt 1 of 2 failed: rank 1 on host 127.0.0.2 was killed by SIGKILL; "
-            "restarting from this job's last committed checkpoint") in err  # fmt: skip
+    assert (
+        "dsnd: attempt 1 of 2 failed: rank 1 on host 127.0.0.2 was killed by SIGKILL; "
+        "restarting from this job's last committed checkpoint"
+    ) in err
     assert f"resumed from {run.root}/step_00000006 at step 6" in out + err
     rows, want = run.rows(), reference[0].rows()
     # the relaunch's rows are the last six (the killed attempt may have finished step 7 first)
@@ -131,8 +159,7 @@ def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster
     assert run.leftovers() == []
 
 
-def test_sigterm_saves_the_current_step_and_resume_continues_exactly(reference, cluster,
-                                                                     tmp_path):  # fmt: skip
+def test_sigterm_saves_the_current_step_and_resume_continues_exactly(reference, cluster, tmp_path):
     run = Launch(cluster, tmp_path, "preempted").start()
     run.wait_for(lambda: len(run.rows()) >= 4, "step 4")
     run.proc.send_signal(signal.SIGTERM)
@@ -176,16 +203,33 @@ def test_preflight_refuses_an_unreachable_host_and_a_busy_port(cluster, tmp_path
         "import socket, sys, time; s = socket.socket(); "
         f"s.bind(('127.0.0.1', {port})); s.listen(); print('up', flush=True); time.sleep(120)"
     )
-    busy = subprocess.Popen([*cluster.prefix, sys.executable, "-c", listen],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    busy = subprocess.Popen(
+        [*cluster.prefix, sys.executable, "-c", listen], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert busy.stdout.readline() == "up\n"  # the port is taken where the hosts are
         proc = subprocess.run(
-            [*cluster.prefix, sys.executable, "-m", "dsnd", "launch", "--hostfile", str(hostfile),
-             "--master-port", str(port), "--set", "parallel.pp=2",
-             "--set", f"log.dir={tmp_path / 'run'}"],
-            cwd=ROOT, env=rank_env(cluster.env), capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                *cluster.prefix,
+                sys.executable,
+                "-m",
+                "dsnd",
+                "launch",
+                "--hostfile",
+                str(hostfile),
+                "--master-port",
+                str(port),
+                "--set",
+                "parallel.pp=2",
+                "--set",
+                f"log.dir={tmp_path / 'run'}",
+            ],
+            cwd=ROOT,
+            env=rank_env(cluster.env),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         busy.kill()
         busy.wait()

@@ -48,8 +48,9 @@ def train_three_steps_like(argv: list[str], log_dir, reference: list[dict]) -> N
     """Run a launcher command training 3 steps into `log_dir`; its losses must equal
     `reference`'s first three (same global batch, whatever the launcher and rank count)."""
     argv = [*argv, "--set", "train.steps=3", "--set", f"log.dir={log_dir}"]
-    proc = subprocess.run(argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT)  # fmt: skip
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = metrics_rows(log_dir)
     check_rows(rows, 3)
@@ -60,9 +61,22 @@ def train_three_steps_like(argv: list[str], log_dir, reference: list[dict]) -> N
 @pytest.fixture(scope="module")
 def nprocs2_launch(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
     log_dir = tmp_path_factory.mktemp("launch") / "log"
-    proc = run_cli(["launch", "--nprocs", "2", "--master-port", str(free_port()),
-                    "--set", "train.steps=10", "--set", "ds.zero_optimization.stage=3",
-                    "--set", f"log.dir={log_dir}"], timeout=TIMEOUT)  # fmt: skip
+    proc = run_cli(
+        [
+            "launch",
+            "--nprocs",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--set",
+            "train.steps=10",
+            "--set",
+            "ds.zero_optimization.stage=3",
+            "--set",
+            f"log.dir={log_dir}",
+        ],
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, metrics_rows(log_dir)
 
@@ -92,9 +106,22 @@ def test_dsnd_launch_says_nothing_per_rank_about_deepspeeds_start(nprocs2_launch
 @pytest.mark.launch
 def test_mpirun_four_ranks_matches_dsnd_launch(tmp_path, nprocs2_zero3):
     log_dir = tmp_path / "log"
-    argv = [tool("mpirun"), "-np", "4", "--oversubscribe", "-x", "MASTER_ADDR=127.0.0.1",
-            "-x", f"MASTER_PORT={free_port()}", "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONPATH",
-            "-x", "DS_ACCELERATOR"]  # fmt: skip
+    argv = [
+        tool("mpirun"),
+        "-np",
+        "4",
+        "--oversubscribe",
+        "-x",
+        "MASTER_ADDR=127.0.0.1",
+        "-x",
+        f"MASTER_PORT={free_port()}",
+        "-x",
+        "OMP_NUM_THREADS=1",
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        "DS_ACCELERATOR",
+    ]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     argv += [sys.executable, "-m", "dsnd", "train"]
@@ -129,8 +156,9 @@ def _outliving(tag: str, since: float, within_s: float) -> tuple[list[int], floa
 
 
 @pytest.mark.launch
-def test_sigterm_to_deepspeed_hostfile_runner_saves_and_ends_every_rank(cluster, tmp_path,
-                                                                        nprocs2_zero3):  # fmt: skip
+def test_sigterm_to_deepspeed_hostfile_runner_saves_and_ends_every_rank(
+    cluster, tmp_path, nprocs2_zero3
+):
     """`deepspeed --hostfile` as users run it on one machine: a hostfile naming `localhost` (the
     runner checks that ssh to it needs no password, even for one host: here the cluster's sshd),
     4 ranks of launch/train.py. SIGTERM to the runner alone at step 3: DeepSpeed's one-host runner
@@ -139,12 +167,29 @@ def test_sigterm_to_deepspeed_hostfile_runner_saves_and_ends_every_rank(cluster,
     commit a checkpoint there, and no process of the job outlives the runner by ORPHAN_S."""
     log_dir, tag, out = tmp_path / "log", uuid.uuid4().hex, tmp_path / "runner.out"
     (tmp_path / "hosts").write_text("localhost slots=4\n")
-    argv = [*cluster.prefix, tool("deepspeed"), "--hostfile", str(tmp_path / "hosts"),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "launch/train.py",
-            "--set", f"train.steps={STOP_STEPS}", "--set", f"log.dir={log_dir}"]  # fmt: skip
+    argv = [
+        *cluster.prefix,
+        tool("deepspeed"),
+        "--hostfile",
+        str(tmp_path / "hosts"),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "launch/train.py",
+        "--set",
+        f"train.steps={STOP_STEPS}",
+        "--set",
+        f"log.dir={log_dir}",
+    ]
     with open(out, "w") as sink:
-        runner = subprocess.Popen(argv, cwd=ROOT, env=rank_env({**cluster.env, TAG: tag}),
-                                  stdout=sink, stderr=subprocess.STDOUT)  # fmt: skip
+        runner = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=rank_env({**cluster.env, TAG: tag}),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     logged, ended = 0, None
     try:
         logged, ended = _sigterm_at_step(runner, log_dir, 3, out)
@@ -157,8 +202,10 @@ def test_sigterm_to_deepspeed_hostfile_runner_saves_and_ends_every_rank(cluster,
     assert runner.returncode == -signal.SIGTERM, text[-3000:]  # DeepSpeed's runner: no handler
     assert not left, f"alive {ORPHAN_S} s after the runner: {left}\n{text[-3000:]}"
     stopped = rows[-1]["step"]
-    print(f"runner signalled after step {logged}: ranks stopped after step {stopped}, the "
-          f"job's last process ended {lived:.1f} s after the runner")  # fmt: skip
+    print(
+        f"runner signalled after step {logged}: ranks stopped after step {stopped}, the "
+        f"job's last process ended {lived:.1f} s after the runner"
+    )
     # rank 0 was in step logged + 1 (perhaps past its flag, in that step's gather): the stop comes
     # at the next boundary, one more if the runner died after it
     assert logged < stopped <= logged + 3, (logged, stopped)

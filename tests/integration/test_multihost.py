@@ -91,8 +91,9 @@ def _wait_no_tagged(tag: str, within_s: float = 15) -> list[int]:
     return left
 
 
-def launch_on_cluster(cluster: Cluster, tmp_path, launcher: str,
-                      sets: tuple[str, ...] = ()) -> tuple[RankWatcher, str]:  # fmt: skip
+def launch_on_cluster(
+    cluster: Cluster, tmp_path, launcher: str, sets: tuple[str, ...] = ()
+) -> tuple[RankWatcher, str]:
     """`dsnd launch --hostfile --launcher LAUNCHER`, pp=2 x dp=2 over both hosts (then `sets`),
     from a working directory holding the `.deepspeed_env`; (the rank watcher, log.dir). Asserts
     exit 0."""
@@ -104,19 +105,41 @@ def launch_on_cluster(cluster: Cluster, tmp_path, launcher: str,
     )
     hostfile = cluster.hostfile(str(tmp_path / "hostfile"), slots=2)
     log_dir = str(tmp_path / "log")
-    argv = [sys.executable, "-m", "dsnd", "launch", "--hostfile", hostfile,
-            "--launcher", launcher, "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), "--set", f"train.steps={STEPS}",
-            "--set", "parallel.pp=2", "--set", f"log.dir={log_dir}",
-            *[a for item in sets for a in ("--set", item)]]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dsnd",
+        "launch",
+        "--hostfile",
+        hostfile,
+        "--launcher",
+        launcher,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--set",
+        f"train.steps={STEPS}",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        f"log.dir={log_dir}",
+        *[a for item in sets for a in ("--set", item)],
+    ]
     env = {k: v for k, v in rank_env(cluster.env).items() if k not in VIA_ENV_FILE}
     # the launching `python -m dsnd` itself must import this checkout, not an installed dsnd
     env["PYTHONPATH"] = ROOT
     watcher = RankWatcher(tag)
     watcher.start()
-    proc = subprocess.Popen([*cluster.prefix, *argv], cwd=work, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*cluster.prefix, *argv],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -135,8 +158,13 @@ def launch_on_cluster(cluster: Cluster, tmp_path, launcher: str,
     return watcher, log_dir
 
 
-def check_run(cluster: Cluster, watcher: RankWatcher, log_dir: str, reference: list[float],
-              first_host_ranks: str | None) -> None:  # fmt: skip
+def check_run(
+    cluster: Cluster,
+    watcher: RankWatcher,
+    log_dir: str,
+    reference: list[float],
+    first_host_ranks: str | None,
+) -> None:
     """Losses equal the reference; all 4 ranks got the env file's values; ranks 2 and 3 ran in
     ssh sessions to 127.0.0.2, ranks 0 and 1 on `first_host_ranks` (127.0.0.1 through ssh, or
     None: started by the launcher directly)."""
@@ -179,8 +207,14 @@ def reference_losses(tmp_path_factory) -> list[float]:
         f"res = resolve(load(None, ['train.steps={STEPS}', 'parallel.pp=1']), 1);"
         "print(json.dumps([r['loss'] for r in reference_rows(res)]))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=rank_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -17,8 +17,13 @@ def test_ops_build_leaves_every_op_dsnd_uses_built_in_the_environment_dir():
     """Each "ready" op's library is where a later rank's JIT load looks."""
     env = dict(os.environ)
     env.pop(VARIABLE, None)
-    done = subprocess.run([sys.executable, "-m", "dsnd", "ops", "build"], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dsnd", "ops", "build"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip()}
     assert sorted(lines) == sorted(DEFAULT_BUILDERS)

@@ -36,9 +36,14 @@ from tests.slurm import start_slurm
 STEPS = 12
 TAG = "DSND_TEST_RUN"
 TIMEOUT = 400
-SETS = ["parallel.pp=2", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}",
-        f"train.steps={STEPS}", "checkpoint.every=4", "log.tensorboard=false",
-        "dist.timeout_s=60"]  # fmt: skip
+SETS = [
+    "parallel.pp=2",
+    f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}",
+    f"train.steps={STEPS}",
+    "checkpoint.every=4",
+    "log.tensorboard=false",
+    "dist.timeout_s=60",
+]
 pytestmark = pytest.mark.launch
 
 
@@ -57,12 +62,20 @@ def slurm(tmp_path_factory):
 def reference_losses() -> list[float]:
     """The plain single-process PyTorch run's losses for the same run config."""
     sets = [s for s in SETS if not s.startswith("parallel.pp")] + ["parallel.pp=1"]
-    code = ("import json, sys; from dsnd.config.load import load; "
-            "from dsnd.config.resolve import resolve; from tests.reference import reference_rows;"
-            "res = resolve(load(None, sys.argv[1:]), 1);"
-            "print(json.dumps([r['loss'] for r in reference_rows(res)]))")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code, *sets], cwd=ROOT, env=rank_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    code = (
+        "import json, sys; from dsnd.config.load import load; "
+        "from dsnd.config.resolve import resolve; from tests.reference import reference_rows;"
+        "res = resolve(load(None, sys.argv[1:]), 1);"
+        "print(json.dumps([r['loss'] for r in reference_rows(res)]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *sets],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -71,11 +84,27 @@ def _launch(slurm, tmp_path, name: str) -> tuple[subprocess.Popen, str]:
     log_dir = str(tmp_path / name)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("".join(f"{h} slots=2\n" for h in slurm.hosts))
-    argv = [sys.executable, "-m", "dsnd", "launch", "--launcher", "slurm", "--hostfile",
-            str(hostfile), "--master-port", str(free_port()),
-            *_args([*SETS, f"log.dir={log_dir}"])]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env=rank_env(slurm.env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dsnd",
+        "launch",
+        "--launcher",
+        "slurm",
+        "--hostfile",
+        str(hostfile),
+        "--master-port",
+        str(free_port()),
+        *_args([*SETS, f"log.dir={log_dir}"]),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=rank_env(slurm.env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, log_dir
 
 
@@ -94,8 +123,11 @@ def test_srun_pp2_dp2_zero3_across_two_slurm_nodes_equals_the_reference(
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in rows] == pytest.approx(reference_losses, rel=1e-4)
     # the step ran on both Slurm nodes, two tasks each
-    job = next(line for line in slurm.run("scontrol", "show", "job", "--oneliner").stdout
-               .splitlines() if "JobName=dsnd-" in line)  # fmt: skip
+    job = next(
+        line
+        for line in slurm.run("scontrol", "show", "job", "--oneliner").stdout.splitlines()
+        if "JobName=dsnd-" in line
+    )
     assert "NodeList=127.0.0.[1-2]" in job and "NumTasks=4" in job, job
     assert "JobState=COMPLETED" in job and "ExitCode=0:0" in job, job
 
@@ -125,9 +157,18 @@ def test_sbatch_script_time_limit_save_requeue_and_failure_requeue_continue_exac
     log_dir, output, tag = tmp_path / "log", tmp_path / "job.out", uuid.uuid4().hex
     # sbatch passes on the environment it is run in, as from a user's shell
     env = rank_env({"DSND_PYTHON": sys.executable, TAG: tag})
-    submit = slurm.run("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--time=30",
-                       f"--output={output}", os.path.join(ROOT, "launch", "sbatch_train.sh"),
-                       *_args([*SETS, f"log.dir={log_dir}"]), env=env, cwd=tmp_path)  # fmt: skip
+    submit = slurm.run(
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--time=30",
+        f"--output={output}",
+        os.path.join(ROOT, "launch", "sbatch_train.sh"),
+        *_args([*SETS, f"log.dir={log_dir}"]),
+        env=env,
+        cwd=tmp_path,
+    )
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip()
     queued = ("PENDING", "CONFIGURING", "RUNNING")
@@ -147,7 +188,10 @@ def test_sbatch_script_time_limit_save_requeue_and_failure_requeue_continue_exac
     info = slurm.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED"), TIMEOUT)
     text = output.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "2"), (
-        text[-3000:], info, slurm.log_text())  # fmt: skip
+        text[-3000:],
+        info,
+        slurm.log_text(),
+    )
     root = log_dir / "checkpoints"
     assert "time limit near; stopping every task after its current step" in text
     assert "saved before the time limit; requeued to continue" in text
@@ -163,8 +207,9 @@ def test_sbatch_script_time_limit_save_requeue_and_failure_requeue_continue_exac
     assert_same_steps(rows, [want[r["step"]] for r in rows])
 
 
-def test_sigterm_to_dsnd_launch_reaches_the_tasks_which_save_and_exit_0(slurm, uninterrupted,
-                                                                       tmp_path):  # fmt: skip
+def test_sigterm_to_dsnd_launch_reaches_the_tasks_which_save_and_exit_0(
+    slurm, uninterrupted, tmp_path
+):
     proc, log_dir = _launch(slurm, tmp_path, "stopped")
     _wait_rows(log_dir, 2, lambda: proc.poll() is None)
     proc.send_signal(signal.SIGTERM)

@@ -39,12 +39,23 @@ KILL_AT = 4  # the committed checkpoint that triggers the kill, and the restart'
 KILLED_RANK = 3  # a worker of the agent on 127.0.0.2
 TIMEOUT = 300
 TAG = "DSND_TEST_RUN"
-SETS = (f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.resume=never",
-        "log.tensorboard=false")  # fmt: skip
+SETS = (
+    f"train.steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+    "checkpoint.resume=never",
+    "log.tensorboard=false",
+)
 ZERO3 = os.path.join(ROOT, "ds_configs", "zero3.json")
 # what the remote shell must be told: an ssh session only has the PATH sshd sets
-REMOTE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DS_ACCELERATOR", "PYTHONUNBUFFERED",
-              "PYTHONPATH", "TORCH_EXTENSIONS_DIR", TAG)  # fmt: skip
+REMOTE_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "DS_ACCELERATOR",
+    "PYTHONUNBUFFERED",
+    "PYTHONPATH",
+    "TORCH_EXTENSIONS_DIR",
+    TAG,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +74,14 @@ def reference() -> list[dict]:
         "assert [res.ds.get(k) for k in keys] == [ds3.get(k) for k in keys], (res.ds, ds3);"
         "print(json.dumps(reference_rows(res)))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=rank_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -73,17 +90,48 @@ def torchrun_argv(addr: str, endpoint: str, run_id: str, log_dir: str) -> list[s
     """One agent's command. `is_host` says which agent serves the rendezvous store: torch would
     guess that every agent does (the endpoint is a loopback address) and let the later ones fall
     back to clients."""
-    return ["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "1",
-            "--local-addr", addr, "--rdzv-conf", f"is_host={int(addr == '127.0.0.1')}",
-            "-m", "dsnd", "train", "--set", "parallel.pp=2", "--set", f"deepspeed={ZERO3}",
-            "--set", f"log.dir={log_dir}", *[a for s in SETS for a in ("--set", s)]]  # fmt: skip
+    return [
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--max-restarts",
+        "1",
+        "--local-addr",
+        addr,
+        "--rdzv-conf",
+        f"is_host={int(addr == '127.0.0.1')}",
+        "-m",
+        "dsnd",
+        "train",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        f"deepspeed={ZERO3}",
+        "--set",
+        f"log.dir={log_dir}",
+        *[a for s in SETS for a in ("--set", s)],
+    ]
 
 
 def start(argv: list[str], env: dict[str, str], log_path) -> subprocess.Popen:
     with open(log_path, "w") as out:  # a file: nobody reads the output while the job runs
-        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def workers(tag: str) -> dict[int, tuple[int, dict[str, str]]]:
@@ -131,11 +179,15 @@ def test_torchrun_two_agents_restart_from_the_jobs_checkpoint(cluster, tmp_path,
     logs = [tmp_path / "agent_127.0.0.1.log", tmp_path / "agent_127.0.0.2.log"]
     t0 = time.monotonic()
     agents = [
-        start([*cluster.prefix, *torchrun_argv("127.0.0.1", endpoint, run_id, log_dir)],
-              env, logs[0]),
-        start([*cluster.prefix, "ssh", "127.0.0.2", f"cd {shlex.quote(ROOT)} && exec {remote}"],
-              env, logs[1]),
-    ]  # fmt: skip
+        start(
+            [*cluster.prefix, *torchrun_argv("127.0.0.1", endpoint, run_id, log_dir)], env, logs[0]
+        ),
+        start(
+            [*cluster.prefix, "ssh", "127.0.0.2", f"cd {shlex.quote(ROOT)} && exec {remote}"],
+            env,
+            logs[1],
+        ),
+    ]
 
     def output() -> str:
         return "".join(f"\n--- {p.name}:\n{p.read_text()[-4000:]}" for p in logs)
@@ -176,9 +228,16 @@ def test_torchrun_two_agents_restart_from_the_jobs_checkpoint(cluster, tmp_path,
 
     # who ran where, and what torchrun told them
     assert sorted(running) == [0, 1, 2, 3]
-    told = ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-            "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
+    told = (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "LOCAL_WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    )
     print({rank: {k: e.get(k) for k in told} for rank, (_, e) in sorted(running.items())})
     hosts = {rank: host_of(cluster, e) for rank, (_, e) in running.items()}
     assert hosts == {0: None, 1: None, 2: "127.0.0.2", 3: "127.0.0.2"}, hosts
@@ -208,9 +267,20 @@ def test_sigterm_to_torchrun_reaches_every_worker_which_saves_one_step(tmp_path,
     """Preemption: torchrun passes SIGTERM to its workers (then exits 1 itself, raising its
     SignalException); they stop after one same step and commit it."""
     tag, log_dir = uuid.uuid4().hex, str(tmp_path / "log")
-    argv = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "dsnd", "train",
-            "--set", "parallel.pp=2", "--set", f"log.dir={log_dir}",
-            *[a for s in SETS for a in ("--set", s)]]  # fmt: skip
+    argv = [
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dsnd",
+        "train",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        f"log.dir={log_dir}",
+        *[a for s in SETS for a in ("--set", s)],
+    ]
     agent = start(argv, rank_env({TAG: tag}), tmp_path / "agent.log")
     try:
         deadline = time.monotonic() + TIMEOUT

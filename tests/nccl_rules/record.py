@@ -29,11 +29,24 @@ HERE = "/" + os.path.abspath(__file__).replace(os.sep, "/").lstrip("/")
 
 P2P = {"send": "send", "recv": "recv", "recv_anysource": "recv_any"}
 COLLECTIVES = (
-    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-    "reduce_scatter_tensor_coalesced", "reduce", "broadcast", "alltoall", "alltoall_base",
-    "barrier", "monitored_barrier", "gather", "scatter",
-)  # fmt: skip
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced",
+    "reduce",
+    "broadcast",
+    "alltoall",
+    "alltoall_base",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "scatter",
+)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -89,8 +102,9 @@ class Recorder:
         dtype = str(tensors[0].dtype) if tensors else ""
         op_id = self.ops
         self.ops += 1
-        self.events.append(["op", op_id, P2P.get(name, name), group, peer, payload, dtype,
-                            self.batch, _where()])  # fmt: skip
+        self.events.append(
+            ["op", op_id, P2P.get(name, name), group, peer, payload, dtype, self.batch, _where()]
+        )
         if isinstance(work, Work):
             self.works[id(work)] = op_id
 

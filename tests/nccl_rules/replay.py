@@ -35,8 +35,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 MODES = ("lazy", "eager")
-SAME_SIZE = ("allreduce", "broadcast", "reduce", "barrier", "_allgather_base",
-             "_reduce_scatter_base")  # fmt: skip
+SAME_SIZE = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "_allgather_base",
+    "_reduce_scatter_base",
+)
 """Collectives whose payload must be the same on every member (all-to-alls and gathers of
 objects may differ)."""
 
@@ -59,8 +65,10 @@ class Op:
     def __str__(self) -> str:
         peer = f" peer {self.peer}" if self.peer >= 0 else ""
         batch = f" in batch {self.batch}" if self.batch is not None else ""
-        return (f"rank {self.rank} op {self.id} {self.name}{peer} on group {self.group}{batch} "
-                f"({self.nbytes} B {self.dtype}) at {self.where}")  # fmt: skip
+        return (
+            f"rank {self.rank} op {self.id} {self.name}{peer} on group {self.group}{batch} "
+            f"({self.nbytes} B {self.dtype}) at {self.where}"
+        )
 
 
 @dataclass
@@ -73,8 +81,10 @@ class Rank:
 
 def load(folder: str) -> list[dict]:
     """Every rank's record in `folder`, in rank order."""
-    names = sorted((n for n in os.listdir(folder) if n.startswith("rank_") and n.endswith(".json")),
-                   key=lambda n: int(n[5:-5]))  # fmt: skip
+    names = sorted(
+        (n for n in os.listdir(folder) if n.startswith("rank_") and n.endswith(".json")),
+        key=lambda n: int(n[5:-5]),
+    )
     records = []
     for name in names:
         with open(os.path.join(folder, name)) as f:
@@ -113,11 +123,18 @@ def replay(records: list[dict], mode: str = "lazy") -> list[str]:
     """The problems of running `records` (one per rank) under NCCL's rules in `mode`."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    ops = {(rec["rank"], ev[1]): Op(rec["rank"], *ev[1:])
-           for rec in records for ev in rec["events"] if ev[0] == "op"}  # fmt: skip
+    ops = {
+        (rec["rank"], ev[1]): Op(rec["rank"], *ev[1:])
+        for rec in records
+        for ev in rec["events"]
+        if ev[0] == "op"
+    }
     members = _assign(ops, records, mode)
-    problems = [f"{op}: receive from any source (NCCL has none)" for op in ops.values()
-                if op.name == "recv_any"]  # fmt: skip
+    problems = [
+        f"{op}: receive from any source (NCCL has none)"
+        for op in ops.values()
+        if op.name == "recv_any"
+    ]
     ranks = {rec["rank"]: Rank(rec["rank"], rec["events"]) for rec in records}
     by_match: dict[tuple, list[Op]] = {}
     for op in ops.values():

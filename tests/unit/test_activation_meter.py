@@ -152,10 +152,14 @@ def test_a_llama_stack_gets_the_same_gradients_and_bytes_that_double_with_the_mi
 
     def run(micro: int, meter: ActivationMeter | None) -> dict:
         model = LayerStack(layer_specs(dims), seed=0)
-        ids = torch.randint(0, dims.vocab_size, (micro, 33),
-                            generator=torch.Generator().manual_seed(0))  # fmt: skip
-        block = meter.forward(0) if meter else torch.autograd.graph.saved_tensors_hooks(
-            lambda t: t, lambda t: t)  # fmt: skip
+        ids = torch.randint(
+            0, dims.vocab_size, (micro, 33), generator=torch.Generator().manual_seed(0)
+        )
+        block = (
+            meter.forward(0)
+            if meter
+            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        )
         with block:
             loss = lm_loss(model(ids[:, :-1]), ids[:, 1:])
         loss.backward()

@@ -140,8 +140,14 @@ def test_targets():
 
 def test_row_json_has_the_five_keys_and_an_optional_note():
     row = rw.Row("throughput_ratio", 1.2, rw.Target.at_least(1.0), note="why")
-    assert row.as_json() == {"bench": "pipeline", "metric": "throughput_ratio", "value": 1.2,
-                             "target": ">= 1", "met": True, "note": "why"}  # fmt: skip
+    assert row.as_json() == {
+        "bench": "pipeline",
+        "metric": "throughput_ratio",
+        "value": 1.2,
+        "target": ">= 1",
+        "met": True,
+        "note": "why",
+    }
     info = rw.Row("dsnd_tokens_per_s", 3000.0).as_json()
     assert info["target"] is None and info["met"] is None and "note" not in info
 
@@ -187,14 +193,23 @@ def _raw(ours: list[float], theirs: list[float], p: int = 2) -> dict:
     plan = _plan("1f1b", p, 8)
     for i, (o, t) in enumerate(zip(ours, theirs, strict=True)):
         pipe = [o, o - 0.1, *[o] * (p - 2)]
-        reps.append({
-            "rep": i, "timed": i > 0, "order": "dsnd-first",
-            "dsnd": {"step_s": [o, o - 0.01, *[o] * (p - 2)], "stage_s": [o + 0.2] * p,
-                     "pipe_s": pipe, "wait_s": [0.05, *[0.0] * (p - 1)],
-                     "ops": [STAGE_OPS[min(s, 1)] for s in range(p)],
-                     "instr_s": [_instr_s(plan, s) for s in range(p)], "loss": 5.0 + i},
-            "deepspeed": {"step_s": [t - 0.01, *[t] * (p - 1)], "loss": 5.0 + i + 1e-6 * i},
-        })  # fmt: skip
+        reps.append(
+            {
+                "rep": i,
+                "timed": i > 0,
+                "order": "dsnd-first",
+                "dsnd": {
+                    "step_s": [o, o - 0.01, *[o] * (p - 2)],
+                    "stage_s": [o + 0.2] * p,
+                    "pipe_s": pipe,
+                    "wait_s": [0.05, *[0.0] * (p - 1)],
+                    "ops": [STAGE_OPS[min(s, 1)] for s in range(p)],
+                    "instr_s": [_instr_s(plan, s) for s in range(p)],
+                    "loss": 5.0 + i,
+                },
+                "deepspeed": {"step_s": [t - 0.01, *[t] * (p - 1)], "loss": 5.0 + i + 1e-6 * i},
+            }
+        )
     return {
         "layout": {
             "pp": p,
@@ -208,7 +223,7 @@ def _raw(ours: list[float], theirs: list[float], p: int = 2) -> dict:
             "warmup": 1,
             "ranks": p,
             "cores": 2,
-        },  # fmt: skip
+        },
         "reps": reps,
         "plan": plan,
         "latency_s": 0.001,
@@ -235,8 +250,9 @@ def test_pipeline_rows_from_raw_measurements():
     assert rows["bubble_ratio"].target.text == "<= 1.1"
     assert rows["throughput_ratio"].target.text == ">= 1.1"
     # replayed at the measured costs: stage 0 F 20 ms, B 40 ms; stage 1 F 30 ms, B 50 ms
-    stages = sr.idle_fraction(sr.replay(raw["plan"], [{"F": 0.02, "B": 0.04},
-                                                      {"F": 0.03, "B": 0.05}]))  # fmt: skip
+    stages = sr.idle_fraction(
+        sr.replay(raw["plan"], [{"F": 0.02, "B": 0.04}, {"F": 0.03, "B": 0.05}])
+    )
     assert rows["bubble_fraction_stages"].value == pytest.approx(stages)
     assert stages > theory  # the slower stage 1 leaves stage 0 idle in every cycle
     dispatch = [(1.0 - 0.05 - 0.48) / 16, (0.9 - 0.64) / 16]  # rep with T = 1.0 (median)
@@ -253,8 +269,9 @@ def test_pipeline_rows_from_raw_measurements():
     first = [row.metric for row in r.pipeline_rows(raw)][:1]
     assert first == ["throughput_ratio"]
     lines = rw.json_lines(r.pipeline_rows(raw)).split("\n")
-    assert all(set(json.loads(line)) >= {"bench", "metric", "value", "target", "met"}
-               for line in lines)  # fmt: skip
+    assert all(
+        set(json.loads(line)) >= {"bench", "metric", "value", "target", "met"} for line in lines
+    )
 
 
 def test_pipeline_rows_need_a_timed_repetition():
@@ -265,8 +282,12 @@ def test_pipeline_rows_need_a_timed_repetition():
 
 def test_bench_cli_parses_options():
     args = cli.build_parser().parse_args(["bench", "pipeline", "--json", "--micro-batches", "4"])
-    assert (args.command, args.name, args.json, args.micro_batches) == ("bench", "pipeline",
-                                                                       True, 4)  # fmt: skip
+    assert (args.command, args.name, args.json, args.micro_batches) == (
+        "bench",
+        "pipeline",
+        True,
+        4,
+    )
     assert (args.steps, args.warmup) == (None, None)  # the bench's own (DEFAULT_REPS)
 
 
@@ -302,11 +323,20 @@ def _plan(name: str, p: int, m: int, v: int = 1) -> dict:
     }
 
 
-def _run(step: float, pipe: list[float], wait: list[float], ops: list[dict],
-         loss: float = 5.0) -> dict:  # fmt: skip
+def _run(
+    step: float, pipe: list[float], wait: list[float], ops: list[dict], loss: float = 5.0
+) -> dict:
     """One schedule's step as the rank program merges it: per-rank lists, one loss."""
-    return {"stage_s": [step] * 2, "step_s": [step] * 2, "pipe_s": pipe, "wait_s": wait,
-            "optimizer_s": [0.0] * 2, "times": [{}] * 2, "ops": ops, "loss": loss}  # fmt: skip
+    return {
+        "stage_s": [step] * 2,
+        "step_s": [step] * 2,
+        "pipe_s": pipe,
+        "wait_s": wait,
+        "optimizer_s": [0.0] * 2,
+        "times": [{}] * 2,
+        "ops": ops,
+        "loss": loss,
+    }
 
 
 ONE_F_ONE_B_OPS = [{"F": 0.5, "B": 1.0}] * 2  # 4 micro-batches: F 0.125 s, B 0.25 s
@@ -315,17 +345,25 @@ ZB_OPS = [{"F": 0.5, "I": 0.25, "W": 0.25}] * 2  # F 0.125 s, I = W = 0.0625 s
 
 def _section(pp4: bool = False) -> dict:
     """p=2, m=4: a warm-up repetition (left out) and two timed ones of 1F1B and ZB-H1."""
-    base = {"1f1b": (9.0, [9.0, 9.0], [0.0, 0.0], ONE_F_ONE_B_OPS),
-            "zb-h1": (0.1, [9.0, 9.0], [0.0, 0.0], ZB_OPS)}  # fmt: skip
+    base = {
+        "1f1b": (9.0, [9.0, 9.0], [0.0, 0.0], ONE_F_ONE_B_OPS),
+        "zb-h1": (0.1, [9.0, 9.0], [0.0, 0.0], ZB_OPS),
+    }
     warm = {"1f1b": _run(*base["1f1b"], loss=5.0), "zb-h1": _run(*base["zb-h1"], loss=5.00025)}
     timed = [
-        {"1f1b": _run(1.25, [1.0, 0.875], [0.25, 0.125], ONE_F_ONE_B_OPS),
-         "zb-h1": _run(1.0, [1.125, 1.0], [0.25, 0.0], ZB_OPS)},
-        {"1f1b": _run(1.5, [1.0, 0.875], [0.25, 0.125], ONE_F_ONE_B_OPS),
-         "zb-h1": _run(1.25, [1.125, 1.0], [0.25, 0.0], ZB_OPS)},
-    ]  # fmt: skip
-    reps = [{"rep": i, "timed": i > 0, "order": list(runs), "runs": runs}
-            for i, runs in enumerate([warm, *timed])]  # fmt: skip
+        {
+            "1f1b": _run(1.25, [1.0, 0.875], [0.25, 0.125], ONE_F_ONE_B_OPS),
+            "zb-h1": _run(1.0, [1.125, 1.0], [0.25, 0.0], ZB_OPS),
+        },
+        {
+            "1f1b": _run(1.5, [1.0, 0.875], [0.25, 0.125], ONE_F_ONE_B_OPS),
+            "zb-h1": _run(1.25, [1.125, 1.0], [0.25, 0.0], ZB_OPS),
+        },
+    ]
+    reps = [
+        {"rep": i, "timed": i > 0, "order": list(runs), "runs": runs}
+        for i, runs in enumerate([warm, *timed])
+    ]
     return {
         "layout": {
             "pp": 2,
@@ -336,7 +374,7 @@ def _section(pp4: bool = False) -> dict:
             "cores": 2,
             "model": "preset llama-tiny",
             "layers": 4,
-        },  # fmt: skip
+        },
         "plans": {"1f1b": _plan("1f1b", 2, 4), "zb-h1": _plan("zb-h1", 2, 4)},
         "reps": reps,
     }
@@ -344,9 +382,15 @@ def _section(pp4: bool = False) -> dict:
 
 @pytest.mark.parametrize(
     ("name", "p", "m", "v", "want"),
-    [("1f1b", 2, 8, 1, 1 / 8), ("gpipe", 4, 8, 1, 3 / 8), ("interleaved-1f1b", 2, 8, 2, 1 / 16),
-     ("interleaved-1f1b", 4, 8, 2, 3 / 16), ("zb-h1", 2, 8, 1, 1 / 24), ("zb-h1", 4, 8, 1, 1 / 8)],
-)  # fmt: skip
+    [
+        ("1f1b", 2, 8, 1, 1 / 8),
+        ("gpipe", 4, 8, 1, 3 / 8),
+        ("interleaved-1f1b", 2, 8, 2, 1 / 16),
+        ("interleaved-1f1b", 4, 8, 2, 3 / 16),
+        ("zb-h1", 2, 8, 1, 1 / 24),
+        ("zb-h1", 4, 8, 1, 1 / 8),
+    ],
+)
 def test_unit_bubble_is_the_timeline_at_unit_costs(name, p, m, v, want):
     assert sr.unit_bubble(name, p, m, v) == pytest.approx(want)
     cost = {op: c / v for op, c in UNIT_COST.items()}
@@ -368,15 +412,26 @@ def test_measured_bubble_is_idle_over_busy_of_the_busiest_stage():
 def test_per_instruction_costs_from_op_seconds():
     plan = _plan("zb-h1", 2, 4)
     assert [sr.op_counts(p) for p in sr.plan_programs(plan)[0]] == [{"F": 4, "I": 4, "W": 4}] * 2
-    runs = [_run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 0.5, "I": 0.0, "W": 1.0},
-                                                {"F": 1.0, "I": 0.5, "W": 0.5}]),
-            _run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 1.5, "I": 0.0, "W": 1.0},
-                                                {"F": 1.0, "I": 0.5, "W": 0.5}]),
-            _run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 2.5, "W": 1.0},
-                                                {"F": 1.0, "I": 0.5, "W": 0.5}])]  # fmt: skip
+    runs = [
+        _run(
+            1.0,
+            [1.0, 1.0],
+            [0.0, 0.0],
+            [{"F": 0.5, "I": 0.0, "W": 1.0}, {"F": 1.0, "I": 0.5, "W": 0.5}],
+        ),
+        _run(
+            1.0,
+            [1.0, 1.0],
+            [0.0, 0.0],
+            [{"F": 1.5, "I": 0.0, "W": 1.0}, {"F": 1.0, "I": 0.5, "W": 0.5}],
+        ),
+        _run(1.0, [1.0, 1.0], [0.0, 0.0], [{"F": 2.5, "W": 1.0}, {"F": 1.0, "I": 0.5, "W": 0.5}]),
+    ]
     # medians over runs per stage (stage 0's F: 0.5, 1.5, 2.5 -> 1.5 over 4 forwards)
-    assert sr.stage_op_costs(plan, runs) == [{"F": 0.375, "I": 0.0, "W": 0.25},
-                                            {"F": 0.25, "I": 0.125, "W": 0.125}]  # fmt: skip
+    assert sr.stage_op_costs(plan, runs) == [
+        {"F": 0.375, "I": 0.0, "W": 0.25},
+        {"F": 0.25, "I": 0.125, "W": 0.125},
+    ]
     assert sr.op_costs(plan, runs) == {"F": 0.3125, "I": 0.0625, "W": 0.1875}
     assert sr.compute_seconds(runs[0]) == 3.5
     assert sr.per_micro_batch(runs, 4) == [(0.375, 0.25), (0.25, 0.25)]
@@ -392,22 +447,34 @@ def test_predicted_bubble_at_measured_costs():
 
 
 def test_step_parts_of_the_busiest_stage():
-    runs = [_run(1.0, [1.125, 1.0], [0.25, 0.0], ZB_OPS),
-            _run(1.25, [1.125, 1.0], [0.25, 0.0], [ZB_OPS[0], {"F": 0.5, "I": 0.25}])]  # fmt: skip
+    runs = [
+        _run(1.0, [1.125, 1.0], [0.25, 0.0], ZB_OPS),
+        _run(1.25, [1.125, 1.0], [0.25, 0.0], [ZB_OPS[0], {"F": 0.5, "I": 0.25}]),
+    ]
     # stage 1 is the busiest (1.0 s); it computes 1.0 s, then 0.75 s, the rest is messages
-    assert sr.step_parts(runs) == {"compute": 0.875, "receive waits": 0.0,
-                                  "messages and dispatch": 0.125,
-                                  "reduce, optimizer, loss": 0.125}  # fmt: skip
+    assert sr.step_parts(runs) == {
+        "compute": 0.875,
+        "receive waits": 0.0,
+        "messages and dispatch": 0.125,
+        "reduce, optimizer, loss": 0.125,
+    }
 
 
 def test_schedule_rows_against_1f1b():
     rows = {row.metric: row for row in sr.schedule_rows(_section())}
     assert list(rows) == [
-        "1f1b_bubble_ratio", "1f1b_bubble_measured", "1f1b_bubble_theory",
-        "1f1b_bubble_theory_unit", "zb-h1_throughput_vs_1f1b", "zb-h1_compute_vs_1f1b",
-        "zb-h1_first_step_loss_rel_diff", "zb-h1_bubble_ratio", "zb-h1_bubble_measured",
-        "zb-h1_bubble_theory", "zb-h1_bubble_theory_unit",
-    ]  # fmt: skip
+        "1f1b_bubble_ratio",
+        "1f1b_bubble_measured",
+        "1f1b_bubble_theory",
+        "1f1b_bubble_theory_unit",
+        "zb-h1_throughput_vs_1f1b",
+        "zb-h1_compute_vs_1f1b",
+        "zb-h1_first_step_loss_rel_diff",
+        "zb-h1_bubble_ratio",
+        "zb-h1_bubble_measured",
+        "zb-h1_bubble_theory",
+        "zb-h1_bubble_theory_unit",
+    ]
     # 1F1B: busy 0.75 of a 1.0 s makespan -> 1/3, against (p-1)/m = 1/4 -> 4/3, over 1.15
     assert rows["1f1b_bubble_measured"].value == pytest.approx(1 / 3)
     assert rows["1f1b_bubble_theory"].value == pytest.approx(0.25)
@@ -446,9 +513,10 @@ def test_schedule_rows_without_a_bubble_target_below_two_micro_batches_per_stage
 def test_pp4_rows_are_bubbles_only_without_targets():
     rows = sr.schedule_rows(_section(pp4=True), prefix="pp4_", compare=False)
     assert [row.metric for row in rows] == [
-        f"pp4_{name}_bubble_{what}" for name in ("1f1b", "zb-h1")
+        f"pp4_{name}_bubble_{what}"
+        for name in ("1f1b", "zb-h1")
         for what in ("ratio", "measured", "theory", "theory_unit")
-    ]  # fmt: skip
+    ]
     assert all(row.target is None for row in rows)
     assert rows[0].value == pytest.approx(4 / 3)
     assert rows[0].note.endswith("; 4 ranks share 2 cores, no target")
@@ -457,8 +525,10 @@ def test_pp4_rows_are_bubbles_only_without_targets():
 def test_pipeline_rows_put_the_schedule_phases_after_the_bubble_rows():
     raw = _raw(ours=[9.0, 1.0, 1.0, 2.0], theirs=[9.0, 1.5, 2.0, 2.0])
     plain = [row.metric for row in r.pipeline_rows(raw)]
-    pp4_raw = {**_raw(ours=[9.0, 2.0, 2.0], theirs=[9.0, 1.9, 2.4], p=4),
-               "schedules": _section(pp4=True)}  # fmt: skip
+    pp4_raw = {
+        **_raw(ours=[9.0, 2.0, 2.0], theirs=[9.0, 1.9, 2.4], p=4),
+        "schedules": _section(pp4=True),
+    }
     raw["schedules"], raw["pp4"] = _section(), pp4_raw
     metrics = [row.metric for row in r.pipeline_rows(raw)]
     schedules = [row.metric for row in sr.schedule_rows(raw["schedules"])]
@@ -469,8 +539,10 @@ def test_pipeline_rows_put_the_schedule_phases_after_the_bubble_rows():
 
 def test_pp4_against_deepspeed_has_a_throughput_target_and_bubbles_without():
     raw = _raw(ours=[9.0, 1.0], theirs=[9.0, 1.0])
-    raw["pp4"] = {**_raw(ours=[9.0, 2.0, 2.0], theirs=[9.0, 1.9, 2.4], p=4),
-                  "schedules": _section(pp4=True)}  # fmt: skip
+    raw["pp4"] = {
+        **_raw(ours=[9.0, 2.0, 2.0], theirs=[9.0, 1.9, 2.4], p=4),
+        "schedules": _section(pp4=True),
+    }
     rows = {row.metric: row for row in r.pipeline_rows(raw)}
     assert rows["pp4_throughput_ratio"].value == pytest.approx((1.9 / 2 + 2.4 / 2) / 2)
     assert rows["pp4_throughput_ratio"].target == r.THROUGHPUT_TARGET
@@ -493,8 +565,10 @@ def test_replay_prices_each_message_on_both_sides_and_in_flight():
     stages = sr.replay(_plan("1f1b", 2, 1), [{"F": f, "B": b}] * 2, [d, d], lat)
     makespan, busy = 2 * (f + b) + 4 * d + 2 * lat, f + b + 2 * d
     # stage 1's span ends with its send; stage 0's with its backward, the step's last action
-    assert stages == [pytest.approx((makespan, busy)), pytest.approx((2 * f + b + 3 * d + lat,
-                                                                       busy))]  # fmt: skip
+    assert stages == [
+        pytest.approx((makespan, busy)),
+        pytest.approx((2 * f + b + 3 * d + lat, busy)),
+    ]
     assert sr.idle_fraction(stages) == pytest.approx((makespan - busy) / makespan)
 
 
@@ -515,10 +589,18 @@ def test_replay_run_takes_each_instruction_as_long_as_it_took():
         """Stage 0's F(i) takes f[i], every other compute b, each receive `recv` (no waits),
         sends 0; `between` per pipelined instruction outside them."""
         stages = [
-            [f[m] if (s, op) == (0, "F") else b if op in ("F", "B")
-             else recv if op.startswith("recv") else 0.0 for op, m, _ in program]
+            [
+                f[m]
+                if (s, op) == (0, "F")
+                else b
+                if op in ("F", "B")
+                else recv
+                if op.startswith("recv")
+                else 0.0
+                for op, m, _ in program
+            ]
             for s, program in enumerate(plan["programs"])
-        ]  # fmt: skip
+        ]
         pipe = [sum(t) + between * (len(t) - 2) for t in stages]  # all but reduce and step
         return {"instr_s": stages, "wait_s": [0.0, 0.0], "pipe_s": pipe}
 
@@ -531,8 +613,9 @@ def test_replay_run_takes_each_instruction_as_long_as_it_took():
     assert sr.replay_run(plan, run([2.0] * 8, 2.0), 0.5)[0][0] > steady[0][0]  # latency
     # time between instructions and a receive's own time are the stage's, like a dispatch
     spaced = sr.replay_run(plan, run([2.0] * 8, 2.0, between=0.5), 0.0)
-    assert spaced == [pytest.approx(x) for x in sr.replay(plan, [{"F": 2.5, "B": 2.5}] * 2,
-                                                          [0.5, 0.5])]  # fmt: skip
+    assert spaced == [
+        pytest.approx(x) for x in sr.replay(plan, [{"F": 2.5, "B": 2.5}] * 2, [0.5, 0.5])
+    ]
     assert sr.replay_run(plan, run([2.0] * 8, 2.0, recv=0.5), 0.0)[0][1] == 32.0 + 8 * 0.5
 
 
@@ -571,8 +654,13 @@ def test_target_below_is_strict():
 
 
 def _times(forward: float, backward: float) -> dict:
-    return {"forward": forward, "backward": backward, "comm": 0.5, "optimizer": 0.25,
-            "pipeline_wait": 0.125}  # fmt: skip
+    return {
+        "forward": forward,
+        "backward": backward,
+        "comm": 0.5,
+        "optimizer": 0.25,
+        "pipeline_wait": 0.125,
+    }
 
 
 def _partition_raw(profile_parts: list[int] | None = None) -> dict:
@@ -589,21 +677,47 @@ def _partition_raw(profile_parts: list[int] | None = None) -> dict:
 
     reps = [  # (parameters, profile) per repetition; the first is warm-up
         (run([(9.0, 9.0), (9.0, 9.0)], [50.0, 50.0]), run([(1.0, 1.0), (1.0, 1.0)], [5.0, 5.0])),
-        (run([(0.001, 0.002), (0.004, 0.008)], [0.020, 0.021]),
-         run([(0.002, 0.004), (0.003, 0.005)], [0.015, 0.014])),
-        (run([(0.001, 0.001), (0.006, 0.010)], [0.024, 0.024]),
-         run([(0.002, 0.002), (0.004, 0.006)], [0.018, 0.018])),
-    ]  # fmt: skip
+        (
+            run([(0.001, 0.002), (0.004, 0.008)], [0.020, 0.021]),
+            run([(0.002, 0.004), (0.003, 0.005)], [0.015, 0.014]),
+        ),
+        (
+            run([(0.001, 0.001), (0.006, 0.010)], [0.024, 0.024]),
+            run([(0.002, 0.002), (0.004, 0.006)], [0.018, 0.018]),
+        ),
+    ]
     return {
-        "layout": {"pp": 2, "dp": 1, "micro": 1, "micro_batches": 2, "seq_len": 8,
-                   "model": "preset tiny", "vocab_size": 1000, "hidden_size": 4, "blocks": 1,
-                   "zero_stage": 0, "schedule": "1f1b", "memory_cap_gb": None,
-                   "tokens_per_step": 16, "warmup": 1, "ranks": 2, "cores": 2, "threads": 1},
+        "layout": {
+            "pp": 2,
+            "dp": 1,
+            "micro": 1,
+            "micro_batches": 2,
+            "seq_len": 8,
+            "model": "preset tiny",
+            "vocab_size": 1000,
+            "hidden_size": 4,
+            "blocks": 1,
+            "zero_stage": 0,
+            "schedule": "1f1b",
+            "memory_cap_gb": None,
+            "tokens_per_step": 16,
+            "warmup": 1,
+            "ranks": 2,
+            "cores": 2,
+            "threads": 1,
+        },
         "layers": layers,
         "parts": {"parameters": [0, 1, 3], "profile": profile_parts or [0, 2, 3]},
-        "reps": [{"rep": i, "timed": i > 0, "order": ["parameters", "profile"],
-                  "runs": {"parameters": p, "profile": q}} for i, (p, q) in enumerate(reps)],
-    }  # fmt: skip
+        "reps": [
+            {
+                "rep": i,
+                "timed": i > 0,
+                "order": ["parameters", "profile"],
+                "runs": {"parameters": p, "profile": q},
+            }
+            for i, (p, q) in enumerate(reps)
+        ],
+    }
 
 
 def test_stage_compute_sums_forward_and_backward_per_stage():
@@ -626,23 +740,32 @@ def test_partition_rows_from_hand_made_records():
     by = {row.metric: row for row in rows}
     assert all(row.bench == "partition" for row in rows)
     assert [row.metric for row in rows[:6]] == [
-        "partition_slowest_stage_ratio", "partition_predicted_slowest_stage_ratio",
-        "partition_parameters_slowest_stage_ms", "partition_profile_slowest_stage_ms",
-        "partition_step_time_ratio", "partition_first_step_loss_rel_diff",
-    ]  # fmt: skip
+        "partition_slowest_stage_ratio",
+        "partition_predicted_slowest_stage_ratio",
+        "partition_parameters_slowest_stage_ms",
+        "partition_profile_slowest_stage_ms",
+        "partition_step_time_ratio",
+        "partition_first_step_loss_rel_diff",
+    ]
     ratio = by["partition_slowest_stage_ratio"]
     # slowest stage per timed repetition: parameters 12 and 16 ms, profile 8 and 10 ms
     assert ratio.value == pytest.approx((8 / 12 + 10 / 16) / 2, rel=1e-12)
     assert (ratio.target.text, ratio.met) == ("< 1", True)
-    assert ratio.note.startswith("profile moved the boundaries (parameters [0, 1, 3], profile "
-                                 "[0, 2, 3]). ")  # fmt: skip
+    assert ratio.note.startswith(
+        "profile moved the boundaries (parameters [0, 1, 3], profile [0, 2, 3]). "
+    )
     assert "median of 2 paired repetitions in alternating order after 1 warm-up" in ratio.note
-    assert ("layers 2..2 (Head): 4.00 ms per micro-batch = 67% of parameters' predicted slowest "
-            "stage, 57% of all layers' time") in ratio.note  # fmt: skip
+    assert (
+        "layers 2..2 (Head): 4.00 ms per micro-batch = 67% of parameters' predicted slowest "
+        "stage, 57% of all layers' time"
+    ) in ratio.note
     assert "0 Embedding 1.00, 1 Block 2.00, 2 Head 4.00" in ratio.note
     promised = by["partition_predicted_slowest_stage_ratio"]
-    assert (promised.value, promised.target.text, promised.met) == (pytest.approx(4 / 6), "< 1",
-                                                                    True)  # fmt: skip
+    assert (promised.value, promised.target.text, promised.met) == (
+        pytest.approx(4 / 6),
+        "< 1",
+        True,
+    )
     assert "(8.0 vs 12.0 ms per step)" in by["partition_predicted_slowest_stage_ratio"].note
     assert by["partition_parameters_slowest_stage_ms"].value == pytest.approx(14.0)
     assert by["partition_profile_slowest_stage_ms"].value == pytest.approx(9.0)
@@ -652,14 +775,19 @@ def test_partition_rows_from_hand_made_records():
     assert (loss.value, loss.met) == (0.0, True)
     # (measured, predicted) ms per step: medians of the timed repetitions; 2 x the layer costs
     stages = [
-        (by[f"partition_{name}_stage{s}_compute_ms"].value,
-         by[f"partition_{name}_stage{s}_predicted_ms"].value)
-        for name in ("parameters", "profile") for s in (0, 1)
-    ]  # fmt: skip
+        (
+            by[f"partition_{name}_stage{s}_compute_ms"].value,
+            by[f"partition_{name}_stage{s}_predicted_ms"].value,
+        )
+        for name in ("parameters", "profile")
+        for s in (0, 1)
+    ]
     assert [m for m in by if "_stage" in m and "slowest" not in m] == [
-        f"partition_{name}_stage{s}_{what}_ms" for name in ("parameters", "profile")
-        for s in (0, 1) for what in ("compute", "predicted")
-    ]  # fmt: skip
+        f"partition_{name}_stage{s}_{what}_ms"
+        for name in ("parameters", "profile")
+        for s in (0, 1)
+        for what in ("compute", "predicted")
+    ]
     want = [(2.5, 2.0), (14.0, 12.0), (5.0, 6.0), (9.0, 8.0)]  # parameters 0, 1; profile 0, 1
     assert [pytest.approx(pair) for pair in want] == stages
     assert by["partition_parameters_stage1_compute_ms"].note == (
@@ -672,8 +800,9 @@ def test_partition_rows_without_a_target_when_profile_keeps_the_boundaries():
     rows = {row.metric: row for row in pr.partition_rows(_partition_raw([0, 1, 3]))}
     ratio = rows["partition_slowest_stage_ratio"]
     assert (ratio.target, ratio.met) == (None, None)
-    assert ratio.note.startswith("NOT EVALUATED: profile chose the same boundaries as "
-                                 "parameters ([0, 1, 3])")  # fmt: skip
+    assert ratio.note.startswith(
+        "NOT EVALUATED: profile chose the same boundaries as parameters ([0, 1, 3])"
+    )
     promised = rows["partition_predicted_slowest_stage_ratio"]
     assert (promised.value, promised.met) == (1.0, False)
 
@@ -711,7 +840,11 @@ def test_bench_cli_partition_takes_run_keys():
         ["bench", "partition", "--set", "model.num_layers=8", "--set", "model.seq_len=32"]
     )
     assert (args.name, args.sets, args.steps, args.warmup) == (
-        "partition", ["model.num_layers=8", "model.seq_len=32"], None, None)  # fmt: skip
+        "partition",
+        ["model.num_layers=8", "model.seq_len=32"],
+        None,
+        None,
+    )
 
 
 def test_pipeline_bench_resolves_its_runs_with_the_run_keys():
@@ -723,7 +856,8 @@ def test_pipeline_bench_resolves_its_runs_with_the_run_keys():
     pp4 = pp4_configs(4, 8, ["model.hidden_size=128"])
     every = [pp4["pipe"], *pp4["schedules"].values()]
     assert {(res.model.hidden_size, res.model.num_layers, res.topology.pp) for res in every} == {
-        (128, 8, 4)}  # fmt: skip
+        (128, 8, 4)
+    }
     assert pp4["pipe"].plan.schedule == "1f1b"
 
 
@@ -739,7 +873,10 @@ def test_partition_runs_differ_only_in_the_partition(tmp_path):
     parameters, profile = runs["parameters"], runs["profile"]
     assert parameters.plan.parts == (0, 1, 3, 6, 7)  # embedding and head alone: 2.05M each
     assert (profile.model.vocab_size, profile.model.hidden_size, profile.model.num_layers) == (
-        32000, 64, 4)  # fmt: skip
+        32000,
+        64,
+        4,
+    )
     assert (profile.topology.pp, profile.topology.dp, profile.batch.gas) == (4, 1, 8)
     assert profile.run.model.seq_len == 16 and profile.plan.zero_stage == 0
     assert len(os.listdir(tmp_path / "profile-cache")) == 2  # the profile's JSON and its lock

@@ -19,8 +19,15 @@ from tests.unit.test_prestart import isolated, refused  # noqa: F401  (the fixtu
 def user_dir(path, preset: str = "mistral-7b", **config_changes):
     """A random-weight model directory, as save_pretrained writes it, of `preset` at width 64
     (rope_theta, norms and the rest as published), with `config_changes` in its config.json."""
-    spec = spec_of(preset, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   ffn_size=96, vocab_size=256)  # fmt: skip
+    spec = spec_of(
+        preset,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_size=96,
+        vocab_size=256,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(spec.config, dtype=torch.float32).save_pretrained(path)
     raw = json.loads((path / "config.json").read_text())
@@ -122,6 +129,7 @@ def test_init_from_is_checked_before_start(capsys, tmp_path, command):
 def test_a_config_dsnd_cannot_honour_is_one_line(capsys, tmp_path, changes, extra, message):
     path = user_dir(tmp_path / "m", **changes)
     capsys.readouterr()  # save_pretrained's progress bars
-    got = refused(capsys, "launch", "--dry-run", "--nprocs", "4",
-                  *sets(f"model.config={path}", *extra))  # fmt: skip
+    got = refused(
+        capsys, "launch", "--dry-run", "--nprocs", "4", *sets(f"model.config={path}", *extra)
+    )
     assert got == message.format(path=path)

@@ -53,8 +53,9 @@ def test_dropped_rows_add_nothing_and_are_counted():
     want = block.mlp.experts(x.view(-1, spec.hidden_size), index, weights * keep)
     cap = Capacity(stack, 0.5, blocks=3)
     got = block.mlp.experts(x.view(-1, spec.hidden_size), index, weights)
-    assert torch.equal(got, want) and not torch.equal(got, block.mlp.experts.forward(
-        x.view(-1, spec.hidden_size), index, weights))  # fmt: skip
+    assert torch.equal(got, want) and not torch.equal(
+        got, block.mlp.experts.forward(x.view(-1, spec.hidden_size), index, weights)
+    )
     assert cap.take().tolist() == [0.0, float((~keep).sum()), 0.0] and (~keep).sum() > 0
     assert cap.take().tolist() == [0.0, 0.0, 0.0]
     block.eval()  # an evaluation's forward: capped alike, counted in no training step
@@ -62,21 +63,38 @@ def test_dropped_rows_add_nothing_and_are_counted():
     assert cap.take().tolist() == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["model.moe_capacity_factor=1.0"],
-     "model.moe_capacity_factor=1.0: preset llama-tiny is a dense model (llama), with no "
-     "experts; set it to null"),
-    (["model.preset=mixtral-tiny", "model.moe_capacity_factor=0"],
-     "model.moe_capacity_factor=0.0 must be > 0 (null = dropless)"),
-    # past the experts / top-k it grows without changing anything, up to an overflow in a rank
-    (["model.preset=mixtral-tiny", "model.moe_capacity_factor=1e300"],
-     "model.moe_capacity_factor=1e+300 must be in (0, 2] for preset mixtral-tiny (4 experts, "
-     "top-2): at 2 an expert may take every token of a forward and nothing is dropped (null = "
-     "dropless)"),
-    (["model.preset=mixtral-tiny", "model.moe_capacity_factor=1.0", "parallel.tp=2",
-      "parallel.sequence_parallel=true"],
-     "model.moe_capacity_factor=1.0: not with parallel.sequence_parallel=true, which gives "
-     "each rank a slice of every sequence (the capacity counts a rank's whole micro-batch)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["model.moe_capacity_factor=1.0"],
+            "model.moe_capacity_factor=1.0: preset llama-tiny is a dense model (llama), with no "
+            "experts; set it to null",
+        ),
+        (
+            ["model.preset=mixtral-tiny", "model.moe_capacity_factor=0"],
+            "model.moe_capacity_factor=0.0 must be > 0 (null = dropless)",
+        ),
+        # past the experts / top-k it grows without changing anything, up to an overflow in a rank
+        (
+            ["model.preset=mixtral-tiny", "model.moe_capacity_factor=1e300"],
+            "model.moe_capacity_factor=1e+300 must be in (0, 2] for preset mixtral-tiny (4 "
+            "experts, "
+            "top-2): at 2 an expert may take every token of a forward and nothing is dropped "
+            "(null = "
+            "dropless)",
+        ),
+        (
+            [
+                "model.preset=mixtral-tiny",
+                "model.moe_capacity_factor=1.0",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ],
+            "model.moe_capacity_factor=1.0: not with parallel.sequence_parallel=true, which gives "
+            "each rank a slice of every sequence (the capacity counts a rank's whole micro-batch)",
+        ),
+    ],
+)
 def test_bad_capacity_is_refused_before_start(sets, message):
     assert resolve_error(sets, 2) == message

@@ -77,8 +77,9 @@ def manifest_of(step_dir: str) -> dict:
 def recommit(step_dir: str, manifest: dict) -> None:
     """Write `manifest` as the step's manifest, every checksum recomputed from the files it
     lists (what someone covering an edit would do)."""
-    write_manifest(step_dir, {k: v for k, v in manifest.items() if k != "files"},
-                   sorted(manifest["files"]))  # fmt: skip
+    write_manifest(
+        step_dir, {k: v for k, v in manifest.items() if k != "files"}, sorted(manifest["files"])
+    )
 
 
 def reseal(step_dir: str, manifest: dict) -> None:
@@ -155,8 +156,7 @@ def test_a_symlinked_directory_inside_the_step_dir(capsys, ckpt, tmp_path):
     _, step_dir = ckpt
     shutil.move(os.path.join(step_dir, "rng"), tmp_path / "rng")
     os.symlink(tmp_path / "rng", os.path.join(step_dir, "rng"))
-    line = (f"{step_dir}/{rng_file(0)}: lies outside the step directory (through a symbolic "
-            "link)")  # fmt: skip
+    line = f"{step_dir}/{rng_file(0)}: lies outside the step directory (through a symbolic link)"
     assert verify_lines(capsys, step_dir) == [line]
     assert refused(member, step_dir, read_manifest(step_dir), rng_file(0)) == line
 
@@ -193,11 +193,13 @@ def test_an_optimizer_file_no_checksum_covers(capsys, ckpt):
     ("edit", "what"),
     [
         (lambda e: e.pop("sha256"), "its entry in the manifest's files has no 'sha256'"),
-        (lambda e: e.update(bytes="12"),
-         "'bytes' of its entry in the manifest's files is '12', expected a non-negative integer"),
+        (
+            lambda e: e.update(bytes="12"),
+            "'bytes' of its entry in the manifest's files is '12', expected a non-negative integer",
+        ),
     ],
     ids=["no sha256", "bytes a string"],
-)  # fmt: skip
+)
 def test_a_malformed_files_entry(capsys, ckpt, edit, what):
     _, step_dir = ckpt
     manifest = manifest_of(step_dir)
@@ -223,77 +225,112 @@ def test_a_files_entry_that_is_not_a_plain_path(capsys, ckpt, rel):
 
 
 MANIFEST_EDITS = {
-    "params entry without shape": (lambda m: m["params"][NORM].pop("shape"),
-                                   f"params['{NORM}'] has no 'shape'"),
-    "params entry with a string shape": (lambda m: m["params"][NORM].update(shape="64"),
-                                         f"'shape' of params['{NORM}'] is '64', expected a list "
-                                         "of non-negative integers"),
-    "params entry without file": (lambda m: m["params"][NORM].pop("file"),
-                                  f"params['{NORM}'] has no 'file'"),
-    "params entry with an unknown dtype": (lambda m: m["params"][NORM].update(dtype="F33"),
-                                           f"'dtype' of params['{NORM}'] is 'F33', expected a "
-                                           "safetensors dtype"),
+    "params entry without shape": (
+        lambda m: m["params"][NORM].pop("shape"),
+        f"params['{NORM}'] has no 'shape'",
+    ),
+    "params entry with a string shape": (
+        lambda m: m["params"][NORM].update(shape="64"),
+        f"'shape' of params['{NORM}'] is '64', expected a list of non-negative integers",
+    ),
+    "params entry without file": (
+        lambda m: m["params"][NORM].pop("file"),
+        f"params['{NORM}'] has no 'file'",
+    ),
+    "params entry with an unknown dtype": (
+        lambda m: m["params"][NORM].update(dtype="F33"),
+        f"'dtype' of params['{NORM}'] is 'F33', expected a safetensors dtype",
+    ),
     "no trainer": (lambda m: m.pop("trainer"), "the manifest has no 'trainer'"),
     "trainer without lr": (lambda m: m["trainer"].pop("lr"), "trainer has no 'lr'"),
-    "fp16 loss scaler not an object": (lambda m: m["trainer"].update(loss_scaler=65536),
-                                       "'loss_scaler' of trainer is 65536, expected an object "
-                                       "or null"),
-    "step as a string": (lambda m: m.update(step="10"),
-                         f"'step' of the manifest is '10', expected {STEP_RANGE}"),
+    "fp16 loss scaler not an object": (
+        lambda m: m["trainer"].update(loss_scaler=65536),
+        "'loss_scaler' of trainer is 65536, expected an object or null",
+    ),
+    "step as a string": (
+        lambda m: m.update(step="10"),
+        f"'step' of the manifest is '10', expected {STEP_RANGE}",
+    ),
     # trainer numbers a resume would take as they are: refused by name, with the valid range
-    "step beyond a step directory's name": (lambda m: m.update(step=10**12),
-                                            f"'step' of the manifest is 1000000000000, expected "
-                                            f"{STEP_RANGE}"),
-    "lr NaN": (lambda m: m["trainer"].update(lr=float("nan")),
-               "'lr' of trainer is nan, expected a finite number >= 0"),
-    "lr negative": (lambda m: m["trainer"].update(lr=-0.001),
-                    "'lr' of trainer is -0.001, expected a finite number >= 0"),
-    "beta of 1": (lambda m: m["trainer"].update(betas=[0.9, 1.0]),
-                  "'betas' of trainer is [0.9, 1.0], expected null or two numbers in [0, 1)"),
+    "step beyond a step directory's name": (
+        lambda m: m.update(step=10**12),
+        f"'step' of the manifest is 1000000000000, expected {STEP_RANGE}",
+    ),
+    "lr NaN": (
+        lambda m: m["trainer"].update(lr=float("nan")),
+        "'lr' of trainer is nan, expected a finite number >= 0",
+    ),
+    "lr negative": (
+        lambda m: m["trainer"].update(lr=-0.001),
+        "'lr' of trainer is -0.001, expected a finite number >= 0",
+    ),
+    "beta of 1": (
+        lambda m: m["trainer"].update(betas=[0.9, 1.0]),
+        "'betas' of trainer is [0.9, 1.0], expected null or two numbers in [0, 1)",
+    ),
     "scheduler far before its start": (
-        lambda m: m["trainer"].update(lr_scheduler={"last_batch_iteration": -10**9}),
+        lambda m: m["trainer"].update(lr_scheduler={"last_batch_iteration": -(10**9)}),
         "'last_batch_iteration' of trainer.lr_scheduler is -1000000000, expected an integer in "
-        f"[-1, {MAX_STEP}]"),
+        f"[-1, {MAX_STEP}]",
+    ),
     "scheduler state without its position": (
         lambda m: m["trainer"].update(lr_scheduler={"last_epoch": 3}),
-        "trainer.lr_scheduler has no 'last_batch_iteration'"),
+        "trainer.lr_scheduler has no 'last_batch_iteration'",
+    ),
     "fp16 loss scale infinite": (
         lambda m: m["trainer"].update(loss_scaler={"cur_scale": float("inf"), "cur_iter": 3}),
-        "'cur_scale' of trainer.loss_scaler is inf, expected a finite number > 0"),
+        "'cur_scale' of trainer.loss_scaler is inf, expected a finite number > 0",
+    ),
     "fp16 loss scaler iteration negative": (
         lambda m: m["trainer"].update(loss_scaler={"cur_scale": 2.0, "cur_iter": -4}),
-        "'cur_iter' of trainer.loss_scaler is -4, expected a non-negative integer"),
+        "'cur_iter' of trainer.loss_scaler is -4, expected a non-negative integer",
+    ),
     "topology without pp": (lambda m: m["topology"].pop("pp"), "topology has no 'pp'"),
-    "optim_keys not a list": (lambda m: m.update(optim_keys="exp_avg"),
-                              "'optim_keys' of the manifest is 'exp_avg', expected a list of "
-                              "strings"),
-    "params a list": (lambda m: m.update(params=[]),
-                      "'params' of the manifest is [], expected an object"),
-    "model with an unknown key": (lambda m: m["model"].update(heads=4),
-                                  "model has 'heads', which is not a dsnd model setting"),
-    "model without config (nor the shape before configs)": (lambda m: m["model"].pop("config"),
-                                                            "model has no 'config'"),
-    "model with an unknown family": (lambda m: m["model"].update(family="bert"),
-                                     "'family' of model is 'bert', expected one of "
-                                     f"{', '.join(f.name for f in FAMILIES)}"),
-    "model config with an unknown key": (lambda m: m["model"]["config"].update(heads=4),
-                                         "model.config: heads=4: not a LlamaConfig setting, so "
-                                         "dsnd cannot tell what it does to the model"),
-    "model config without vocab_size": (lambda m: m["model"]["config"].pop("vocab_size"),
-                                        "model.config has no 'vocab_size'"),
-    "model config with a string vocab_size": (lambda m: m["model"]["config"].update(
-                                                  vocab_size="256"),
-                                              "'vocab_size' of model.config is '256', expected "
-                                              "a positive integer"),
+    "optim_keys not a list": (
+        lambda m: m.update(optim_keys="exp_avg"),
+        "'optim_keys' of the manifest is 'exp_avg', expected a list of strings",
+    ),
+    "params a list": (
+        lambda m: m.update(params=[]),
+        "'params' of the manifest is [], expected an object",
+    ),
+    "model with an unknown key": (
+        lambda m: m["model"].update(heads=4),
+        "model has 'heads', which is not a dsnd model setting",
+    ),
+    "model without config (nor the shape before configs)": (
+        lambda m: m["model"].pop("config"),
+        "model has no 'config'",
+    ),
+    "model with an unknown family": (
+        lambda m: m["model"].update(family="bert"),
+        f"'family' of model is 'bert', expected one of {', '.join(f.name for f in FAMILIES)}",
+    ),
+    "model config with an unknown key": (
+        lambda m: m["model"]["config"].update(heads=4),
+        "model.config: heads=4: not a LlamaConfig setting, so "
+        "dsnd cannot tell what it does to the model",
+    ),
+    "model config without vocab_size": (
+        lambda m: m["model"]["config"].pop("vocab_size"),
+        "model.config has no 'vocab_size'",
+    ),
+    "model config with a string vocab_size": (
+        lambda m: m["model"]["config"].update(vocab_size="256"),
+        "'vocab_size' of model.config is '256', expected a positive integer",
+    ),
     "model from before configs without vocab_size": (
-        lambda m: m.update(model={k: v for k, v in LEGACY_MODEL["llama-tiny"].items()
-                                  if k != "vocab_size"}),
-        "model has no 'vocab_size'"),
+        lambda m: m.update(
+            model={k: v for k, v in LEGACY_MODEL["llama-tiny"].items() if k != "vocab_size"}
+        ),
+        "model has no 'vocab_size'",
+    ),
     "model from before configs with an unknown key": (
         lambda m: m.update(model={**LEGACY_MODEL["llama-tiny"], "heads": 4}),
-        "model has 'heads', which is not a dsnd model setting"),
+        "model has 'heads', which is not a dsnd model setting",
+    ),
     "corpus without sha256": (lambda m: m["corpus"].pop("sha256"), "corpus has no 'sha256'"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", MANIFEST_EDITS)
@@ -334,21 +371,31 @@ def _length(path: str, length: int | None = None) -> None:
 
 
 HEADER_EDITS = {
-    "dtype F32 -> I32": (lambda p: edit_header(p, _set_dtype),
-                         f"{NORM} is I32, {MANIFEST} says F32"),
-    "shape transposed": (lambda p: edit_header(p, _transpose),
-                         f"{GATE} has shape [64, 176], {MANIFEST} says [176, 64]"),
-    "an extra tensor": (_add_extra,
-                        f"holds layers.1.smug\\ngled, which {MANIFEST} does not list for it"),
-    "header length past the end": (_length, "header length {size} does not fit the file's "
-                                             "{size} bytes (limit 104857600)"),
-    "header length short": (lambda p: _length(p, 16),
-                            "header is not valid JSON (Unterminated string starting at: line 1 "
-                            "column 2 (char 1))"),
-    "data_offsets past the data": (lambda p: edit_header(p, _shift),
-                                   f"{NORM}: data_offsets [1000000, 1000256] end past the data "
-                                   "area"),
-}  # fmt: skip
+    "dtype F32 -> I32": (
+        lambda p: edit_header(p, _set_dtype),
+        f"{NORM} is I32, {MANIFEST} says F32",
+    ),
+    "shape transposed": (
+        lambda p: edit_header(p, _transpose),
+        f"{GATE} has shape [64, 176], {MANIFEST} says [176, 64]",
+    ),
+    "an extra tensor": (
+        _add_extra,
+        f"holds layers.1.smug\\ngled, which {MANIFEST} does not list for it",
+    ),
+    "header length past the end": (
+        _length,
+        "header length {size} does not fit the file's {size} bytes (limit 104857600)",
+    ),
+    "header length short": (
+        lambda p: _length(p, 16),
+        "header is not valid JSON (Unterminated string starting at: line 1 column 2 (char 1))",
+    ),
+    "data_offsets past the data": (
+        lambda p: edit_header(p, _shift),
+        f"{NORM}: data_offsets [1000000, 1000256] end past the data area",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", HEADER_EDITS)

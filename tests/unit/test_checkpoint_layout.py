@@ -108,8 +108,10 @@ def test_newest_intact_skips_a_corrupt_checkpoint_with_a_warning(tmp_path):
     flip(os.path.join(newest, MODEL_0))
     warnings: list[str] = []
     assert newest_intact(root, warnings.append) == os.path.join(root, "step_00000002")
-    assert warnings == [f"skipping checkpoint {newest}: layer_000-model.safetensors: SHA-256 "
-                        "does not match the manifest (corrupt)"]  # fmt: skip
+    assert warnings == [
+        f"skipping checkpoint {newest}: layer_000-model.safetensors: SHA-256 "
+        "does not match the manifest (corrupt)"
+    ]
     flip(os.path.join(root, "step_00000002", "manifest.json"))
     assert newest_intact(root, warnings.append) is None
     assert len(warnings) == 3
@@ -159,8 +161,9 @@ def test_auto_resume_never_picks_a_checkpoint_holding_nan(tmp_path):
     step4 = save(root, 4, value=float("nan"))  # the loss diverged before this save
     warnings: list[str] = []
     assert newest_intact(root, warnings.append) == step2
-    assert warnings == [f"skipping checkpoint {step4}: {MODEL_0}: holds non-finite values: "
-                        "layers.0.w"]  # fmt: skip
+    assert warnings == [
+        f"skipping checkpoint {step4}: {MODEL_0}: holds non-finite values: layers.0.w"
+    ]
     assert choose_resume(run) == step2
     run.checkpoint.resume = step4
     with pytest.raises(CheckpointError) as e:
@@ -188,12 +191,17 @@ ROOT_DAMAGE = {
     "latest is a symbolic link": (_latest_a_link, "latest: is not a regular file"),
     "a step directory is a symbolic link": (
         lambda root: os.symlink(f"{root}/{step_dir_name(2)}", f"{root}/step_00000009"),
-        "step_00000009: is a symbolic link; dsnd writes step directories itself"),
-    "a step entry is a file": (lambda root: _file(f"{root}/step_00000009"),
-                               "step_00000009: is not a directory;"),
-    "a temporary step entry is a file": (lambda root: _file(f"{root}/.tmp-step_00000009"),
-                                         ".tmp-step_00000009: is not a directory;"),
-}  # fmt: skip
+        "step_00000009: is a symbolic link; dsnd writes step directories itself",
+    ),
+    "a step entry is a file": (
+        lambda root: _file(f"{root}/step_00000009"),
+        "step_00000009: is not a directory;",
+    ),
+    "a temporary step entry is a file": (
+        lambda root: _file(f"{root}/.tmp-step_00000009"),
+        ".tmp-step_00000009: is not a directory;",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", ROOT_DAMAGE)
@@ -226,8 +234,10 @@ def test_symlinked_step_directories_are_not_checkpoints(tmp_path):
     assert newest_intact(root, pytest.fail) == step2
     with pytest.raises(CheckpointError) as e:
         resolve_step_dir(link)
-    assert str(e.value) == (f"{link}: is a symbolic link; give the step directory itself (a load "
-                            "reads only real directories)")  # fmt: skip
+    assert str(e.value) == (
+        f"{link}: is a symbolic link; give the step directory itself (a load "
+        "reads only real directories)"
+    )
     (tmp_path / "ckpt" / "latest").write_text(step_dir_name(9) + "\n")
     with pytest.raises(CheckpointError, match="is a symbolic link"):
         resolve_step_dir(root)

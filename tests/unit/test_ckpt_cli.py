@@ -32,13 +32,31 @@ FILES = [MODEL_1, OPTIM_1, RNG_0, "manifest.json", "manifest.sha256"]
 KEYS = ("exp_avg", "exp_avg_sq")
 # what checkpoints written before model configs were recorded hold: the shape only
 LEGACY_MODEL = {
-    "llama-tiny": {"family": "llama", "hidden_size": 64, "num_layers": 4, "num_heads": 4,
-                   "num_kv_heads": 2, "ffn_size": 176, "vocab_size": 256, "max_seq_len": 128,
-                   "tie_embeddings": False, "init_std": 0.02},
-    "gpt2-tiny": {"family": "gpt2", "hidden_size": 64, "num_layers": 4, "num_heads": 4,
-                  "num_kv_heads": 4, "ffn_size": 256, "vocab_size": 256, "max_seq_len": 128,
-                  "tie_embeddings": True, "init_std": 0.02},
-}  # fmt: skip
+    "llama-tiny": {
+        "family": "llama",
+        "hidden_size": 64,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "ffn_size": 176,
+        "vocab_size": 256,
+        "max_seq_len": 128,
+        "tie_embeddings": False,
+        "init_std": 0.02,
+    },
+    "gpt2-tiny": {
+        "family": "gpt2",
+        "hidden_size": 64,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "ffn_size": 256,
+        "vocab_size": 256,
+        "max_seq_len": 128,
+        "tie_embeddings": True,
+        "init_std": 0.02,
+    },
+}
 
 
 def _layer_of(name: str) -> int:
@@ -306,8 +324,12 @@ def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp
     assert sorted(os.listdir(out_dir)) == ["config.json", EXPORT_MARKER, "model.safetensors"]
     with open(os.path.join(out_dir, EXPORT_MARKER), encoding="utf-8") as f:
         marker = json.load(f)
-    assert marker == {"format": "dsnd-export/1", "checkpoint_root": pristine[preset],
-                      "step": STEP, "files": ["config.json", "model.safetensors"]}  # fmt: skip
+    assert marker == {
+        "format": "dsnd-export/1",
+        "checkpoint_root": pristine[preset],
+        "step": STEP,
+        "files": ["config.json", "model.safetensors"],
+    }
     hf, info = AutoModelForCausalLM.from_pretrained(
         out_dir, dtype=torch.float32, output_loading_info=True
     )
@@ -321,8 +343,9 @@ def test_export_loads_in_transformers_with_the_same_logits(capsys, pristine, tmp
 
 
 @pytest.mark.parametrize("preset", PRESET_NAMES)
-def test_a_checkpoint_from_before_model_configs_is_the_same_model(capsys, pristine, tmp_path,
-                                                                   preset):  # fmt: skip
+def test_a_checkpoint_from_before_model_configs_is_the_same_model(
+    capsys, pristine, tmp_path, preset
+):
     """Checkpoints written before manifests recorded the model's config hold only its shape
     (the old presets' fields): inspect, export and generate see the same model as today's."""
     root = str(tmp_path / "old")
@@ -344,8 +367,10 @@ def test_a_checkpoint_from_before_model_configs_is_the_same_model(capsys, pristi
         rc, _, err = run(capsys, "ckpt", "export", where, exports[name])
         assert (rc, err) == (0, "")
     for file in ("config.json", "model.safetensors"):
-        with open(os.path.join(exports["old"], file), "rb") as old, \
-                open(os.path.join(exports["new"], file), "rb") as new:  # fmt: skip
+        with (
+            open(os.path.join(exports["old"], file), "rb") as old,
+            open(os.path.join(exports["new"], file), "rb") as new,
+        ):
             assert old.read() == new.read(), file
     args = ("--prompt", "def main(", "--tokens", "8", "--seed", "5")
     assert run(capsys, "generate", root, *args) == run(capsys, "generate", pristine[preset], *args)
@@ -369,9 +394,11 @@ def test_export_refuses_a_non_empty_output(capsys, ckpt, tmp_path):
     (tmp_path / "hf" / "keep.txt").write_text("mine")
     rc, out, err = run(capsys, "ckpt", "export", root, str(tmp_path / "hf"))
     assert (rc, out) == (2, "")
-    assert err == (f"dsnd: error: {tmp_path / 'hf'}: holds keep.txt and no {EXPORT_MARKER}, so it "
-                   "is not an export dsnd wrote; name a new or empty directory (dsnd replaces "
-                   "only its own earlier export of the same run)\n")  # fmt: skip
+    assert err == (
+        f"dsnd: error: {tmp_path / 'hf'}: holds keep.txt and no {EXPORT_MARKER}, so it "
+        "is not an export dsnd wrote; name a new or empty directory (dsnd replaces "
+        "only its own earlier export of the same run)\n"
+    )
     assert os.listdir(tmp_path / "hf") == ["keep.txt"]
 
 
@@ -392,31 +419,35 @@ def test_export_replaces_its_own_earlier_export_whole(capsys, pristine, tmp_path
     shutil.copytree(pristine["gpt2-tiny"], root)
     rc, out, err = run(capsys, "ckpt", "export", str(root), str(hf))
     assert (rc, err) == (0, ""), err
-    assert out.endswith(f"from {root / step_dir_name(STEP)} (replacing the export of step "
-                        f"{STEP} there)\n")  # fmt: skip
+    assert out.endswith(
+        f"from {root / step_dir_name(STEP)} (replacing the export of step {STEP} there)\n"
+    )
     fresh = tmp_path / "fresh"
     assert run(capsys, "ckpt", "export", str(root), str(fresh))[0] == 0
     assert _contents(hf) == _contents(fresh)  # nothing of the llama export is left
     assert sorted(os.listdir(tmp_path)) == ["fresh", "hf", "run"]
 
 
-def test_export_refuses_another_runs_export_and_files_it_did_not_write(capsys, pristine,
-                                                                        tmp_path):  # fmt: skip
+def test_export_refuses_another_runs_export_and_files_it_did_not_write(capsys, pristine, tmp_path):
     hf = tmp_path / "hf"
     assert run(capsys, "ckpt", "export", pristine["llama-tiny"], str(hf))[0] == 0
     before = _contents(hf)
     rc, out, err = run(capsys, "ckpt", "export", pristine["gpt2-tiny"], str(hf))
     assert (rc, out) == (2, "")
-    assert err == (f"dsnd: error: {hf}: holds dsnd's export of another run (checkpoint root "
-                   f"{pristine['llama-tiny']}, step {STEP}); this run's is "
-                   f"{pristine['gpt2-tiny']}: name another directory, or remove that "
-                   "export\n")  # fmt: skip
+    assert err == (
+        f"dsnd: error: {hf}: holds dsnd's export of another run (checkpoint root "
+        f"{pristine['llama-tiny']}, step {STEP}); this run's is "
+        f"{pristine['gpt2-tiny']}: name another directory, or remove that "
+        "export\n"
+    )
     (hf / "notes.txt").write_text("mine")
     rc, out, err = run(capsys, "ckpt", "export", pristine["llama-tiny"], str(hf))
     assert (rc, out) == (2, "")
-    assert err == (f"dsnd: error: {hf}: holds notes.txt, which dsnd's export there did not "
-                   "write (replacing the export would delete it); move it away or name another "
-                   "directory\n")  # fmt: skip
+    assert err == (
+        f"dsnd: error: {hf}: holds notes.txt, which dsnd's export there did not "
+        "write (replacing the export would delete it); move it away or name another "
+        "directory\n"
+    )
     assert _contents(hf) == before | {"notes.txt": b"mine"}
 
 
@@ -446,15 +477,26 @@ def test_generate_samples_from_the_checkpointed_weights(capsys, pristine, preset
 
     tok = ByteTokenizer()
     prompt = torch.as_tensor(tok.encode("def main("), dtype=torch.long).view(1, -1)
-    args = ("generate", pristine[preset], "--prompt", "def main(", "--tokens", "24",
-            "--temperature", "1.0", "--seed", "5")  # fmt: skip
+    args = (
+        "generate",
+        pristine[preset],
+        "--prompt",
+        "def main(",
+        "--tokens",
+        "24",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "5",
+    )
     rc, out, _ = run(capsys, *args)
     assert rc == 0
     texts = {}
     for seed in (3, 4):
         model = build_model(spec_of(preset), seed=seed).eval()
-        ids = generate(model, prompt, 24, spec_of(preset).max_seq_len, 1.0,
-                       torch.Generator().manual_seed(5))  # fmt: skip
+        ids = generate(
+            model, prompt, 24, spec_of(preset).max_seq_len, 1.0, torch.Generator().manual_seed(5)
+        )
         texts[seed] = tok.decode(ids[0].tolist()) + "\n"
     assert out == texts[3] and out.startswith("def main(")
     assert texts[4] != texts[3]
@@ -474,9 +516,16 @@ def _ds_tag(root, **state) -> str:
     tag = root / "global_step3"
     tag.mkdir(parents=True)
     shapes = OrderedDict((n, torch.Size(s)) for n, s in full_shapes(spec_of("llama-tiny")).items())
-    torch.save({"param_shapes": [shapes], "global_steps": 3, "lr_scheduler": None,
-                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}, **state},
-               tag / "mp_rank_00_model_states.pt")  # fmt: skip
+    torch.save(
+        {
+            "param_shapes": [shapes],
+            "global_steps": 3,
+            "lr_scheduler": None,
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            **state,
+        },
+        tag / "mp_rank_00_model_states.pt",
+    )
     (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not read before the checks")
     (root / "latest").write_text("global_step3")
     return str(tag)
@@ -493,8 +542,10 @@ def _import_refused(capsys, tmp_path, source: str, *sets: str, out=None) -> str:
 
 
 def test_import_refuses_what_is_not_a_zero_checkpoint(capsys, tmp_path):
-    assert _import_refused(capsys, tmp_path, str(tmp_path / "none")) == \
-        f"{tmp_path / 'none'}: no such directory"  # fmt: skip
+    assert (
+        _import_refused(capsys, tmp_path, str(tmp_path / "none"))
+        == f"{tmp_path / 'none'}: no such directory"
+    )
     (tmp_path / "empty").mkdir()
     assert _import_refused(capsys, tmp_path, str(tmp_path / "empty")).endswith(
         "empty: not a DeepSpeed checkpoint (no *_model_states.pt, and no 'latest' naming a tag "
@@ -528,8 +579,11 @@ def test_import_loads_weights_only(capsys, tmp_path):
     with open(os.path.join(tag, "mp_rank_00_model_states.pt"), "r+b") as f:
         f.truncate(100)
     err = _import_refused(capsys, tmp_path, tag)
-    assert re.fullmatch(r".*/mp_rank_00_model_states\.pt: not readable by torch\.load "
-                        r"\(RuntimeError: .*\)", err)  # fmt: skip
+    assert re.fullmatch(
+        r".*/mp_rank_00_model_states\.pt: not readable by torch\.load "
+        r"\(RuntimeError: .*\)",
+        err,
+    )
 
 
 def test_the_allow_list_holds_what_deepspeed_pickles_and_nothing_more(tmp_path):
@@ -539,31 +593,48 @@ def test_the_allow_list_holds_what_deepspeed_pickles_and_nothing_more(tmp_path):
 
     from dsnd.engine import ds_checkpoint
 
-    saved = {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients,
-             "mappings": [{"w": fragment_address(numel=4, start=0)}]}  # fmt: skip
+    saved = {
+        "loss_scaler": LossScaler(1.0),
+        "zero_stage": ZeroStageEnum.gradients,
+        "mappings": [{"w": fragment_address(numel=4, start=0)}],
+    }
     torch.save(saved, tmp_path / "ok.pt")
     back = ds_checkpoint.load(str(tmp_path / "ok.pt"))
     assert back["zero_stage"] == ZeroStageEnum.gradients and back["mappings"] == saved["mappings"]
     # fp16's dynamic scaler: no fp16 checkpoint was measured here, so it stays refused
-    torch.save({"loss_scaler": DynamicLossScaler(2.0**16, 1000, 1.0, 2, False)},
-               tmp_path / "dynamic.pt")  # fmt: skip
+    torch.save(
+        {"loss_scaler": DynamicLossScaler(2.0**16, 1000, 1.0, 2, False)}, tmp_path / "dynamic.pt"
+    )
     with pytest.raises(Exception) as e:
         ds_checkpoint.load(str(tmp_path / "dynamic.pt"))
-    assert ds_checkpoint.refused_global(e.value) == \
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"  # fmt: skip
+    assert (
+        ds_checkpoint.refused_global(e.value)
+        == "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+    )
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # restored after each load
 
 
-@pytest.mark.parametrize(("state", "want"), [
-    ({"checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}},
-     "saved with tensor parallelism (tp_degree 2); dsnd imports DeepSpeed checkpoints without it"),
-    ({"frozen_param_shapes": {"layers.0.embed_tokens.weight": torch.Size([256, 64])}},
-     "holds 1 frozen parameter(s) (layers.0.embed_tokens.weight, ...); dsnd trains every "
-     "parameter"),
-    ({"global_steps": None}, "no 'global_steps' (not written by DeepSpeed's save_checkpoint)"),
-    ({"lr_scheduler": {"last_epoch": 3, "_step_count": 4}},
-     "the LR scheduler's state (_step_count, last_epoch) is not one of DeepSpeed's schedulers"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("state", "want"),
+    [
+        (
+            {"checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}},
+            "saved with tensor parallelism (tp_degree 2); dsnd imports DeepSpeed checkpoints "
+            "without it",
+        ),
+        (
+            {"frozen_param_shapes": {"layers.0.embed_tokens.weight": torch.Size([256, 64])}},
+            "holds 1 frozen parameter(s) (layers.0.embed_tokens.weight, ...); dsnd trains every "
+            "parameter",
+        ),
+        ({"global_steps": None}, "no 'global_steps' (not written by DeepSpeed's save_checkpoint)"),
+        (
+            {"lr_scheduler": {"last_epoch": 3, "_step_count": 4}},
+            "the LR scheduler's state (_step_count, last_epoch) is not one of DeepSpeed's "
+            "schedulers",
+        ),
+    ],
+)
 def test_import_refuses_what_dsnd_cannot_continue(capsys, tmp_path, state, want):
     _ds_tag(tmp_path / "ds", **state)
     assert want in _import_refused(capsys, tmp_path, str(tmp_path / "ds"))
@@ -572,17 +643,27 @@ def test_import_refuses_what_dsnd_cannot_continue(capsys, tmp_path, state, want)
 STEP_RANGE = "expected an integer in [0, 99999999] (a step directory's name holds 8 digits)"
 
 
-@pytest.mark.parametrize(("state", "want"), [
-    ({"global_steps": True}, f"'global_steps' is True, {STEP_RANGE}"),
-    ({"global_steps": -3}, f"'global_steps' is -3, {STEP_RANGE}"),
-    ({"global_steps": 10**12}, f"'global_steps' is 1000000000000, {STEP_RANGE}"),
-    ({"global_samples": -48}, "'global_samples' is -48, expected null or a non-negative integer"),
-    ({"lr_scheduler": {"last_batch_iteration": -10**9}},
-     "'lr_scheduler.last_batch_iteration' is -1000000000, expected an integer in "
-     "[-1, 99999999]"),
-    ({"lr_scheduler": {"last_batch_iteration": 2.5}},
-     "'lr_scheduler.last_batch_iteration' is 2.5, expected an integer in [-1, 99999999]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("state", "want"),
+    [
+        ({"global_steps": True}, f"'global_steps' is True, {STEP_RANGE}"),
+        ({"global_steps": -3}, f"'global_steps' is -3, {STEP_RANGE}"),
+        ({"global_steps": 10**12}, f"'global_steps' is 1000000000000, {STEP_RANGE}"),
+        (
+            {"global_samples": -48},
+            "'global_samples' is -48, expected null or a non-negative integer",
+        ),
+        (
+            {"lr_scheduler": {"last_batch_iteration": -(10**9)}},
+            "'lr_scheduler.last_batch_iteration' is -1000000000, expected an integer in "
+            "[-1, 99999999]",
+        ),
+        (
+            {"lr_scheduler": {"last_batch_iteration": 2.5}},
+            "'lr_scheduler.last_batch_iteration' is 2.5, expected an integer in [-1, 99999999]",
+        ),
+    ],
+)
 def test_import_refuses_trainer_numbers_dsnd_cannot_resume(capsys, tmp_path, state, want):
     """Blamed on the DeepSpeed file and key they come from (not on the manifest dsnd would
     have written from them), before anything is written."""

@@ -103,9 +103,18 @@ def hostfile(tmp_path, text: str, name: str = "hosts") -> str:
 
 def test_acceptance_dry_run_pp2_tp2_on_4(capsys, launches):
     rc, out, err = run(
-        capsys, "launch", "--nprocs", "4", "--dry-run", "--set", "parallel.pp=2",
-        "--set", "parallel.tp=2", "--launcher", "pdsh",
-    )  # fmt: skip
+        capsys,
+        "launch",
+        "--nprocs",
+        "4",
+        "--dry-run",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.tp=2",
+        "--launcher",
+        "pdsh",
+    )
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert len(rows) == 4
@@ -120,9 +129,20 @@ def test_acceptance_dry_run_pp2_tp2_on_4(capsys, launches):
     port = int(argv[6])  # --nprocs picks a free port unless --master-port is given
     assert 1024 <= port <= 65535
     assert argv[1:] == [
-        "--num_gpus", "4", "--master_addr", "127.0.0.1", "--master_port", str(port),
-        "--module", "dsnd", "train", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
-    ]  # fmt: skip
+        "--num_gpus",
+        "4",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "--module",
+        "dsnd",
+        "train",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.tp=2",
+    ]
     assert os.path.basename(command.split()[0]) == "deepspeed"
     assert launches == []
 
@@ -133,9 +153,16 @@ def test_acceptance_dry_run_pp2_tp2_on_4(capsys, launches):
 )
 def test_dry_run_rank_tables(capsys, nprocs, pp, tp):
     rc, out, err = run(
-        capsys, "launch", "--nprocs", str(nprocs), "--dry-run",
-        "--set", f"parallel.pp={pp}", "--set", f"parallel.tp={tp}",
-    )  # fmt: skip
+        capsys,
+        "launch",
+        "--nprocs",
+        str(nprocs),
+        "--dry-run",
+        "--set",
+        f"parallel.pp={pp}",
+        "--set",
+        f"parallel.tp={tp}",
+    )
     assert (rc, err) == (0, "")
     _, rows = table(out)
     dp = nprocs // (pp * tp)
@@ -144,10 +171,23 @@ def test_dry_run_rank_tables(capsys, nprocs, pp, tp):
 
 def test_dry_run_json(capsys):
     rc, out, err = run(
-        capsys, "launch", "--nprocs", "4", "--dry-run", "--json", "--set", "parallel.pp=2",
-        "--set", "parallel.tp=2", "--master-port", "1234", "--master-addr", "10.1.2.3",
-        "--launcher", "pdsh",
-    )  # fmt: skip
+        capsys,
+        "launch",
+        "--nprocs",
+        "4",
+        "--dry-run",
+        "--json",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.tp=2",
+        "--master-port",
+        "1234",
+        "--master-addr",
+        "10.1.2.3",
+        "--launcher",
+        "pdsh",
+    )
     assert (rc, err) == (0, "")
     plan = json.loads(out)
     assert set(plan) >= {"command", "ranks"}
@@ -155,27 +195,55 @@ def test_dry_run_json(capsys):
     command = plan["command"]
     assert os.path.basename(command[0]) == "deepspeed"
     assert without_launch_tail(command)[1:] == [
-        "--num_gpus", "4", "--master_addr", "10.1.2.3", "--master_port", "1234",
-        "--module", "dsnd", "train", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
-    ]  # fmt: skip
+        "--num_gpus",
+        "4",
+        "--master_addr",
+        "10.1.2.3",
+        "--master_port",
+        "1234",
+        "--module",
+        "dsnd",
+        "train",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.tp=2",
+    ]
     assert plan["ranks"] == expected_rows([("localhost", 4)], pp=2, dp=1, tp=2)
     assert plan["plan"]["parts"] == [0, 3, 7] and plan["plan"]["schedule"] == "1f1b"
     # stage 0 of 1F1B at 8 micro-batches: one warm-up forward, then F/B pairs, then the step
-    assert plan["plan"]["programs"][0][:6] == ["F0", "send_act0", "F1", "send_act1",
-                                               "recv_grad0", "B0"]  # fmt: skip
+    assert plan["plan"]["programs"][0][:6] == [
+        "F0",
+        "send_act0",
+        "F1",
+        "send_act1",
+        "recv_grad0",
+        "B0",
+    ]
     assert plan["plan"]["programs"][0][-2:] == ["reduce", "step"]
     assert plan["plan"]["bubble_unit_costs"] == pytest.approx(1 / 8)
 
 
 def test_dry_run_prints_the_plan_with_a_timeline_row_per_stage(capsys):
     rc, out, err = run(
-        capsys, "launch", "--nprocs", "2", "--dry-run", "--set", "parallel.pp=2",
-        "--set", "parallel.schedule=interleaved-1f1b", "--set", "parallel.virtual_stages=2",
-    )  # fmt: skip
+        capsys,
+        "launch",
+        "--nprocs",
+        "2",
+        "--dry-run",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.schedule=interleaved-1f1b",
+        "--set",
+        "parallel.virtual_stages=2",
+    )
     assert (rc, err) == (0, "")
     plan = out[out.index("plan: ") :].splitlines()
-    assert plan[0] == ("plan: pp=2 dp=1 tp=1, ZeRO-0, schedule interleaved-1f1b x 2 chunks, "
-                       "8 micro-batches per step")  # fmt: skip
+    assert plan[0] == (
+        "plan: pp=2 dp=1 tp=1, ZeRO-0, schedule interleaved-1f1b x 2 chunks, "
+        "8 micro-batches per step"
+    )
     assert plan[1].startswith("  stage 0: layers 0..1, 3..3;")  # two chunks
     rows = [line for line in plan if line.startswith("  stage ") and "layers" not in line]
     assert [r.split(":")[0] for r in rows] == ["  stage 0", "  stage 1"]
@@ -195,8 +263,17 @@ def test_dry_run_passes_an_absolute_config_path(capsys, tmp_path):
 
 def test_hostfile_dry_run_master_addr_is_the_first_host(capsys, tmp_path):
     hf = hostfile(tmp_path, "# two nodes\nnode-b slots=2\nnode-a slots=2  # second\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--dry-run", "--set", "parallel.tp=2",
-                       "--launcher", "pdsh")  # fmt: skip
+    rc, out, err = run(
+        capsys,
+        "launch",
+        "--hostfile",
+        hf,
+        "--dry-run",
+        "--set",
+        "parallel.tp=2",
+        "--launcher",
+        "pdsh",
+    )
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert rows == expected_rows([("node-b", 2), ("node-a", 2)], pp=1, dp=2, tp=2)
@@ -209,8 +286,9 @@ def test_hostfile_dry_run_master_addr_is_the_first_host(capsys, tmp_path):
 
 def test_hostfile_include(capsys, tmp_path):
     hf = hostfile(tmp_path, "h1 slots=2\nh2 slots=4\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--include", "h2:1,3", "--dry-run",
-                       "--launcher", "pdsh")  # fmt: skip
+    rc, out, err = run(
+        capsys, "launch", "--hostfile", hf, "--include", "h2:1,3", "--dry-run", "--launcher", "pdsh"
+    )
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert rows == expected_rows([("h2", 2)], pp=1, dp=2, tp=1)
@@ -221,8 +299,9 @@ def test_hostfile_include(capsys, tmp_path):
 
 def test_hostfile_exclude(capsys, tmp_path):
     hf = hostfile(tmp_path, "h1 slots=2\nh2 slots=4\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--exclude", "h2:2,3", "--dry-run",
-                       "--launcher", "pdsh")  # fmt: skip
+    rc, out, err = run(
+        capsys, "launch", "--hostfile", hf, "--exclude", "h2:2,3", "--dry-run", "--launcher", "pdsh"
+    )
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert rows == expected_rows([("h1", 2), ("h2", 2)], pp=1, dp=4, tp=1)
@@ -243,8 +322,19 @@ def test_hostfile_exclude_changes_the_world_the_batch_is_checked_for(capsys, tmp
 
 def test_slurm_dry_run_from_a_hostfile_of_node_names(capsys, tmp_path):
     hf = hostfile(tmp_path, "gpu07 slots=2\ngpu08 slots=2\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--launcher", "slurm", "--dry-run",
-                       "--set", "parallel.pp=2", "--master-port", "4321")  # fmt: skip
+    rc, out, err = run(
+        capsys,
+        "launch",
+        "--hostfile",
+        hf,
+        "--launcher",
+        "slurm",
+        "--dry-run",
+        "--set",
+        "parallel.pp=2",
+        "--master-port",
+        "4321",
+    )
     assert (rc, err) == (0, "")
     command, rows = table(out)
     assert rows == expected_rows([("gpu07", 2), ("gpu08", 2)], pp=2, dp=2, tp=1)
@@ -252,19 +342,25 @@ def test_slurm_dry_run_from_a_hostfile_of_node_names(capsys, tmp_path):
     assert os.path.basename(args[0]) == "srun"
     job = args[-1]
     assert args[1:10] == [
-        "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=gpu07,gpu08",
-        "--distribution=block", "--kill-on-bad-exit=1", f"--job-name=dsnd-{job}",
-        "--export=ALL,MASTER_ADDR=gpu07,MASTER_PORT=4321", sys.executable,
-    ]  # fmt: skip
+        "--nodes=2",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        "--nodelist=gpu07,gpu08",
+        "--distribution=block",
+        "--kill-on-bad-exit=1",
+        f"--job-name=dsnd-{job}",
+        "--export=ALL,MASTER_ADDR=gpu07,MASTER_PORT=4321",
+        sys.executable,
+    ]
 
 
-def test_slurm_inside_an_allocation_takes_its_nodes_job_id_and_port(capsys, monkeypatch,
-                                                                    launches):  # fmt: skip
+def test_slurm_inside_an_allocation_takes_its_nodes_job_id_and_port(capsys, monkeypatch, launches):
     monkeypatch.setenv("SLURM_JOB_ID", "4711")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
-    rc, out, err = run(capsys, "launch", "--launcher", "slurm", "--dry-run", "--json",
-                       "--include", "gpu08")  # fmt: skip
+    rc, out, err = run(
+        capsys, "launch", "--launcher", "slurm", "--dry-run", "--json", "--include", "gpu08"
+    )
     assert (rc, err) == (0, "")
     plan = json.loads(out)
     assert [(r["host"], r["local_rank"]) for r in plan["ranks"]] == [("gpu08", 0), ("gpu08", 1)]
@@ -282,16 +378,21 @@ def test_slurm_refuses_uneven_nodes_and_a_missing_allocation(capsys, tmp_path, m
     hf = hostfile(tmp_path, "a slots=3\nb slots=1\n")
     rc, out, err = run(capsys, "launch", "--hostfile", hf, "--launcher", "slurm", "--dry-run")
     assert (rc, out) == (2, "")
-    assert err == ("dsnd: error: srun starts the same number of tasks on every node; the hosts "
-                   "have a:3, b:1: select as many slots on each\n")  # fmt: skip
+    assert err == (
+        "dsnd: error: srun starts the same number of tasks on every node; the hosts "
+        "have a:3, b:1: select as many slots on each\n"
+    )
     for name in ("SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     rc, out, err = run(capsys, "launch", "--launcher", "slurm", "--dry-run")
     assert (rc, out) == (2, "")
     assert "no SLURM_JOB_NODELIST / SLURM_TASKS_PER_NODE" in err and err.count("\n") == 1
     rc, out, err = run(capsys, "launch", "--dry-run")
-    assert (rc, err) == (2, "dsnd: error: dsnd launch needs --nprocs N or --hostfile FILE (or "
-                            "--launcher slurm inside a Slurm allocation)\n")  # fmt: skip
+    assert (rc, err) == (
+        2,
+        "dsnd: error: dsnd launch needs --nprocs N or --hostfile FILE (or "
+        "--launcher slurm inside a Slurm allocation)\n",
+    )
 
 
 @pytest.mark.parametrize("launcher", ["dsnd", "pdsh", "openmpi", "slurm"])
@@ -299,26 +400,50 @@ def test_dry_run_refuses_a_hostfile_name_no_host_has(capsys, tmp_path, launcher)
     hf = hostfile(tmp_path, "h1 slots=1\n-oProxyCommand=touch${IFS}x slots=1\n")
     rc, out, err = run(capsys, "launch", "--hostfile", hf, "--launcher", launcher, "--dry-run")
     assert (rc, out) == (2, "")
-    assert err == (f"dsnd: error: {hf}:2: '-oProxyCommand=touch${{IFS}}x' is not a host name or "
-                   "IP address: it starts with '-' (ssh, pdsh and mpirun would read an option)\n")
+    assert err == (
+        f"dsnd: error: {hf}:2: '-oProxyCommand=touch${{IFS}}x' is not a host name or "
+        "IP address: it starts with '-' (ssh, pdsh and mpirun would read an option)\n"
+    )
 
 
 def test_slurm_nprocs_is_one_node(capsys):
-    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--launcher", "slurm", "--dry-run",
-                       "--json", "--master-port", "4000")  # fmt: skip
+    rc, out, err = run(
+        capsys,
+        "launch",
+        "--nprocs",
+        "2",
+        "--launcher",
+        "slurm",
+        "--dry-run",
+        "--json",
+        "--master-port",
+        "4000",
+    )
     assert (rc, err) == (0, "")
     command = json.loads(out)["command"]
-    assert command[1:5] == ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-                            "--distribution=block"]  # fmt: skip
+    assert command[1:5] == [
+        "--nodes=1",
+        "--ntasks=2",
+        "--ntasks-per-node=2",
+        "--distribution=block",
+    ]
 
 
 @pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
 def test_hostfile_mpi_dry_run(capsys, tmp_path, flavor):
     hf = hostfile(tmp_path, "h1 slots=2\nh2 slots=2\n")
     rc, out, err = run(
-        capsys, "launch", "--hostfile", hf, "--launcher", flavor, "--dry-run", "--json",
-        "--master-port", "4321",
-    )  # fmt: skip
+        capsys,
+        "launch",
+        "--hostfile",
+        hf,
+        "--launcher",
+        flavor,
+        "--dry-run",
+        "--json",
+        "--master-port",
+        "4321",
+    )
     assert (rc, err) == (0, "")
     plan = json.loads(out)
     command = plan["command"]
@@ -338,17 +463,27 @@ def test_hostfile_mpi_dry_run(capsys, tmp_path, flavor):
 
 def test_launch_without_dry_run_starts_the_launcher_once(capsys, launches, tmp_path):
     (tmp_path / "work" / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\n")
-    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--set", "train.steps=3",
-                       "--launcher", "pdsh")  # fmt: skip
+    rc, out, err = run(
+        capsys, "launch", "--nprocs", "2", "--set", "train.steps=3", "--launcher", "pdsh"
+    )
     assert (rc, out, err) == (0, "", "")
     assert len(launches) == 1
     argv, env = launches[0]
     assert os.path.basename(argv[0]) == "deepspeed"
     argv = without_launch_tail(argv)
     assert argv[1:] == [
-        "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", argv[6],
-        "--module", "dsnd", "train", "--set", "train.steps=3",
-    ]  # fmt: skip
+        "--num_gpus",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        argv[6],
+        "--module",
+        "dsnd",
+        "train",
+        "--set",
+        "train.steps=3",
+    ]
     assert env["NCCL_DEBUG"] == "INFO"
 
 
@@ -591,8 +726,18 @@ def test_train_refuses_bad_config_before_any_process_group(capsys, monkeypatch):
 
 def test_dsnd_launcher_plans_one_agent_per_host_over_ssh(capsys, tmp_path):
     hf = hostfile(tmp_path, "h1 slots=2\nh2 slots=2\n")
-    rc, out, err = run(capsys, "launch", "--hostfile", hf, "--dry-run", "--json",
-                       "--master-port", "4321", "--set", "parallel.pp=2")  # fmt: skip
+    rc, out, err = run(
+        capsys,
+        "launch",
+        "--hostfile",
+        hf,
+        "--dry-run",
+        "--json",
+        "--master-port",
+        "4321",
+        "--set",
+        "parallel.pp=2",
+    )
     assert (rc, err) == (0, "")
     plan = json.loads(out)
     command = without_launch_tail(plan["command"])
@@ -606,12 +751,23 @@ def test_dsnd_launcher_plans_one_agent_per_host_over_ssh(capsys, tmp_path):
     assert plan["ranks"] == expected_rows([("h1", 2), ("h2", 2)], pp=2, dp=2, tp=1)
 
 
-def test_dsnd_launcher_passes_env_masks_secrets_and_checks_first(capsys, launches, tmp_path,
-                                                                 monkeypatch):  # fmt: skip
+def test_dsnd_launcher_passes_env_masks_secrets_and_checks_first(
+    capsys, launches, tmp_path, monkeypatch
+):
     (tmp_path / "work" / ".deepspeed_env").write_text('NCCL_DEBUG=INFO\nJSON={"a": "$b"}\n')
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
-    rc, out, err = run(capsys, "launch", "--nprocs", "2", "--set", "train.steps=3",
-                       "--set", 'launch.env=["HF_TOKEN"]', "--master-port", "4321")  # fmt: skip
+    rc, out, err = run(
+        capsys,
+        "launch",
+        "--nprocs",
+        "2",
+        "--set",
+        "train.steps=3",
+        "--set",
+        'launch.env=["HF_TOKEN"]',
+        "--master-port",
+        "4321",
+    )
     assert (rc, err) == (0, "")
     assert "hf_secret_value" not in out and "HF_TOKEN=****" in out
     assert 'JSON="{\\"a\\": \\"$b\\"}"' in out

@@ -11,11 +11,20 @@ from dsnd.commands.bench import BENCHES, DEFAULT_REPS
 # --- ring bytes and summaries ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("op", "n", "sent"), [
-    ("all_reduce", 2, 100.0), ("all_reduce", 4, 150.0), ("all_gather", 4, 75.0),
-    ("reduce_scatter", 2, 50.0), ("reduce", 4, 75.0), ("broadcast", 2, 50.0),
-    ("send", 2, 100.0), ("recv", 2, 0.0), ("all_reduce", 1, 0.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("op", "n", "sent"),
+    [
+        ("all_reduce", 2, 100.0),
+        ("all_reduce", 4, 150.0),
+        ("all_gather", 4, 75.0),
+        ("reduce_scatter", 2, 50.0),
+        ("reduce", 4, 75.0),
+        ("broadcast", 2, 50.0),
+        ("send", 2, 100.0),
+        ("recv", 2, 0.0),
+        ("all_reduce", 1, 0.0),
+    ],
+)
 def test_ring_bytes_per_rank(op, n, sent):
     assert sent_bytes(op, 100, n) == sent
 
@@ -36,13 +45,18 @@ def test_summarize_sums_per_kind_label_and_op():
     ]
     out = summarize(calls, {"dp": [0, 2], "tp": [0, 1], "pp": [0, 1]})
     assert out == [
-        {"kind": "tp", "label": "forward/block1", "op": "all_reduce",
-         "calls": 2, "payload": 80, "sent": 80.0},
+        {
+            "kind": "tp",
+            "label": "forward/block1",
+            "op": "all_reduce",
+            "calls": 2,
+            "payload": 80,
+            "sent": 80.0,
+        },
         {"kind": "dp", "label": "", "op": "all_gather", "calls": 1, "payload": 80, "sent": 40.0},
         {"kind": "tp", "label": "", "op": "send", "calls": 1, "payload": 12, "sent": 12.0},
-        {"kind": "other", "label": "", "op": "all_reduce", "calls": 1, "payload": 8,
-         "sent": 12.0},
-    ]  # fmt: skip
+        {"kind": "other", "label": "", "op": "all_reduce", "calls": 1, "payload": 8, "sent": 12.0},
+    ]
 
 
 # --- zero-comm ------------------------------------------------------------------------------
@@ -60,17 +74,36 @@ PSI = 1000  # bytes of a stage's parameters
 
 
 def _dp(op: str, payload: float, calls: int = 1, n: int = 2) -> dict:
-    return {"kind": "dp", "label": "", "op": op, "calls": calls, "payload": payload,
-            "sent": sent_bytes(op, payload, n)}  # fmt: skip
+    return {
+        "kind": "dp",
+        "label": "",
+        "op": op,
+        "calls": calls,
+        "payload": payload,
+        "sent": sent_bytes(op, payload, n),
+    }
 
 
-def _run(zero: int, steps: list[list[dict]], pp: int = 1, params: float = PSI / 2,
-         losses: tuple = (2.0, 1.5)) -> dict:  # fmt: skip
+def _run(
+    zero: int,
+    steps: list[list[dict]],
+    pp: int = 1,
+    params: float = PSI / 2,
+    losses: tuple = (2.0, 1.5),
+) -> dict:
     """A run whose every stage's rank reports `steps[stage]` as its counted step."""
     lay = {"pp": pp, "dp": 2, "tp": 1, "zero": 0 if zero is None else zero}
-    ranks = [{"stage": s, "psi_bytes": PSI, "steps": [steps[s % len(steps)]],
-              "state": {"params": params}, "losses": list(losses)}
-             for s in range(pp) for _ in range(2)]  # fmt: skip
+    ranks = [
+        {
+            "stage": s,
+            "psi_bytes": PSI,
+            "steps": [steps[s % len(steps)]],
+            "state": {"params": params},
+            "losses": list(losses),
+        }
+        for s in range(pp)
+        for _ in range(2)
+    ]
     return {"layout": lay, "ranks": ranks}
 
 
@@ -80,22 +113,28 @@ def _zero_raw(gathers_m2: float = 2, gathers_m8: float = 2) -> dict:
     z12 = [_dp("reduce", PSI, 2), _dp("all_gather", PSI), _dp("all_reduce", 8, 2)]
     z3 = [_dp("reduce_scatter", PSI), _dp("all_gather", 2 * PSI, 3)]
     return {
-        "zero": {"runs": {
-            "zero1": _run(1, [z12]), "zero2": _run(2, [z12]),
-            "zero3": _run(3, [[_dp("reduce_scatter", PSI), _dp("all_gather", PSI)]]),
-            "zero3-no-reuse": _run(3, [z3]),
-            "zero2-multi-rank": _run(2, [[_dp("all_reduce", PSI), _dp("all_gather", PSI)]]),
-        }},
-        "zero-pp": {"runs": {
-            "pp2-zero1-m2": _run(1, [z12], pp=2), "pp2-zero2-m2": _run(2, [z12], pp=2),
-            "pp2-zero3-m2": _run(3, [[_dp("all_gather", gathers_m2 * PSI)]], pp=2),
-            "pp2-zero3-m8": _run(3, [[_dp("all_gather", gathers_m8 * PSI)]], pp=2),
-            "pp2-zero3-persist-m2": _run(3, [[_dp("all_gather", PSI)]], pp=2, params=1.5 * PSI),
-            "pp2-zero3-persist-m8": _run(3, [[_dp("all_gather", PSI)]], pp=2, params=1.5 * PSI),
-            "pp2-zero3-keep-m2": _run(3, [[_dp("all_gather", PSI)]], pp=2),
-            "pp2-zero3-keep-m8": _run(3, [[_dp("all_gather", PSI)]], pp=2),
-        }},
-    }  # fmt: skip
+        "zero": {
+            "runs": {
+                "zero1": _run(1, [z12]),
+                "zero2": _run(2, [z12]),
+                "zero3": _run(3, [[_dp("reduce_scatter", PSI), _dp("all_gather", PSI)]]),
+                "zero3-no-reuse": _run(3, [z3]),
+                "zero2-multi-rank": _run(2, [[_dp("all_reduce", PSI), _dp("all_gather", PSI)]]),
+            }
+        },
+        "zero-pp": {
+            "runs": {
+                "pp2-zero1-m2": _run(1, [z12], pp=2),
+                "pp2-zero2-m2": _run(2, [z12], pp=2),
+                "pp2-zero3-m2": _run(3, [[_dp("all_gather", gathers_m2 * PSI)]], pp=2),
+                "pp2-zero3-m8": _run(3, [[_dp("all_gather", gathers_m8 * PSI)]], pp=2),
+                "pp2-zero3-persist-m2": _run(3, [[_dp("all_gather", PSI)]], pp=2, params=1.5 * PSI),
+                "pp2-zero3-persist-m8": _run(3, [[_dp("all_gather", PSI)]], pp=2, params=1.5 * PSI),
+                "pp2-zero3-keep-m2": _run(3, [[_dp("all_gather", PSI)]], pp=2),
+                "pp2-zero3-keep-m8": _run(3, [[_dp("all_gather", PSI)]], pp=2),
+            }
+        },
+    }
 
 
 def _by_metric(rows) -> dict:
@@ -113,7 +152,8 @@ def test_zero_rows_meet_their_targets_when_traffic_is_the_theorys():
     assert rows["pp2-zero3-persist stage1 params held / stage params"].value == 1.5
     assert rows["pp2-zero3-keep stage0 param all-gathers m8 / m2"].value == 1.0
     assert all(row.met in (True, None) for row in rows.values()), [
-        r.metric for r in rows.values() if r.met is False]  # fmt: skip
+        r.metric for r in rows.values() if r.met is False
+    ]
 
 
 def test_zero_rows_flag_gathers_that_grow_with_micro_batches():
@@ -166,23 +206,40 @@ def test_labels_name_part_and_direction():
     assert cr.part_of("step") == ("step", "")
 
 
-LAYOUT = {"layers": 2, "micro": 2, "seq_len": 8, "hidden": 4, "element_bytes": 4,
-          "sequence_parallel": False, "activation_checkpoint_interval": 0}  # fmt: skip
+LAYOUT = {
+    "layers": 2,
+    "micro": 2,
+    "seq_len": 8,
+    "hidden": 4,
+    "element_bytes": 4,
+    "sequence_parallel": False,
+    "activation_checkpoint_interval": 0,
+}
 
 
 def _tp_summary(lay: dict) -> list[dict]:
     """The counted step of a run whose collectives are exactly the theory's, plus the step's
     end (left out of the comparison)."""
     tokens = lay["micro"] * lay["seq_len"]
-    theory = cr.tp_theory(lay["layers"], tokens * lay["hidden"] * 4, tokens,
-                          lay["sequence_parallel"])  # fmt: skip
+    theory = cr.tp_theory(
+        lay["layers"], tokens * lay["hidden"] * 4, tokens, lay["sequence_parallel"]
+    )
     out = []
     for (part, direction, op), (calls, payload) in theory.items():
         label = f"{direction}/{'block1' if part == 'block' else part}"
-        out.append({"kind": "tp", "label": label, "op": op, "calls": calls, "payload": payload,
-                    "sent": sent_bytes(op, payload, 2)})  # fmt: skip
-    out.append({"kind": "tp", "label": "step", "op": "all_reduce", "calls": 1, "payload": 8,
-                "sent": 8.0})  # fmt: skip
+        out.append(
+            {
+                "kind": "tp",
+                "label": label,
+                "op": op,
+                "calls": calls,
+                "payload": payload,
+                "sent": sent_bytes(op, payload, 2),
+            }
+        )
+    out.append(
+        {"kind": "tp", "label": "step", "op": "all_reduce", "calls": 1, "payload": 8, "sent": 8.0}
+    )
     return out
 
 
@@ -207,8 +264,16 @@ def test_tp_rows_flag_a_missing_an_extra_and_an_unexpected_collective():
     summary = raw["runs"]["tp2"]["ranks"][0]["steps"][0]
     summary[0]["calls"] += 1  # a third all-reduce in a block's forward
     summary[0]["payload"] += summary[0]["payload"] // 4
-    summary.append({"kind": "tp", "label": "backward/embed", "op": "all_gather", "calls": 1,
-                    "payload": 64, "sent": 32.0})  # fmt: skip
+    summary.append(
+        {
+            "kind": "tp",
+            "label": "backward/embed",
+            "op": "all_gather",
+            "calls": 1,
+            "payload": 64,
+            "sent": 32.0,
+        }
+    )
     rows = _by_metric(cr.tp_rows(raw))
     assert rows["tp2 block forward all_reduce bytes / theory"].met is False
     assert rows["tp2 embed backward all_gather bytes (unexpected)"].met is False

@@ -20,23 +20,60 @@ SLOTS = {"h1": [0, 1], "h2": [0, 1]}
 
 def test_deepspeed_local_argv():
     assert deepspeed_local_argv(4, "127.0.0.1", 29500, TRAIN) == [
-        "deepspeed", "--num_gpus", "4", "--master_addr", "127.0.0.1", "--master_port", "29500",
-        "--module", "dsnd", "train", "--config", "run.yaml", "--name", "a b",
-    ]  # fmt: skip
+        "deepspeed",
+        "--num_gpus",
+        "4",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        "29500",
+        "--module",
+        "dsnd",
+        "train",
+        "--config",
+        "run.yaml",
+        "--name",
+        "a b",
+    ]
 
 
 def test_deepspeed_hostfile_argv():
     argv = deepspeed_hostfile_argv("hf", "pdsh", "10.0.0.1", 29600, "h1@h2:0", None, TRAIN)
     assert argv == [
-        "deepspeed", "--hostfile", "hf", "--launcher", "pdsh", "--include", "h1@h2:0",
-        "--master_addr", "10.0.0.1", "--master_port", "29600",
-        "--module", "dsnd", "train", *TRAIN,
-    ]  # fmt: skip
+        "deepspeed",
+        "--hostfile",
+        "hf",
+        "--launcher",
+        "pdsh",
+        "--include",
+        "h1@h2:0",
+        "--master_addr",
+        "10.0.0.1",
+        "--master_port",
+        "29600",
+        "--module",
+        "dsnd",
+        "train",
+        *TRAIN,
+    ]
     argv = deepspeed_hostfile_argv("hf", "pdsh", "a", 1, None, "h2:1", [], force_multi=True)
     assert argv == [
-        "deepspeed", "--hostfile", "hf", "--launcher", "pdsh", "--exclude", "h2:1",
-        "--force_multi", "--master_addr", "a", "--master_port", "1", "--module", "dsnd", "train",
-    ]  # fmt: skip
+        "deepspeed",
+        "--hostfile",
+        "hf",
+        "--launcher",
+        "pdsh",
+        "--exclude",
+        "h2:1",
+        "--force_multi",
+        "--master_addr",
+        "a",
+        "--master_port",
+        "1",
+        "--module",
+        "dsnd",
+        "train",
+    ]
     assert "--include" not in deepspeed_hostfile_argv("hf", "pdsh", "a", 1, "", "", [])
 
 
@@ -61,35 +98,92 @@ def test_mpirun_openmpi():
     env = {"NCCL_DEBUG": "INFO", "OPTS": "a=b c"}
     argv = mpirun_argv("openmpi", SLOTS, "h1", 29500, env, "/venv/bin/python", TRAIN, False)
     assert argv == [
-        "mpirun", "-np", "4", "--host", "h1:2,h2:2", "--map-by", "slot", "--oversubscribe",
-        "-x", "MASTER_ADDR=h1", "-x", "MASTER_PORT=29500", "-x", "CUDA_VISIBLE_DEVICES=0,1",
-        "-x", "NCCL_DEBUG=INFO", "-x", "OPTS=a=b c",
-        "/venv/bin/python", "-m", "dsnd", "train", *TRAIN,
-    ]  # fmt: skip
+        "mpirun",
+        "-np",
+        "4",
+        "--host",
+        "h1:2,h2:2",
+        "--map-by",
+        "slot",
+        "--oversubscribe",
+        "-x",
+        "MASTER_ADDR=h1",
+        "-x",
+        "MASTER_PORT=29500",
+        "-x",
+        "CUDA_VISIBLE_DEVICES=0,1",
+        "-x",
+        "NCCL_DEBUG=INFO",
+        "-x",
+        "OPTS=a=b c",
+        "/venv/bin/python",
+        "-m",
+        "dsnd",
+        "train",
+        *TRAIN,
+    ]
     root = mpirun_argv("openmpi", {"h": [0]}, "h", 1, {}, "py", [], True)
     assert root == [
-        "mpirun", "-np", "1", "--host", "h:1", "--map-by", "slot", "--oversubscribe",
-        "--allow-run-as-root", "-x", "MASTER_ADDR=h", "-x", "MASTER_PORT=1",
-        "-x", "CUDA_VISIBLE_DEVICES=0", "py", "-m", "dsnd", "train",
-    ]  # fmt: skip
+        "mpirun",
+        "-np",
+        "1",
+        "--host",
+        "h:1",
+        "--map-by",
+        "slot",
+        "--oversubscribe",
+        "--allow-run-as-root",
+        "-x",
+        "MASTER_ADDR=h",
+        "-x",
+        "MASTER_PORT=1",
+        "-x",
+        "CUDA_VISIBLE_DEVICES=0",
+        "py",
+        "-m",
+        "dsnd",
+        "train",
+    ]
 
 
 def test_mpirun_mpich():
     slots = {"h1": [0, 1, 2], "h2": [0]}
     argv = mpirun_argv("mpich", slots, "h1", 29500, {"K": "v w"}, "python", ["--x"], True)
     assert argv == [
-        "mpirun", "-n", "4", "-hosts", "h1:3,h2:1",
-        "-genv", "MASTER_ADDR", "h1", "-genv", "MASTER_PORT", "29500",
-        "-genv", "CUDA_VISIBLE_DEVICES", "0,1,2", "-genv", "K", "v w",
-        "python", "-m", "dsnd", "train", "--x",
-    ]  # fmt: skip
+        "mpirun",
+        "-n",
+        "4",
+        "-hosts",
+        "h1:3,h2:1",
+        "-genv",
+        "MASTER_ADDR",
+        "h1",
+        "-genv",
+        "MASTER_PORT",
+        "29500",
+        "-genv",
+        "CUDA_VISIBLE_DEVICES",
+        "0,1,2",
+        "-genv",
+        "K",
+        "v w",
+        "python",
+        "-m",
+        "dsnd",
+        "train",
+        "--x",
+    ]
 
 
 def test_mpirun_explicit_master_and_slots_win_over_env():
     env = {"MASTER_PORT": "1", "MASTER_ADDR": "x", "A": "1", "CUDA_VISIBLE_DEVICES": "5"}
     argv = mpirun_argv("openmpi", SLOTS, "h1", 29500, env, "py", [], False)
-    assert [a for a in argv if "=" in a] == ["MASTER_ADDR=h1", "MASTER_PORT=29500",
-                                             "CUDA_VISIBLE_DEVICES=0,1", "A=1"]  # fmt: skip
+    assert [a for a in argv if "=" in a] == [
+        "MASTER_ADDR=h1",
+        "MASTER_PORT=29500",
+        "CUDA_VISIBLE_DEVICES=0,1",
+        "A=1",
+    ]
 
 
 def test_mpirun_rejects_unknown_flavor_and_pinned_slots():

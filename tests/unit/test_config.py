@@ -244,18 +244,28 @@ def test_later_set_wins():
 
 
 def test_ds_set_deep_merges_into_the_json():
-    ds = load(None, ["deepspeed=ds_configs/zero1.json", "ds.zero_optimization.stage=2",
-                     "ds.gradient_clipping=0.5"]).ds  # fmt: skip
-    assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 5000000,
-                                       "use_multi_rank_bucket_allreduce": False}  # fmt: skip
+    ds = load(
+        None,
+        [
+            "deepspeed=ds_configs/zero1.json",
+            "ds.zero_optimization.stage=2",
+            "ds.gradient_clipping=0.5",
+        ],
+    ).ds
+    assert ds["zero_optimization"] == {
+        "stage": 2,
+        "reduce_bucket_size": 5000000,
+        "use_multi_rank_bucket_allreduce": False,
+    }
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"]["lr"] == "auto"  # untouched siblings stay
 
 
 def test_ds_set_object_value_replaces_the_object():
     # the JSON's scheduler is WarmupLR with warmup_* params: none of them may survive
-    sets = ['ds.scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.001, '
-            '"cycle_max_lr": 0.01}}']  # fmt: skip
+    sets = [
+        'ds.scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}}'
+    ]
     ds = load(None, sets).ds
     assert ds["scheduler"] == {
         "type": "OneCycle",
@@ -530,8 +540,9 @@ def test_batch_math_needs_train_or_micro():
 
 
 # one rule for a huge integer and a huge float: neither is a batch anyone can train
-@pytest.mark.parametrize("bad", [0, -2, True, 2.0, "16", [16], 99999999999999999999999, 1e300,
-                                 2**31])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad", [0, -2, True, 2.0, "16", [16], 99999999999999999999999, 1e300, 2**31]
+)
 @pytest.mark.parametrize("key", ["train", "micro", "gas"])
 def test_batch_values_must_be_positive_integers(key, bad):
     values = {"train": 16, "micro": 2, "gas": 8}
@@ -571,20 +582,30 @@ FP16_HERE = "fp16 is not supported on this device (DeepSpeed: Type fp16 is not s
         ("ds.tensor_parallel.autotp_size=2", "'tensor_parallel' is refused"),
         ("ds.checkpoint.load_universal=true", "'checkpoint' is refused: dsnd writes its own"),
         ("ds.sequence_parallel_size=2", "'sequence_parallel_size' is refused"),
-        ('ds.zero_optimization.offload_optimizer={"device": "nvme"}',
-         "zero_optimization.offload_optimizer.device='nvme' needs zero_optimization.stage 3, "
-         "got 0"),
-        ('ds.zero_optimization.offload_param={"device": "cpu"}',
-         "zero_optimization.offload_param.device='cpu' needs zero_optimization.stage 3, got 0"),
-        ("ds.zero_optimization.zero_quantized_weights=true",
-         "'zero_quantized_weights' is refused: ZeRO++ quantized weights (qwZ) need DeepSpeed's "
-         "quantizer op (QuantizerBuilder), which its CPU accelerator does not implement"),
-        ("ds.zero_optimization.zero_quantized_gradients=true",
-         "'zero_quantized_gradients' is refused: ZeRO++ quantized gradients (qgZ)"),
-        ("ds.train_batch_szie=16",
-         "unknown key 'train_batch_szie' (did you mean 'train_batch_size'?)"),
+        (
+            'ds.zero_optimization.offload_optimizer={"device": "nvme"}',
+            "zero_optimization.offload_optimizer.device='nvme' needs zero_optimization.stage 3, "
+            "got 0",
+        ),
+        (
+            'ds.zero_optimization.offload_param={"device": "cpu"}',
+            "zero_optimization.offload_param.device='cpu' needs zero_optimization.stage 3, got 0",
+        ),
+        (
+            "ds.zero_optimization.zero_quantized_weights=true",
+            "'zero_quantized_weights' is refused: ZeRO++ quantized weights (qwZ) need DeepSpeed's "
+            "quantizer op (QuantizerBuilder), which its CPU accelerator does not implement",
+        ),
+        (
+            "ds.zero_optimization.zero_quantized_gradients=true",
+            "'zero_quantized_gradients' is refused: ZeRO++ quantized gradients (qgZ)",
+        ),
+        (
+            "ds.train_batch_szie=16",
+            "unknown key 'train_batch_szie' (did you mean 'train_batch_size'?)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_refused_deepspeed_features_by_name(item, message):
     msg = error(load, None, [item])
     assert msg.startswith(f"--set {item}: ")  # the --set, not the packaged JSON
@@ -592,25 +613,43 @@ def test_refused_deepspeed_features_by_name(item, message):
 
 
 def _nvme(path, key: str = "offload_param") -> list[str]:
-    return ["deepspeed=ds_configs/zero3.json",
-            f'ds.zero_optimization.{key}={{"device": "nvme", "nvme_path": "{path}"}}']  # fmt: skip
+    return [
+        "deepspeed=ds_configs/zero3.json",
+        f'ds.zero_optimization.{key}={{"device": "nvme", "nvme_path": "{path}"}}',
+    ]
 
 
 def test_nvme_offload_needs_a_writable_directory(tmp_path):
     missing = tmp_path / "missing"
     msg = error(load, None, _nvme(missing))
-    assert msg.endswith(f"zero_optimization.offload_param.nvme_path: '{missing}' is not a "
-                        "writable directory")  # fmt: skip
+    assert msg.endswith(
+        f"zero_optimization.offload_param.nvme_path: '{missing}' is not a writable directory"
+    )
     (tmp_path / "file").write_text("")
     assert "is not a writable directory" in error(load, None, _nvme(tmp_path / "file"))
-    msg = error(load, None, [*_nvme(tmp_path, "offload_optimizer"),
-                             "ds.zero_optimization.offload_optimizer.nvme_path=null"])  # fmt: skip
+    msg = error(
+        load,
+        None,
+        [
+            *_nvme(tmp_path, "offload_optimizer"),
+            "ds.zero_optimization.offload_optimizer.nvme_path=null",
+        ],
+    )
     assert "offload_optimizer.nvme_path must be the path of a directory, got None" in msg
 
 
 def test_nvme_offload_is_accepted_and_its_aio_section_read(tmp_path):
-    res = resolve(load(None, [*_nvme(tmp_path), *_nvme(tmp_path, "offload_optimizer"),
-                              'ds.aio={"block_size": 262144, "thread_count": 1}']), 1)  # fmt: skip
+    res = resolve(
+        load(
+            None,
+            [
+                *_nvme(tmp_path),
+                *_nvme(tmp_path, "offload_optimizer"),
+                'ds.aio={"block_size": 262144, "thread_count": 1}',
+            ],
+        ),
+        1,
+    )
     assert res.ds["aio"] == {"block_size": 262144, "thread_count": 1}
     assert "aio.thread_count: not a key DeepSpeed reads; ignored, as DeepSpeed does" in res.ds_notes
     assert not [n for n in res.ds_notes if n.startswith("aio: ignored")]
@@ -623,15 +662,28 @@ def test_nvme_offload_is_accepted_and_its_aio_section_read(tmp_path):
 @pytest.mark.parametrize(
     "sets, world, message",
     [
-        (["ds.zero_optimization.zero_hpz_partition_size=2"], 2,
-         "zero_hpz_partition_size=2 needs zero_optimization.stage 3, got 0"),
-        (["deepspeed=ds_configs/zero3.json", "ds.zero_optimization.zero_hpz_partition_size=3"], 4,
-         "zero_hpz_partition_size=3 must divide each stage's data-parallel size dp=4"),
-        (["deepspeed=ds_configs/zero3.json", "parallel.pp=2", "ds.train_batch_size=24",
-          "ds.zero_optimization.zero_hpz_partition_size=2"], 6,
-         "zero_hpz_partition_size=2 must divide each stage's data-parallel size dp=3"),
+        (
+            ["ds.zero_optimization.zero_hpz_partition_size=2"],
+            2,
+            "zero_hpz_partition_size=2 needs zero_optimization.stage 3, got 0",
+        ),
+        (
+            ["deepspeed=ds_configs/zero3.json", "ds.zero_optimization.zero_hpz_partition_size=3"],
+            4,
+            "zero_hpz_partition_size=3 must divide each stage's data-parallel size dp=4",
+        ),
+        (
+            [
+                "deepspeed=ds_configs/zero3.json",
+                "parallel.pp=2",
+                "ds.train_batch_size=24",
+                "ds.zero_optimization.zero_hpz_partition_size=2",
+            ],
+            6,
+            "zero_hpz_partition_size=2 must divide each stage's data-parallel size dp=3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_hpz_needs_zero3_and_a_size_that_divides_dp(sets, world, message):
     msg = error(resolve, load(None, sets), world)
     assert msg.startswith(f"--set {sets[-1]}: ") and msg.endswith(message)
@@ -899,8 +951,10 @@ def test_pp_tp_dp_layout():
         ("log.every=0", "log.every must be >= 1, got 0"),
         ("eval.every=-1", "eval.every must be >= 0, got -1"),
         ("eval.batches=0", "eval.batches must be >= 1, got 0"),
-        ("log.expert_load_warn=1", "log.expert_load_warn must be > 1 (times the mean expert "
-                                   "load) or 0 (never), got 1.0"),  # fmt: skip
+        (
+            "log.expert_load_warn=1",
+            "log.expert_load_warn must be > 1 (times the mean expert load) or 0 (never), got 1.0",
+        ),
         ("log.dir=", "log.dir must not be empty"),
         (
             "parallel.activation_checkpoint_interval=-1",

@@ -30,8 +30,14 @@ def train(capsys, monkeypatch, tmp_path):
     """``dsnd train ARGV`` as rank 0 of 1 -> its one error line, after 'dsnd: error: '."""
     import torch.distributed as dist
 
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29999", DS_ACCELERATOR="cpu")  # fmt: skip
+    env = dict(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29999",
+        DS_ACCELERATOR="cpu",
+    )
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(cli, "setup_logging", lambda rank: None)  # keep pytest's logging as is
@@ -97,8 +103,9 @@ def test_yaml_alias_inside_its_own_anchor_is_refused(tmp_path, train):
 
 
 def test_ordinary_yaml_anchors_and_aliases_still_work(tmp_path):
-    path = run_yaml(tmp_path, "train: {steps: &n 7, seed: 5}\ncheckpoint: {every: *n}\n"
-                              "log: &log {every: 2}\n")  # fmt: skip
+    path = run_yaml(
+        tmp_path, "train: {steps: &n 7, seed: 5}\ncheckpoint: {every: *n}\nlog: &log {every: 2}\n"
+    )
     run = load(path).run
     assert (run.train.steps, run.checkpoint.every, run.log.every) == (7, 7, 2)
 
@@ -174,8 +181,11 @@ def test_json_duplicate_keys_name_both_lines_at_any_level(tmp_path, train):
     assert train("--config", path) == (
         f"{ds}:7: duplicate key 'train_batch_size' (first on line 2)"
     )
-    write(tmp_path, "zero3.json", '{"optimizer": {"type": "AdamW",\n "params": {"lr": 1,\n'
-                                  '  "lr": 2}}}')  # fmt: skip
+    write(
+        tmp_path,
+        "zero3.json",
+        '{"optimizer": {"type": "AdamW",\n "params": {"lr": 1,\n  "lr": 2}}}',
+    )
     assert (
         train("--config", path) == f"{ds}:3: duplicate key 'optimizer.params.lr' (first on line 2)"
     )
@@ -377,25 +387,38 @@ def test_set_object_replaces_and_the_error_names_the_set(train):
     # merged into the old section, WarmupLR's warmup_min_lr, warmup_max_lr and warmup_type stayed
     sets = [item.replace("5}", '5, "total_num_steps": 20}')]
     assert load(None, sets).ds["scheduler"] == {
-        "type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 20}
-    }  # fmt: skip
+        "type": "WarmupDecayLR",
+        "params": {"warmup_num_steps": 5, "total_num_steps": 20},
+    }
 
 
 @pytest.mark.parametrize(
     "sets, blamed, message",
     [
-        (["ds.train_batch_size=16", "ds.gradient_accumulation_steps=3"], 1,
-         "train_batch_size=16 != train_micro_batch_size_per_gpu=2 * "
-         "gradient_accumulation_steps=3 * dp=1 (= 6)"),
-        (["ds.optimizer.type=SGD", "ds.optimizer.type=Adam", "ds.optimizer.params.lr=x"], 2,
-         "optimizer.params.lr must be a number, got 'x'"),
-        (["ds.optimizer=null", "ds.scheduler.params.warmup_num_steps=x"], 1,
-         "scheduler.params.warmup_num_steps must be a number, got 'x'"),
-        (["ds.fp16.enabled=true"], 0,
-         "fp16 is not supported on this device (DeepSpeed: Type fp16 is not supported on your "
-         "device); use bf16 or fp32"),
+        (
+            ["ds.train_batch_size=16", "ds.gradient_accumulation_steps=3"],
+            1,
+            "train_batch_size=16 != train_micro_batch_size_per_gpu=2 * "
+            "gradient_accumulation_steps=3 * dp=1 (= 6)",
+        ),
+        (
+            ["ds.optimizer.type=SGD", "ds.optimizer.type=Adam", "ds.optimizer.params.lr=x"],
+            2,
+            "optimizer.params.lr must be a number, got 'x'",
+        ),
+        (
+            ["ds.optimizer=null", "ds.scheduler.params.warmup_num_steps=x"],
+            1,
+            "scheduler.params.warmup_num_steps must be a number, got 'x'",
+        ),
+        (
+            ["ds.fp16.enabled=true"],
+            0,
+            "fp16 is not supported on this device (DeepSpeed: Type fp16 is not supported on your "
+            "device); use bf16 or fp32",
+        ),
     ],
-)  # fmt: skip
+)
 def test_error_names_the_first_set_that_causes_it(train, sets, blamed, message):
     argv = [a for item in sets for a in ("--set", item)]
     assert train(*argv) == f"--set {sets[blamed]}: {message}"
@@ -442,8 +465,11 @@ def test_world_size_batch_error_blames_the_file(monkeypatch, train):
     ],
 )
 def test_refusal_names_the_run_key_to_use(train, key, names):
-    value = {"sequence_parallel_size": "2", "checkpoint": '{"load_universal": true}',
-             "tensor_parallel": '{"autotp_size": 2}'}  # fmt: skip
+    value = {
+        "sequence_parallel_size": "2",
+        "checkpoint": '{"load_universal": true}',
+        "tensor_parallel": '{"autotp_size": 2}',
+    }
     item = f"ds.{key}=" + value.get(key, '{"enabled": true}')
     message = train("--set", item)
     assert message.startswith(f"--set {item}: '{key}' is refused: ")
@@ -463,8 +489,13 @@ def test_saved_configs_rerun_the_same_run(tmp_path, monkeypatch):
         "deepspeed: z.json\ntrain:\n  lr_scaling: linear\n  lr_reference_batch: 8\n"
         "data:\n  path: corpus.txt\ncheckpoint:\n  dir: ckpts\n  export_hf: hf\n"
     )
-    sets = ["ds.train_batch_size=32", "ds.optimizer.params.lr=0.002", "parallel.tp=2",
-            'ds.zero_optimization={"stage": 1}', "log.dir=runs/x"]  # fmt: skip
+    sets = [
+        "ds.train_batch_size=32",
+        "ds.optimizer.params.lr=0.002",
+        "parallel.tp=2",
+        'ds.zero_optimization={"stage": 1}',
+        "log.dir=runs/x",
+    ]
     res = resolve(load("conf/run.yaml", sets), 4)
     assert res.ds["optimizer"]["params"]["lr"] == pytest.approx(0.008)  # scaled by 32 / 8
     save_resolved_configs(res, res.run.log.dir)

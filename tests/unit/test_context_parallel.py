@@ -34,11 +34,12 @@ def test_slices_cover_the_sequence_once(cp, impl):
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
 def test_ring_gives_every_rank_the_same_causal_work(cp):
     """Per rank over the cp steps: blocks under the diagonal are full (1), on it half (1/2)."""
-    work = [sum(0.5 if causal else 1.0 for src in range(cp) for _, _, causal in _pairs(cp, r, src))
-            for r in range(cp)]  # fmt: skip
+    work = [
+        sum(0.5 if causal else 1.0 for src in range(cp) for _, _, causal in _pairs(cp, r, src))
+        for r in range(cp)
+    ]
     assert work == [work[0]] * cp
     assert sum(work) == (2 * cp) ** 2 / 2  # the causal half of (2cp)^2 chunk blocks
-
 
 
 def test_bad_context_layouts_are_refused_before_start():
@@ -49,12 +50,13 @@ def test_bad_context_layouts_are_refused_before_start():
         "parallel.cp=2 (ulysses): model.seq_len=63 is not divisible by parallel.cp = 2"
     )
     assert "times parallel.tp = 2 (sequence parallelism)" in resolve_error(
-        ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=36"],
-        4)  # fmt: skip
+        ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=36"], 4
+    )
     assert resolve_error(["parallel.cp=4", "parallel.cp_impl=ulysses"], 4) == (
         "parallel.cp_impl=ulysses: preset llama-tiny: num_kv_heads=2 gives 2 heads per "
         "tensor-parallel rank, not divisible by parallel.cp=4 (use cp_impl: ring, which splits "
-        "the sequence only)")  # fmt: skip
+        "the sequence only)"
+    )
     assert resolve_error(["parallel.cp=2", "parallel.cp_impl=stripes"], 2) == (
         "parallel.cp_impl='stripes': expected one of ring, ulysses"
     )
@@ -76,11 +78,15 @@ def _run(peak: int, step_s: float, losses=(5.0, 4.0)) -> dict:
 
 def test_context_rows_ratio_against_whole_sequences_with_targets():
     layouts = ["cp1", "ring-cp2", "ulysses-cp2"]
-    raw = {"seqs": [1024], "layouts": layouts, "runs": {
-        "1024/cp1": _run(1000, 1.0),
-        "1024/ring-cp2": _run(560, 2.0, (5.0, 4.001)),
-        "1024/ulysses-cp2": _run(500, 1.0),
-    }}  # fmt: skip
+    raw = {
+        "seqs": [1024],
+        "layouts": layouts,
+        "runs": {
+            "1024/cp1": _run(1000, 1.0),
+            "1024/ring-cp2": _run(560, 2.0, (5.0, 4.001)),
+            "1024/ulysses-cp2": _run(500, 1.0),
+        },
+    }
     rows = {r.metric: r for r in context_rows(raw)}
     ring = rows["seq1024 ring-cp2 activation peak / cp1"]
     assert ring.value == pytest.approx(0.56) and ring.met is False  # above 1.1/2

@@ -73,9 +73,17 @@ def _sparse_token_file(path: str, size: int) -> None:
     os.truncate(path + ".mask", tokens)
     np.arange(0, tokens, DOC_TOKENS, dtype="<i8").tofile(path + ".docs")
     _evict(path + ".docs")  # as a file prepared earlier: read from disk, not from the cache
-    meta = {"dtype": "uint16", "vocab_size": 256, "tokens": tokens, "tokenizer": "byte",
-            "source": "sparse", "sha256": hashlib.sha256(path.encode()).hexdigest(), "eot": None,
-            "documents": -(-tokens // DOC_TOKENS), "targets": True}  # fmt: skip
+    meta = {
+        "dtype": "uint16",
+        "vocab_size": 256,
+        "tokens": tokens,
+        "tokenizer": "byte",
+        "source": "sparse",
+        "sha256": hashlib.sha256(path.encode()).hexdigest(),
+        "eot": None,
+        "documents": -(-tokens // DOC_TOKENS),
+        "targets": True,
+    }
     with open(path + ".json", "w") as f:
         json.dump(meta, f)
 
@@ -90,8 +98,14 @@ def _evict(path: str) -> None:
 
 
 def _measure(*paths: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-c", MEASURE, *paths], cwd=ROOT, env=rank_env(),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, *paths],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -104,11 +118,13 @@ def test_start_up_time_and_memory_do_not_grow_with_the_token_file(tmp_path):
     one, four = _measure(warm, small, large)
     mib = 1 << 20
     for name, m in (("1 GiB", one), ("4 GiB", four)):
-        print(f"{name}: {m['samples']:,} samples; start-up {m['seconds']:.3f} s; resident "
-              f"{m['before'] / mib:.1f} MiB before, peak {m['peak'] / mib:.1f} MiB "
-              f"({(m['mapped'] - m['before']) / mib:+.1f} MiB to map and split, "
-              f"{(m['peak'] - m['mapped']) / mib:+.1f} MiB for 3 batches); ru_maxrss "
-              f"{m['maxrss'] / mib:.1f} MiB")  # fmt: skip
+        print(
+            f"{name}: {m['samples']:,} samples; start-up {m['seconds']:.3f} s; resident "
+            f"{m['before'] / mib:.1f} MiB before, peak {m['peak'] / mib:.1f} MiB "
+            f"({(m['mapped'] - m['before']) / mib:+.1f} MiB to map and split, "
+            f"{(m['peak'] - m['mapped']) / mib:+.1f} MiB for 3 batches); ru_maxrss "
+            f"{m['maxrss'] / mib:.1f} MiB"
+        )
     assert four["samples"] > 3.9 * one["samples"]
     # mapping and splitting read nothing; a batch reads its windows and, for document ids, one
     # binary search of the starts per window: at most a page per level, and the 3 batches' 192

@@ -74,16 +74,23 @@ def _error(call, *args, **kwargs) -> str:
 @pytest.mark.parametrize(
     "line, message",
     [
-        (b'{"text": "ab\\ud800"}', "field 'text' holds a lone surrogate '\\ud800' at character 2, "
-                                   "which has no UTF-8 encoding"),
-        (b"[" * 100_000,
-         "JSON nested too deeply to read; expected a JSON object with field 'text'"),
-        (b'{"text": "x", "n": ' + b"1" * 5000 + b"}",
-         "JSON not readable (Exceeds the limit (4300 digits) for integer string conversion: "
-         "value has 5000 digits); expected a JSON object with field 'text'"),
+        (
+            b'{"text": "ab\\ud800"}',
+            "field 'text' holds a lone surrogate '\\ud800' at character 2, "
+            "which has no UTF-8 encoding",
+        ),
+        (
+            b"[" * 100_000,
+            "JSON nested too deeply to read; expected a JSON object with field 'text'",
+        ),
+        (
+            b'{"text": "x", "n": ' + b"1" * 5000 + b"}",
+            "JSON not readable (Exceeds the limit (4300 digits) for integer string conversion: "
+            "value has 5000 digits); expected a JSON object with field 'text'",
+        ),
         (b'{"text": "\xff"}', "not valid UTF-8; expected a JSON object with field 'text'"),
     ],
-)  # fmt: skip
+)
 def test_prepare_bad_jsonl_record_names_file_and_line(tmp_path, capsys, line, message):
     src = tmp_path / "d.jsonl"
     src.write_bytes(b'{"text": "fine"}\n' + line + b"\n")
@@ -135,9 +142,27 @@ def test_prepare_output_in_a_read_only_directory(tmp_path, capsys):
         return
     # root writes through file modes: a read-only mount in a mount namespace of its own
     mount = f'mount --bind "{ro}" "{ro}" && mount -o remount,ro,bind "{ro}" "{ro}" && exec "$@"'
-    proc = subprocess.run(["unshare", "--mount", "sh", "-c", mount, "sh", sys.executable, "-m",
-                           "dsnd", "data", "prepare", str(src), str(ro / "o.bin")],
-                          env=rank_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "sh",
+            "-c",
+            mount,
+            "sh",
+            sys.executable,
+            "-m",
+            "dsnd",
+            "data",
+            "prepare",
+            str(src),
+            str(ro / "o.bin"),
+        ],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         f"dsnd: error: {ro / 'o.bin'}: cannot write the token file (Read-only file system)"
     ], proc.stderr
@@ -227,8 +252,9 @@ def test_ids_above_the_sidecars_vocabulary(tmp_path):
 def test_negative_ids_of_a_signed_dtype(tmp_path):
     path = _token_file(tmp_path)
     _rewrite_bin(path, np.array([3, -5, 7], dtype=np.int32).tobytes(), dtype="int32", tokens=3)
-    assert _error(verify_token_file, path) == (f"{path}: smallest token id -5 is negative "
-                                               "(int32 tokens)")  # fmt: skip
+    assert _error(verify_token_file, path) == (
+        f"{path}: smallest token id -5 is negative (int32 tokens)"
+    )
 
 
 def test_changed_bytes_fail_the_sha256(tmp_path):
@@ -247,18 +273,31 @@ def test_changed_bytes_fail_the_sha256(tmp_path):
 # --- the sidecar's schema and sizes: check_data and load_corpus say the same line ----------------
 
 SIDECAR_CASES = [
-    ({"dtype": "float32"}, "dtype 'float32' is not a token id type; expected one of uint8, "
-                           "uint16, uint32, int32, int64"),
-    ({"dtype": "int8"}, "dtype 'int8' is not a token id type; expected one of uint8, uint16, "
-                        "uint32, int32, int64"),
-    ({"dtype": "foo"}, "dtype 'foo' is not a token id type; expected one of uint8, uint16, "
-                       "uint32, int32, int64"),
+    (
+        {"dtype": "float32"},
+        "dtype 'float32' is not a token id type; expected one of uint8, "
+        "uint16, uint32, int32, int64",
+    ),
+    (
+        {"dtype": "int8"},
+        "dtype 'int8' is not a token id type; expected one of uint8, uint16, uint32, int32, int64",
+    ),
+    (
+        {"dtype": "foo"},
+        "dtype 'foo' is not a token id type; expected one of uint8, uint16, uint32, int32, int64",
+    ),
     ({"dtype": 16}, "dtype must be a string, got integer 16"),
-    ({"dtype": ...}, "missing dtype (needs dtype, vocab_size, tokens, sha256); write it again "
-                     "with 'dsnd data prepare'"),
-    ({"vocab_size": ..., "sha256": ...}, "missing vocab_size, sha256 (needs dtype, vocab_size, "
-                                         "tokens, sha256); write it again with 'dsnd data "
-                                         "prepare'"),
+    (
+        {"dtype": ...},
+        "missing dtype (needs dtype, vocab_size, tokens, sha256); write it again "
+        "with 'dsnd data prepare'",
+    ),
+    (
+        {"vocab_size": ..., "sha256": ...},
+        "missing vocab_size, sha256 (needs dtype, vocab_size, "
+        "tokens, sha256); write it again with 'dsnd data "
+        "prepare'",
+    ),
     ({"vocab_size": "256"}, 'vocab_size must be an integer, got string "256"'),
     ({"vocab_size": 256.0}, "vocab_size must be an integer, got number 256.0"),
     ({"vocab_size": True}, "vocab_size must be an integer, got boolean true"),
@@ -267,7 +306,7 @@ SIDECAR_CASES = [
     ({"tokens": -1}, "tokens must be at least 0, got -1"),
     ({"sha256": None}, "sha256 must be a string, got null"),
     ({"sha256": "abc"}, "sha256 must be 64 lowercase hex digits, got 'abc'"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("changes, message", SIDECAR_CASES)
@@ -282,10 +321,13 @@ def test_sidecar_schema(tmp_path, changes, message):
     "content, message",
     [
         ("[1, 2]", "expected a JSON object with keys dtype, vocab_size, tokens, sha256, got array"),
-        ("{", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
-              "(char 1))"),
+        (
+            "{",
+            "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+            "(char 1))",
+        ),
     ],
-)  # fmt: skip
+)
 def test_sidecar_not_an_object(tmp_path, content, message):
     path = _token_file(tmp_path)
     Path(path + ".json").write_text(content)
@@ -297,10 +339,19 @@ def test_sizes_against_the_sidecar(tmp_path):
     path = _token_file(tmp_path)  # 100 uint16 tokens
     _edit_meta(path, tokens=120)
     cases = [(f"{path}: 200 bytes hold 100 uint16 tokens, {path}.json says 120", None)]
-    cases.append((f"{path}: 201 bytes is not a whole number of uint16 tokens (2 bytes each)",
-                  Path(path).read_bytes() + b"\0"))  # fmt: skip
-    cases.append((f"{path}: empty (0 bytes), {path}.json says 120 tokens; write it again with "
-                  "'dsnd data prepare'", b""))  # fmt: skip
+    cases.append(
+        (
+            f"{path}: 201 bytes is not a whole number of uint16 tokens (2 bytes each)",
+            Path(path).read_bytes() + b"\0",
+        )
+    )
+    cases.append(
+        (
+            f"{path}: empty (0 bytes), {path}.json says 120 tokens; write it again with "
+            "'dsnd data prepare'",
+            b"",
+        )
+    )
     for message, data in cases:
         if data is not None:
             Path(path).write_bytes(data)

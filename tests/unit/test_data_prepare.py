@@ -102,17 +102,24 @@ def test_a_text_file_is_one_document_read_in_chunks(tmp_path, monkeypatch, capsy
     assert tokens.tolist() == whole.tokens.tolist() and starts.tolist() == [0]
     assert meta["documents"] == 1 and tokens[-1] == meta["eot"]
     _prepare(capsys, text, tmp_path / "b.bin")
-    assert np.fromfile(tmp_path / "b.bin", "<u2").tobytes() == np.frombuffer(
-        text.read_bytes(), np.uint8).astype("<u2").tobytes()  # fmt: skip
+    assert (
+        np.fromfile(tmp_path / "b.bin", "<u2").tobytes()
+        == np.frombuffer(text.read_bytes(), np.uint8).astype("<u2").tobytes()
+    )
     chunks = list(prepare_input.text_chunks(str(text), cut_lines=True, size=100))
     assert b"".join(chunks) == text.read_bytes() and all(c.endswith(b"\n") for c in chunks)
 
 
 @pytest.mark.parametrize(
     "buf, cut",
-    [(b"one\ntwo\n\nthree four", 9), (b"one two  three", 7), ("déjà".encode(), 4),
-     ("ab€".encode()[:-1], 2), (b"x\n\n", 1)],
-)  # fmt: skip
+    [
+        (b"one\ntwo\n\nthree four", 9),
+        (b"one two  three", 7),
+        ("déjà".encode(), 4),
+        ("ab€".encode()[:-1], 2),
+        (b"x\n\n", 1),
+    ],
+)
 def test_chunks_end_where_tokenizers_do_not_join(buf, cut):
     assert prepare_input.cut_point(buf) == cut
 
@@ -138,11 +145,13 @@ def test_chat_with_nothing_to_count_is_refused(tmp_path, capsys):
     out = tmp_path / "c.bin"
     assert _error(capsys, chat, out, "--format", "chat", "--tokenizer", tok_dir) == (
         f"INPUT {chat}: no token of its 3 conversations counts in the loss (no assistant turn); "
-        "chat data trains on the assistant's tokens")
+        "chat data trains on the assistant's tokens"
+    )
     assert not list(tmp_path.glob("c.bin*"))
     assert _error(capsys, chat, out, "--format", "chat") == (
         "--format chat: byte tokens have no chat template; pass --tokenizer DIR, a tokenizer "
-        "with one")
+        "with one"
+    )
 
 
 def test_any_number_of_workers_writes_the_same_file(tmp_path, monkeypatch, capsys, docs):
@@ -154,10 +163,15 @@ def test_any_number_of_workers_writes_the_same_file(tmp_path, monkeypatch, capsy
         files = []
         for workers in (1, 2):
             out = tmp_path / f"{fmt}{workers}.bin"
-            _prepare(capsys, source, out, "--format", fmt, "--tokenizer", tok_dir, "--workers",
-                     workers)  # fmt: skip
-            files.append([(tmp_path / f"{out.name}{end}").read_bytes()
-                          for end in ("", ".docs", ".mask" if fmt == "chat" else "")])  # fmt: skip
+            _prepare(
+                capsys, source, out, "--format", fmt, "--tokenizer", tok_dir, "--workers", workers
+            )
+            files.append(
+                [
+                    (tmp_path / f"{out.name}{end}").read_bytes()
+                    for end in ("", ".docs", ".mask" if fmt == "chat" else "")
+                ]
+            )
         assert files[0] == files[1]
     bad = tmp_path / "bad.jsonl"  # an error in a worker: the earliest, as with one process
     convs = conversations(8)
@@ -165,8 +179,17 @@ def test_any_number_of_workers_writes_the_same_file(tmp_path, monkeypatch, capsy
     convs[6] = [{"role": "assistant"}]
     chat_jsonl(bad, convs)
     for workers in (1, 2):
-        assert _error(capsys, bad, tmp_path / "x.bin", "--format", "chat", "--tokenizer",
-                      tok_dir, "--workers", workers).startswith(f"{bad}:4: message 0 ")  # fmt: skip
+        assert _error(
+            capsys,
+            bad,
+            tmp_path / "x.bin",
+            "--format",
+            "chat",
+            "--tokenizer",
+            tok_dir,
+            "--workers",
+            workers,
+        ).startswith(f"{bad}:4: message 0 ")
 
 
 def test_a_failed_prepare_leaves_no_pair(tmp_path, docs, capsys):
@@ -175,7 +198,8 @@ def test_a_failed_prepare_leaves_no_pair(tmp_path, docs, capsys):
     with open(docs, "a") as f:
         f.write('{"text": 7}\n')
     assert _error(capsys, docs, out) == (
-        f"{docs}:{len(TEXTS) + 1}: field 'text' must be a string, got int")
+        f"{docs}:{len(TEXTS) + 1}: field 'text' must be a string, got int"
+    )
     assert not list(tmp_path.glob("o.bin*"))  # the old sidecar first: never a stale pair
 
 
@@ -183,27 +207,35 @@ def test_progress_and_preview(tmp_path, capsys, docs):
     tok_dir = word_tokenizer(tmp_path / "tok")
     stream = io.StringIO()
     meta, _ = prepare(Spec(str(docs), "jsonl"), str(tmp_path / "o.bin"), 1, Progress(stream, 0))
-    assert stream.getvalue().splitlines()[-1].startswith(
-        f"prepare: {len(TEXTS)} documents, {meta['tokens']} tokens, 0.0 MB of text, ")
+    assert (
+        stream.getvalue()
+        .splitlines()[-1]
+        .startswith(f"prepare: {len(TEXTS)} documents, {meta['tokens']} tokens, 0.0 MB of text, ")
+    )
     chat = chat_jsonl(tmp_path / "chat.jsonl")
     out = tmp_path / "c.bin"
-    said = _prepare(capsys, chat, out, "--format", "chat", "--tokenizer", tok_dir,
-                    "--preview", 2)  # fmt: skip
+    said = _prepare(capsys, chat, out, "--format", "chat", "--tokenizer", tok_dir, "--preview", 2)
     assert said.splitlines()[:2] == [
         f"=== document 0 ({chat}:1): 21 tokens, 9 counted (the others in [[...]])",
         "[[<|user|> what is a fox 0 <|end|> <|assistant|>]]the quick brown fox 0 <|end|>"
-        "[[<|user|> hello <|end|> <|assistant|>]]lazy dogs <|end|>"]
+        "[[<|user|> hello <|end|> <|assistant|>]]lazy dogs <|end|>",
+    ]
     assert said.count("=== document") == 2 and not out.exists()
     said = _prepare(capsys, docs, "--preview", 1)
-    assert said == f"=== document 0 ({docs}:1): {len(TEXTS[0]) + 2} tokens, all counted\n" \
-                   f"{TEXTS[0]}\n\n(preview: nothing written)\n"
+    assert (
+        said == f"=== document 0 ({docs}:1): {len(TEXTS[0]) + 2} tokens, all counted\n"
+        f"{TEXTS[0]}\n\n(preview: nothing written)\n"
+    )
 
 
 def test_bad_arguments_are_one_line(tmp_path, docs, capsys):
-    assert _error(capsys, docs) == ("OUT: name the token file to write (e.g. train.bin), or "
-                                    "pass --preview N to look at the first N documents")
+    assert _error(capsys, docs) == (
+        "OUT: name the token file to write (e.g. train.bin), or "
+        "pass --preview N to look at the first N documents"
+    )
     assert _error(capsys, docs, tmp_path / "o.bin", "--workers", 0) == (
-        "--workers must be at least 1, got 0")
+        "--workers must be at least 1, got 0"
+    )
     assert not (tmp_path / "o.bin").exists()
 
 
@@ -227,8 +259,14 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
         path = tmp_path / f"{name}.jsonl"
         path.write_text(record * (mb * 10**6 // len(record)))
         paths.append(str(path))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_RSS), *paths], cwd=ROOT,
-                          env=rank_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_RSS), *paths],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     small, large = json.loads(proc.stdout.splitlines()[-1])
     assert large - small < 6, (small, large)  # MB

@@ -31,6 +31,7 @@ from tests.chat_data import (
 
 datasets = pytest.importorskip("datasets")
 
+
 @pytest.fixture
 def tok_dir(tmp_path):
     return word_tokenizer(tmp_path / "tok")
@@ -76,8 +77,9 @@ def test_dataset_errors_are_one_line(tmp_path, tok_dir, monkeypatch):
     path = str(tmp_path / "ds")
     with pytest.raises(UserError) as e:
         load_data(DataConfig(path=path), model)
-    assert str(e.value) == (f"data.path={path}: the dataset has no column 'text' (columns: "
-                            "body); set data.text_field")  # fmt: skip
+    assert str(e.value) == (
+        f"data.path={path}: the dataset has no column 'text' (columns: body); set data.text_field"
+    )
     with pytest.raises(UserError, match=r"no split 'train' in the DatasetDict \(splits: valid\)"):
         load_data(DataConfig(path=str(tmp_path / "dd"), text_field="body"), model)
     with pytest.raises(UserError, match="neither model.init_from nor model.config names a dir"):
@@ -85,9 +87,11 @@ def test_dataset_errors_are_one_line(tmp_path, tok_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as where the package is not installed
     with pytest.raises(UserError) as e:
         load_data(DataConfig(path=path, text_field="body"), model)
-    assert str(e.value) == (f"data.path={path} is a Hugging Face dataset, which needs the "
-                            "datasets package: pip install 'dsnd[data]' (or: pip install "
-                            "datasets)")  # fmt: skip
+    assert str(e.value) == (
+        f"data.path={path} is a Hugging Face dataset, which needs the "
+        "datasets package: pip install 'dsnd[data]' (or: pip install "
+        "datasets)"
+    )
 
 
 def test_jsonl_tokenized_with_the_model_tokenizer_on_request(tmp_path, tok_dir):
@@ -136,8 +140,10 @@ def test_token_files_name_their_tokenizer(tmp_path, tok_dir):
     check_data(DataConfig(path=str(mine)), 256, model)
     with pytest.raises(UserError) as e:
         check_data(DataConfig(path=str(byte)), 256, model)
-    assert str(e.value).startswith(f"data.path={byte}: {byte}.json names byte tokens, but "
-                                   f"model.init_from={tok_dir} has its own tokenizer")  # fmt: skip
+    assert str(e.value).startswith(
+        f"data.path={byte}: {byte}.json names byte tokens, but "
+        f"model.init_from={tok_dir} has its own tokenizer"
+    )
 
 
 # --- chat: the chat template, loss on the assistant's tokens only --------------------------------
@@ -153,8 +159,9 @@ def test_chat_counts_only_assistant_tokens(tmp_path, template):
     ids = tok.apply_chat_template(first, tokenize=True, return_dict=True)["input_ids"]
     n = len(ids)
     assert corpus.tokens[:n].tolist() == ids and corpus.documents[n] == 1
-    counted = [tok.convert_ids_to_tokens(int(i))
-               for i, t in zip(ids, corpus.targets[:n], strict=True) if t]  # fmt: skip
+    counted = [
+        tok.convert_ids_to_tokens(int(i)) for i, t in zip(ids, corpus.targets[:n], strict=True) if t
+    ]
     # the assistant's content and end-of-turn; not its header, not the user's turns
     assert counted == ["the", "quick", "brown", "fox", "0", "<|end|>", "lazy", "dogs", "<|end|>"]
 
@@ -164,12 +171,18 @@ def test_chat_refusals(tmp_path):
     path = chat_jsonl(tmp_path / "chat.jsonl")
     with pytest.raises(UserError) as e:
         load_data(DataConfig(path=path, format="chat"), ModelConfig(init_from=no_template))
-    assert str(e.value) == (f"data.format=chat: the tokenizer {no_template} has no chat template "
-                            "(tokenizer_config.json chat_template or chat_template.jinja)")
+    assert str(e.value) == (
+        f"data.format=chat: the tokenizer {no_template} has no chat template "
+        "(tokenizer_config.json chat_template or chat_template.jinja)"
+    )
     tok_dir = word_tokenizer(tmp_path / "tok")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": conversations(1)[0]}) + "\n"
-                   + json.dumps({"messages": [{"role": "user"}]}) + "\n")  # fmt: skip
+    bad.write_text(
+        json.dumps({"messages": conversations(1)[0]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user"}]})
+        + "\n"
+    )
     with pytest.raises(UserError, match=rf"^{bad}:2: message 0 must have string role and content"):
         load_data(DataConfig(path=str(bad), format="chat"), ModelConfig(init_from=tok_dir))
     # a template that drops earlier turns: a prefix renders as other tokens
@@ -213,8 +226,9 @@ def test_loss_weights_give_the_global_mean_on_every_layout(tmp_path, tok_dir):
                 where = (0, step, 8, rank, dp, micro)
                 weights = batch_extras(samples, *where).weights
                 mine = indices[rank * 8 // dp : (rank + 1) * 8 // dp]
-                for k, ((_, y_m), w) in enumerate(zip(batch_for_step(samples, *where), weights,
-                                                      strict=True)):  # fmt: skip
+                for k, ((_, y_m), w) in enumerate(
+                    zip(batch_for_step(samples, *where), weights, strict=True)
+                ):
                     rows = mine[k * micro : (k + 1) * micro]
                     mean = losses[rows][y_m != -100].mean().item() if w else 0.0
                     got += w * mean / (len(weights) * dp)
@@ -234,9 +248,11 @@ def test_packing_needs_document_boundaries(tmp_path):
     for path, name in ((None, "null (the Python standard library)"), (str(text), str(text))):
         with pytest.raises(UserError) as e:
             check_data(DataConfig(path=path, packing="documents", max_bytes=10_000), 256)
-        assert str(e.value) == (f"data.packing=documents: data.path={name} records no document "
-                                "boundaries; use JSONL, a Hugging Face dataset, chat data or a "
-                                "token file prepared with its documents")
+        assert str(e.value) == (
+            f"data.packing=documents: data.path={name} records no document "
+            "boundaries; use JSONL, a Hugging Face dataset, chat data or a "
+            "token file prepared with its documents"
+        )
 
 
 def test_dsnd_train_refuses_before_start(capsys, tmp_path, monkeypatch):

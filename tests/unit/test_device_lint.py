@@ -14,8 +14,23 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "dsnd"
-FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
-             "randint", "randperm", "linspace", "logspace", "eye", "empty_strided"}  # fmt: skip
+FACTORIES = {
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "linspace",
+    "logspace",
+    "eye",
+    "empty_strided",
+}
 
 CPU_BY_DESIGN = {
     ("bench/comm_rank.py", "layout"): "an empty scalar, asked only for its element size",
@@ -36,10 +51,10 @@ CPU_BY_DESIGN = {
     ("moe/router_load.py", "__init__"): "moved to the layers' device at the first forward",
     ("model/safetensors_stream.py", "layout"): "file layout on the writer's CPU",
     ("model/stack.py", "_initial_value"): "initial weights drawn on the CPU from (seed, layer, "
-                                           "name), the same on every layout; the engine moves them",
+    "name), the same on every layout; the engine moves them",
     ("tp/layers.py", "__init__"): "parameters allocated on the CPU, filled by the stack's "
-                                  "initialiser and moved by the engine",
-}  # fmt: skip
+    "initialiser and moved by the engine",
+}
 
 
 def _unnamed_device_calls(path: pathlib.Path) -> list[tuple[str, int, str]]:
@@ -53,9 +68,13 @@ def _unnamed_device_calls(path: pathlib.Path) -> list[tuple[str, int, str]]:
     found = []
     for node in ast.walk(tree):
         func = node.func if isinstance(node, ast.Call) else None
-        if (isinstance(func, ast.Attribute) and func.attr in FACTORIES
-                and isinstance(func.value, ast.Name) and func.value.id == "torch"
-                and not any(k.arg == "device" for k in node.keywords)):  # fmt: skip
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr in FACTORIES
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "torch"
+            and not any(k.arg == "device" for k in node.keywords)
+        ):
             found.append((owner.get(id(node), "<module>"), node.lineno, func.attr))
     return found
 
@@ -75,7 +94,12 @@ def test_every_tensor_factory_names_its_device():
 
 def test_the_lint_sees_a_factory_without_a_device(tmp_path):
     code = tmp_path / "x.py"
-    lines = ["import torch", "def f(d):", "    a = torch.zeros(3)",
-             "    b = torch.ones(3, device=d)", "    return torch.empty_like(a), b"]  # fmt: skip
+    lines = [
+        "import torch",
+        "def f(d):",
+        "    a = torch.zeros(3)",
+        "    b = torch.ones(3, device=d)",
+        "    return torch.empty_like(a), b",
+    ]
     code.write_text("\n".join(lines) + "\n")
     assert _unnamed_device_calls(code) == [("f", 3, "zeros")]

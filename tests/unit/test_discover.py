@@ -42,8 +42,13 @@ def mpich(rank: int, size: int, local: int, local_size: int, **extra: str) -> di
 
 
 def test_env_launcher_values_taken_as_given():
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7",
-           "MASTER_PORT": "29611"}  # fmt: skip
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29611",
+    }
     assert discover(env) == WorldInfo(5, 8, 1, "10.0.0.7", 29611, "env")
 
 

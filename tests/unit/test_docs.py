@@ -38,8 +38,14 @@ def test_readme_is_short_and_has_the_common_tasks():
     text = _read(os.path.join(ROOT, "README.md"))
     assert len(text.splitlines()) <= README_MAX_LINES, len(text.splitlines())
     tasks = text.split("## Common tasks", 1)[1].split("\n## ", 1)[0]
-    for phrase in ("Hugging Face model", "DeepSpeed JSON", "hosts or on Slurm",
-                   "another layout", "tokenizer", "Export"):  # fmt: skip
+    for phrase in (
+        "Hugging Face model",
+        "DeepSpeed JSON",
+        "hosts or on Slurm",
+        "another layout",
+        "tokenizer",
+        "Export",
+    ):
         assert phrase in tasks, phrase
     for command in ("dsnd launch --nprocs 2", "python -m pytest -q", "pip install torch==2.13.0"):
         assert command in text, command

@@ -20,7 +20,9 @@ def test_positions_and_mask():
     docs = Documents()
     docs.use(DOCS)
     assert docs.positions(torch.device("cpu")).tolist() == [
-        [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2]]
+        [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4],
+        [0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2],
+    ]
     mask = docs.mask(torch.device("cpu"))
     assert mask.shape == (2, 1, 12, 12) and mask.dtype == torch.bool
     assert mask[0, 0, 4].tolist() == [False] * 3 + [True] * 2 + [False] * 7  # own doc, causal
@@ -48,6 +50,8 @@ def test_packed_documents_get_the_logits_they_get_alone(preset):
 def test_packing_is_refused_with_context_parallelism():
     with pytest.raises(UserError) as e:
         resolve(load(None, ["data.packing=documents", "parallel.cp=2"]), 2)
-    assert str(e.value) == ("data.packing=documents: not with parallel.cp=2 (context parallel "
-                            "attention takes no document mask); use parallel.cp: 1")  # fmt: skip
+    assert str(e.value) == (
+        "data.packing=documents: not with parallel.cp=2 (context parallel "
+        "attention takes no document mask); use parallel.cp: 1"
+    )
     assert resolve(load(None, ["data.packing=documents"]), 1).run.data.packing == "documents"

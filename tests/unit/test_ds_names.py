@@ -33,8 +33,9 @@ def test_pipeline_module_names_map_to_the_same_global_layers(model):
     mapping = dsnd_names(shapes, model, "D")
     assert sorted(mapping.values()) == sorted(full_shapes(model))
     assert all(ours.endswith(theirs.split(".", 1)[1]) for theirs, ours in mapping.items())
-    assert mapping["1.self_attn.q_proj.weight" if model is LLAMA else "1.attn.c_attn.weight"] \
-        .startswith("layers.1.")  # fmt: skip
+    assert mapping[
+        "1.self_attn.q_proj.weight" if model is LLAMA else "1.attn.c_attn.weight"
+    ].startswith("layers.1.")
 
 
 def test_a_pipeline_with_parameter_free_layers_maps_in_order():

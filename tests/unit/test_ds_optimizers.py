@@ -45,8 +45,9 @@ def _error(sets: list[str]) -> str:
 
 def test_every_torch_optimizer_is_accepted_or_refused_by_name():
     assert set(optimizers.torch_names()) - {"Adam", "AdamW", "Muon"} == {
-        *TORCH_ACCEPTED, *TORCH_REFUSED
-    }  # fmt: skip
+        *TORCH_ACCEPTED,
+        *TORCH_REFUSED,
+    }
 
 
 @pytest.mark.parametrize("kind", TORCH_ACCEPTED)
@@ -86,7 +87,7 @@ def test_deepspeeds_cpu_optimizers_take_their_own_parameters():
     assert ds["optimizer"]["type"] == "Lion"
     assert "betas must each be in [0, 1), got [0.9, 1.5]" in _error(
         _sets("Lion", 1, OFFLOAD, betas=[0.9, 1.5])
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -96,16 +97,31 @@ def test_deepspeeds_cpu_optimizers_take_their_own_parameters():
         ("SGD", {"nesterov": 1}, "optimizer.params.nesterov must be bool, got 1"),
         ("SGD", {"foreach": 1}, "optimizer.params.foreach must be bool or null, got 1"),
         ("Rprop", {"etas": [0.5]}, "optimizer.params.etas must be a list of 2 numbers, got [0.5]"),
-        ("SGD", {"lr": -1}, "optimizer.params: torch.optim.SGD refuses them: Invalid learning "
-         "rate: -1"),
-        ("SGD", {"nesterov": True}, "torch.optim.SGD refuses them: Nesterov momentum requires a "
-         "momentum and zero dampening"),
-        ("RMSprop", {"capturable": True}, "torch.optim.RMSprop refuses them: If capturable=True, "
-         "params and state_steps must be on supported devices"),
-        ("SGD", {"max_grad_norm": 1.0}, "optimizer.params: 'max_grad_norm' is refused: DeepSpeed "
-         "refuses it as an optimizer parameter; use the top-level gradient_clipping"),
+        (
+            "SGD",
+            {"lr": -1},
+            "optimizer.params: torch.optim.SGD refuses them: Invalid learning rate: -1",
+        ),
+        (
+            "SGD",
+            {"nesterov": True},
+            "torch.optim.SGD refuses them: Nesterov momentum requires a "
+            "momentum and zero dampening",
+        ),
+        (
+            "RMSprop",
+            {"capturable": True},
+            "torch.optim.RMSprop refuses them: If capturable=True, "
+            "params and state_steps must be on supported devices",
+        ),
+        (
+            "SGD",
+            {"max_grad_norm": 1.0},
+            "optimizer.params: 'max_grad_norm' is refused: DeepSpeed "
+            "refuses it as an optimizer parameter; use the top-level gradient_clipping",
+        ),
     ],
-)  # fmt: skip
+)
 def test_parameters_are_checked_by_type_and_by_torch(kind, params, message):
     assert message in _error(_sets(kind, **params))
 
@@ -114,32 +130,57 @@ def test_parameters_are_checked_by_type_and_by_torch(kind, params, message):
     ("kind", "sets", "message"),
     [
         ("Lamb", (), f"optimizer.type 'Lamb' needs DeepSpeed's FusedLamb CUDA kernel, {KERNEL}"),
-        ("Lion", (), f"optimizer.type 'Lion' needs DeepSpeed's FusedLion CUDA kernel, {KERNEL} "
-         "(with zero_optimization.offload_optimizer.device 'cpu' DeepSpeed builds "
-         "DeepSpeedCPULion, which runs here)"),
-        ("MuAdam", (), "optimizer.type 'MuAdam' needs the mup package, which is not installed "
-         "(DeepSpeed: cannot access local variable 'MuAdam' where it is not associated with a "
-         "value)"),
+        (
+            "Lion",
+            (),
+            f"optimizer.type 'Lion' needs DeepSpeed's FusedLion CUDA kernel, {KERNEL} "
+            "(with zero_optimization.offload_optimizer.device 'cpu' DeepSpeed builds "
+            "DeepSpeedCPULion, which runs here)",
+        ),
+        (
+            "MuAdam",
+            (),
+            "optimizer.type 'MuAdam' needs the mup package, which is not installed "
+            "(DeepSpeed: cannot access local variable 'MuAdam' where it is not associated with a "
+            "value)",
+        ),
         ("musgd", (), "optimizer.type 'musgd' needs the mup package"),
         ("MuAdamW", (), "optimizer.type 'MuAdamW' needs the mup package"),
         ("Muon", (), "optimizer.type 'Muon' is refused: it is not supported by dsnd yet"),
         ("LBFGS", (), "optimizer.type 'LBFGS' is refused: its step needs a closure"),
-        ("SparseAdam", (), "is refused: it needs sparse gradients (torch: SparseAdam does not "
-         "support dense gradients"),
+        (
+            "SparseAdam",
+            (),
+            "is refused: it needs sparse gradients (torch: SparseAdam does not "
+            "support dense gradients",
+        ),
         ("ASGD", (), "optimizer.type 'ASGD' is refused: its per-parameter eta and mu"),
         ("Adafactor", (), "optimizer.type 'Adafactor' is refused: ZeRO's flat partitions change"),
-        ("Adagrad", ("ds.zero_optimization.stage=2",), "optimizer.type 'Adagrad' "
-         "(torch.optim.Adagrad) at zero_optimization.stage 2 is refused: DeepSpeed's ZeRO 1-3 "
-         "rebuild it as one parameter group"),
-        ("sgd", (), "optimizer.type 'sgd' is neither one of DeepSpeed's optimizers nor a "
-         "torch.optim optimizer (did you mean 'SGD'?)"),
+        (
+            "Adagrad",
+            ("ds.zero_optimization.stage=2",),
+            "optimizer.type 'Adagrad' "
+            "(torch.optim.Adagrad) at zero_optimization.stage 2 is refused: DeepSpeed's ZeRO 1-3 "
+            "rebuild it as one parameter group",
+        ),
+        (
+            "sgd",
+            (),
+            "optimizer.type 'sgd' is neither one of DeepSpeed's optimizers nor a "
+            "torch.optim optimizer (did you mean 'SGD'?)",
+        ),
         ("Optimizer", (), "optimizer.type 'Optimizer' is neither one of DeepSpeed's optimizers"),
-        ("NAdam", ('ds.scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.001, '
-                   '"cycle_max_lr": 0.01}}',),
-         "optimizer.type 'NAdam' with scheduler OneCycle needs scheduler.params.cycle_momentum "
-         "false"),
+        (
+            "NAdam",
+            (
+                'ds.scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.001, '
+                '"cycle_max_lr": 0.01}}',
+            ),
+            "optimizer.type 'NAdam' with scheduler OneCycle needs scheduler.params.cycle_momentum "
+            "false",
+        ),
     ],
-)  # fmt: skip
+)
 def test_refused_by_name_with_the_reason(kind, sets, message):
     section = json.dumps({"type": kind, "params": {"lr": 0.01}})
     assert message in _error([f"ds.optimizer={section}", *sets])
@@ -148,13 +189,15 @@ def test_refused_by_name_with_the_reason(kind, sets, message):
 def test_the_kernel_refusals_are_what_deepspeed_raises_here():
     assert deepspeed_api.op_problem("FusedLambBuilder") == (
         "This op had not been implemented on CPU backend."
-    )  # fmt: skip
+    )
     assert deepspeed_api.op_problem("CPULionBuilder") is None  # DeepSpeedCPULion's op exists
 
 
 def test_nadam_with_onecycle_without_momentum_cycling_is_accepted():
-    sched = {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01,
-                                            "cycle_momentum": False}}  # fmt: skip
+    sched = {
+        "type": "OneCycle",
+        "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_momentum": False},
+    }
     ds = load(None, [*_sets("NAdam"), f"ds.scheduler={json.dumps(sched)}"]).ds
     assert ds["scheduler"]["params"]["cycle_momentum"] is False
 
@@ -185,7 +228,7 @@ def test_nadams_mu_product_is_replayed_bit_for_bit():
         ({"type": "Lion", "params": {}}, True, "DeepSpeedCPULion", 8),
         ({"type": "Rprop", "params": {}}, False, "Rprop", 8),
     ],
-)  # fmt: skip
+)
 def test_optimizer_state_bytes_per_parameter(section, offload, built, nbytes):
     assert optimizers.state_bytes(section, offload) == (built, nbytes)
 
@@ -196,23 +239,46 @@ def test_the_memory_formula_takes_the_optimizers_state():
     assert adam["device"]["optimizer"] == 400 and sgd["device"]["optimizer"] == 0
     assert {k: v for k, v in sgd["device"].items() if k != "optimizer"} == {
         k: v for k, v in adam["device"].items() if k != "optimizer"
-    }  # fmt: skip
+    }
     lion = model_state_bytes(3, 100, 2, bf16=True, offload_optimizer=True, state_bytes=8)
     assert lion["cpu"] == {"master": 200.0, "optimizer": 400.0}
 
 
 SCHEDULERS = {
-    "LRRangeTest": {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2,
-                    "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False},
-    "OneCycle": {"cycle_min_lr": 0.0001, "cycle_max_lr": 0.001, "cycle_first_step_size": 2,
-                 "cycle_min_mom": 0.85, "cycle_max_mom": 0.95},
-    "WarmupLR": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 2,
-                 "warmup_type": "linear"},
-    "WarmupDecayLR": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 2,
-                      "total_num_steps": "auto", "warmup_type": "linear"},
-    "WarmupCosineLR": {"total_num_steps": "auto", "warmup_num_steps": 2, "warmup_min_ratio": 0.0,
-                       "cos_min_ratio": 0.1, "warmup_type": "linear"},
-}  # fmt: skip
+    "LRRangeTest": {
+        "lr_range_test_min_lr": 0.001,
+        "lr_range_test_step_size": 2,
+        "lr_range_test_step_rate": 1.0,
+        "lr_range_test_staircase": False,
+    },
+    "OneCycle": {
+        "cycle_min_lr": 0.0001,
+        "cycle_max_lr": 0.001,
+        "cycle_first_step_size": 2,
+        "cycle_min_mom": 0.85,
+        "cycle_max_mom": 0.95,
+    },
+    "WarmupLR": {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 2,
+        "warmup_type": "linear",
+    },
+    "WarmupDecayLR": {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 2,
+        "total_num_steps": "auto",
+        "warmup_type": "linear",
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": "auto",
+        "warmup_num_steps": 2,
+        "warmup_min_ratio": 0.0,
+        "cos_min_ratio": 0.1,
+        "warmup_type": "linear",
+    },
+}
 # the lr each of steps 1..6 uses (train.steps 6, the optimizer's lr 0.003), as DeepSpeed 0.19.8's
 # classes give it (measured): a warmup holds warmup_min_lr for two steps (the first is set when
 # the class is built, the second by its first step(), both at iteration 0); WarmupCosineLR
@@ -280,10 +346,16 @@ def test_a_warmup_scheduler_built_for_an_engine_warms_nobody(kind, caplog):
 
 
 def test_a_torch_scheduler_deepspeed_would_build_is_refused_by_name():
-    with pytest.raises(UserError, match=r"scheduler.type 'StepLR' \(a torch.optim.lr_scheduler "
-                                        r"class, which DeepSpeed also builds by name\) is not "
-                                        r"supported by dsnd yet"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"scheduler.type 'StepLR' \(a torch.optim.lr_scheduler "
+        r"class, which DeepSpeed also builds by name\) is not "
+        r"supported by dsnd yet",
+    ):
         load(None, ['ds.scheduler={"type": "StepLR", "params": {"step_size": 2}}'])
-    with pytest.raises(UserError, match=r"'WarmupLr' is not a DeepSpeed scheduler \(did you "
-                                        r"mean 'WarmupLR'\?\)"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"'WarmupLr' is not a DeepSpeed scheduler \(did you "
+        r"mean 'WarmupLR'\?\)",
+    ):
         load(None, ['ds.scheduler={"type": "WarmupLr", "params": {}}'])

@@ -24,16 +24,27 @@ def test_a_chat_fine_tune_from_an_export_keeps_its_chat_template(tmp_path):
     assert (tmp_path / "model" / "chat_template.jinja").is_file()  # transformers 5's place
     spec = load_model(model_dir, "model.init_from")
     export = str(tmp_path / "export")
-    write_hf_dir(export, spec, build_model(spec, seed=0).state_dict(), spec.directory,
-                 ExportOrigin(None, 3))  # fmt: skip
+    write_hf_dir(
+        export, spec, build_model(spec, seed=0).state_dict(), spec.directory, ExportOrigin(None, 3)
+    )
     carried = tokenizer_files(model_dir)
-    assert {"chat_template.jinja", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "additional_chat_templates/tool_use.jinja"} <= set(carried)
+    assert {
+        "chat_template.jinja",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "additional_chat_templates/tool_use.jinja",
+    } <= set(carried)
     assert not {"config.json", "model.safetensors"} & set(carried)  # the export writes its own
     for name in carried:
-        with open(os.path.join(model_dir, name), "rb") as a, open(os.path.join(export, name),
-                                                                  "rb") as b:  # fmt: skip
+        with (
+            open(os.path.join(model_dir, name), "rb") as a,
+            open(os.path.join(export, name), "rb") as b,
+        ):
             assert a.read() == b.read(), name
     chat = chat_jsonl(tmp_path / "chat.jsonl")
-    check_data(DataConfig(path=chat, format="chat"), spec.vocab_size,
-               ModelConfig(init_from=export, seq_len=32))  # fmt: skip
+    check_data(
+        DataConfig(path=chat, format="chat"),
+        spec.vocab_size,
+        ModelConfig(init_from=export, seq_len=32),
+    )

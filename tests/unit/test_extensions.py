@@ -116,8 +116,7 @@ def test_a_build_is_logged_before_and_after_and_a_load_is_quiet(monkeypatch, tmp
     ]
 
 
-def test_a_peer_lock_on_a_built_op_that_goes_at_once_is_not_a_wait(monkeypatch, tmp_path,
-                                                                    caplog):  # fmt: skip
+def test_a_peer_lock_on_a_built_op_that_goes_at_once_is_not_a_wait(monkeypatch, tmp_path, caplog):
     """Every 2-rank start: one rank holds the lock for its freshness check while the other
     comes to load; that is no build and no wait worth a line."""
     import threading

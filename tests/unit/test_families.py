@@ -24,16 +24,24 @@ torch.set_num_threads(1)
 
 # published totals (embedding and a tied head counted once), as transformers counts them
 PUBLISHED = {
-    "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
-    "gpt2-xl": 1_557_611_200, "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
-    "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
-    "mistral-7b": 7_248_023_552, "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "mistral-7b": 7_248_023_552,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
     "qwen3-0.6b": 596_049_920,
     # mixtures of experts: every expert counted (Mixtral-8x7B's "46.7B", Qwen3-30B-A3B's "30.5B",
     # Qwen1.5-MoE-A2.7B's "14.3B")
-    "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_122_624,
     "qwen1.5-moe-a2.7b": 14_315_784_192,
-}  # fmt: skip
+}
 
 
 def reduced(name: str) -> dict:
@@ -136,15 +144,27 @@ def _dir(tmp_path, name: str, **changes) -> str:
         ("llama-3.2-1b", {"attention_dropout": 0.1}, 64, r"attention_dropout=0.1"),
         ("llama-3.2-1b", {"hidden_act": "swishy"}, 64, r"hidden_act='swishy': not an activation"),
         ("gpt2", {}, 2048, r"model.seq_len=2048 must be in 1..1024, the max_position_embeddings"),
-        ("mixtral-8x7b", {"router_jitter_noise": 0.01}, 64,
-         r"router_jitter_noise=0.01: dsnd trains without random router noise"),
+        (
+            "mixtral-8x7b",
+            {"router_jitter_noise": 0.01},
+            64,
+            r"router_jitter_noise=0.01: dsnd trains without random router noise",
+        ),
         ("mixtral-8x7b", {"num_experts_per_tok": 9}, 64, r"num_experts_per_tok=9: must be in 1..8"),
-    ],  # fmt: skip
-    ids=["window", "gpt2-dropout", "llama-dropout", "activation", "seq-len", "router-noise",
-         "top-k"],  # fmt: skip
+    ],
+    ids=[
+        "window",
+        "gpt2-dropout",
+        "llama-dropout",
+        "activation",
+        "seq-len",
+        "router-noise",
+        "top-k",
+    ],
 )
-def test_what_cannot_be_honoured_is_refused_by_field_and_value(tmp_path, preset, changes,
-                                                               seq_len, message):  # fmt: skip
+def test_what_cannot_be_honoured_is_refused_by_field_and_value(
+    tmp_path, preset, changes, seq_len, message
+):
     spec = load_model(_dir(tmp_path, preset, **changes), "model.config")
     with pytest.raises(UserError, match=message):
         check_model(spec, seq_len, spec.source)

@@ -20,9 +20,7 @@ from tests.models import spec_of
     [
         spec_of("llama-tiny"),  # grouped-query attention, untied head
         spec_of("gpt2-tiny"),  # tied head (counted once), biases and positions (not counted)
-        spec_of(
-            "llama-tiny", hidden_size=128, num_heads=8, num_kv_heads=8, ffn_size=352
-        ),  # fmt: skip
+        spec_of("llama-tiny", hidden_size=128, num_heads=8, num_kv_heads=8, ffn_size=352),
     ],
     ids=["llama-tiny", "gpt2-tiny", "llama-wider"],
 )

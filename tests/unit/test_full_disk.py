@@ -87,8 +87,10 @@ def test_a_save_on_a_full_disk_keeps_the_previous_checkpoint(one_process, tiny_f
         with pytest.raises(WriteFailed) as e:
             save_checkpoint(engine, res, groups, 2, str(tiny_fs), corpus, "j")
         assert e.value.code == 1
-        assert str(e.value).startswith("checkpoint step_00000002 not saved: rank 0: No space "
-                                       f"left on device ({tiny_fs}/.tmp-step_00000002/")
+        assert str(e.value).startswith(
+            "checkpoint step_00000002 not saved: rank 0: No space "
+            f"left on device ({tiny_fs}/.tmp-step_00000002/"
+        )
         assert str(e.value).endswith("; step_00000001 stays latest")
         engine.destroy()
     assert sorted(os.listdir(tiny_fs)) == ["filler", "latest", "step_00000001"]
@@ -96,14 +98,20 @@ def test_a_save_on_a_full_disk_keeps_the_previous_checkpoint(one_process, tiny_f
 
 
 def _chat_sets(tmp_path) -> list[str]:
-    return _sets(f"data.path={chat_jsonl(tmp_path / 'chat.jsonl', conversations(60))}",
-                 "data.format=chat", f"data.vocab={word_tokenizer(tmp_path / 'tok')}",
-                 f"log.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}",
-                 "train.steps=2", "eval.fraction=0")  # fmt: skip
+    return _sets(
+        f"data.path={chat_jsonl(tmp_path / 'chat.jsonl', conversations(60))}",
+        "data.format=chat",
+        f"data.vocab={word_tokenizer(tmp_path / 'tok')}",
+        f"log.dir={tmp_path / 'run'}",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "train.steps=2",
+        "eval.fraction=0",
+    )
 
 
-def test_a_full_log_dir_stops_the_run_with_a_checkpoint_in_one_line(capfd, caplog, one_process,
-                                                                   tmp_path):  # fmt: skip
+def test_a_full_log_dir_stops_the_run_with_a_checkpoint_in_one_line(
+    capfd, caplog, one_process, tmp_path
+):
     """metrics.jsonl and the rank's log on /dev/full: the first row fails, every rank stops at
     the next step and saves there; rank 0 says so in one line and exits 1. (Chat data: the
     share of its tokens that count is said at start.)"""
@@ -121,15 +129,20 @@ def test_a_full_log_dir_stops_the_run_with_a_checkpoint_in_one_line(capfd, caplo
         "log stops there",
         f"dsnd: error: log.dir {run}: cannot write the metrics of step 1 (No space left on "
         f"device); stopped, checkpoint {step} is the last saved; free space there, then "
-        "relaunch to resume"]  # fmt: skip
+        "relaunch to resume",
+    ]
     assert latest(str(tmp_path / "ck")) == str(step) and verify(str(step)) == []
-    assert any(r.getMessage().startswith("data: ") and r.getMessage().endswith(
-        " tokens counted in the loss (45.5%)") for r in caplog.records)  # fmt: skip
+    assert any(
+        r.getMessage().startswith("data: ")
+        and r.getMessage().endswith(" tokens counted in the loss (45.5%)")
+        for r in caplog.records
+    )
     assert not dist.is_initialized()
 
 
-def test_ctrl_c_twice_in_a_save_commits_it_then_ends_in_one_line(capfd, one_process, tmp_path,
-                                                                monkeypatch):  # fmt: skip
+def test_ctrl_c_twice_in_a_save_commits_it_then_ends_in_one_line(
+    capfd, one_process, tmp_path, monkeypatch
+):
     monkeypatch.setenv(SIGINT_ENV, "2:0")  # both presses during step 2's save
     sets = _sets(f"log.dir={tmp_path / 'run'}", "train.steps=2", "eval.fraction=0")
     assert cli.main(["train", *sets]) == 130
@@ -137,8 +150,11 @@ def test_ctrl_c_twice_in_a_save_commits_it_then_ends_in_one_line(capfd, one_proc
     assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("dsnd: ")] == [
         "dsnd: Ctrl-C again: stopping once the checkpoint being saved is committed",
-        "dsnd: interrupted (a second Ctrl-C); the last committed checkpoint stays latest"]
+        "dsnd: interrupted (a second Ctrl-C); the last committed checkpoint stays latest",
+    ]
     root = tmp_path / "run" / "checkpoints"
-    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["latest",
-                                                                          "step_00000002"]
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
+        "latest",
+        "step_00000002",
+    ]
     assert verify(str(root / "step_00000002")) == []

@@ -68,8 +68,9 @@ def gpu_layouts():
     return pr, [x for x in plan(pr) if x.micro_batch == gpu.MICRO_BATCH]
 
 
-def test_validate_names_gloo_and_the_cpu_and_bench_gpu_asks_for_cuda(monkeypatch, tmp_path,
-                                                                     gpu_layouts):  # fmt: skip
+def test_validate_names_gloo_and_the_cpu_and_bench_gpu_asks_for_cuda(
+    monkeypatch, tmp_path, gpu_layouts
+):
     from dsnd.bench import gpu
     from dsnd.layout_search import validate
     from dsnd.layout_search.hardware import DEVICES
@@ -84,8 +85,9 @@ def test_validate_names_gloo_and_the_cpu_and_bench_gpu_asks_for_cuda(monkeypatch
     monkeypatch.setattr(local_ranks, "run_ranks", run_ranks)
     for accelerator in ("cpu", "cuda"):
         with pytest.raises(Stop):
-            validate.run_layout(gpu.MODEL, pr, layouts[0], 3, str(tmp_path / accelerator),
-                                accelerator=accelerator)  # fmt: skip
+            validate.run_layout(
+                gpu.MODEL, pr, layouts[0], 3, str(tmp_path / accelerator), accelerator=accelerator
+            )
     assert started == [(1, "cpu", ["dist.backend=gloo"]), (1, "cuda", ["dist.backend=nccl"])]
 
     asked = []
@@ -107,8 +109,17 @@ def test_validate_names_gloo_and_the_cpu_and_bench_gpu_asks_for_cuda(monkeypatch
 
 def test_each_hosts_ranks_see_its_selected_slots_over_any_other_value():
     assert visible_devices_env([1, 3]) == {"CUDA_VISIBLE_DEVICES": "1,3"}
-    spec = AgentSpec("h", [4, 5], 8, "a", 1, ["py"], "/w", {"CUDA_VISIBLE_DEVICES": "7", "A": "1"},
-                     devices=[1, 3])  # fmt: skip
+    spec = AgentSpec(
+        "h",
+        [4, 5],
+        8,
+        "a",
+        1,
+        ["py"],
+        "/w",
+        {"CUDA_VISIBLE_DEVICES": "7", "A": "1"},
+        devices=[1, 3],
+    )
     assert [spec.rank_env(i)["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["1,3", "1,3"]
     assert AgentSpec.from_line(spec.to_line()) == spec
     bare = AgentSpec("h", [0], 1, "a", 1, ["py"], "/w", {"CUDA_VISIBLE_DEVICES": "7"})
@@ -129,8 +140,14 @@ def test_the_launching_shells_value_is_noted_when_the_ranks_will_not_get_it():
 def test_dsnd_launch_gives_each_agent_its_hosts_slots(tmp_path):
     from dsnd.commands.launch import agent_launches
 
-    args = SimpleNamespace(config=None, path_sets=[], job_id="j", master_addr=None,
-                           master_port=29500, cwd=str(tmp_path))  # fmt: skip
+    args = SimpleNamespace(
+        config=None,
+        path_sets=[],
+        job_id="j",
+        master_addr=None,
+        master_port=29500,
+        cwd=str(tmp_path),
+    )
     res = SimpleNamespace(run=SimpleNamespace(dist=SimpleNamespace(timeout_s=60.0)))
     slots = {"h1": [1, 3], "h2": [0]}
     launches = agent_launches(args, slots, res, {}, [])
@@ -150,8 +167,9 @@ def test_a_rank_binds_its_local_rank_among_the_devices_it_sees():
 
 
 def test_an_nccl_rank_sets_its_device_and_starts_the_group_eagerly_on_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
-                                        if not k.startswith("TORCH_")})  # fmt: skip
+    monkeypatch.setattr(
+        os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("TORCH_")}
+    )
     calls = []
     monkeypatch.setattr(init, "resolve_backend", lambda backend: "nccl")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -168,8 +186,9 @@ def test_an_nccl_rank_sets_its_device_and_starts_the_group_eagerly_on_it(monkeyp
     gpu0 = torch.device("cuda", 0)
     assert calls == [("set_device", gpu0), ("nccl", gpu0)]
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "logs" /
-                                                                "nccl_trace_rank_")  # fmt: skip
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(
+        tmp_path / "logs" / "nccl_trace_rank_"
+    )
 
 
 def test_gloo_binds_no_device(monkeypatch):
@@ -189,10 +208,16 @@ def test_gloo_binds_no_device(monkeypatch):
 
 def test_the_flight_recorder_is_on_unless_the_user_set_it():
     got = init.flight_recorder_env({}, "/runs/a")
-    assert got == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/a/logs/nccl_trace_rank_"}  # fmt: skip
-    user = {"TORCH_FR_BUFFER_SIZE": "10", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-            "TORCH_FR_DUMP_TEMP_FILE": "/t/x"}  # fmt: skip
+    assert got == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/a/logs/nccl_trace_rank_",
+    }
+    user = {
+        "TORCH_FR_BUFFER_SIZE": "10",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_FR_DUMP_TEMP_FILE": "/t/x",
+    }
     assert init.flight_recorder_env(user, "/runs/a") == {}
     assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in init.flight_recorder_env({}, None)
 
@@ -237,7 +262,7 @@ def test_flags_whose_answer_depends_on_the_device_are_left_to_the_engine_off_the
 
 
 def test_a_real_sigabrt_is_named_as_an_nccl_watchdog_abort():
-    code = ("import os, resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()")
+    code = "import os, resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); os.abort()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert proc.returncode == -6
     assert describe_exit(proc.returncode).startswith(f"was killed by SIGABRT: {WATCHDOG}")
@@ -251,8 +276,10 @@ def _outcome(rank, code, at):
 
 def test_a_watchdog_abort_comes_after_the_rank_that_failed_by_itself():
     # rank 1 raised (exit 1) while rank 0's NCCL communicator failed a little earlier
-    assert diagnose([_outcome(0, -6, 1.0), _outcome(1, 1, 1.2)]) == "rank 1 on host h exited " \
-        "with code 1"  # fmt: skip
+    assert (
+        diagnose([_outcome(0, -6, 1.0), _outcome(1, 1, 1.2)]) == "rank 1 on host h exited "
+        "with code 1"
+    )
     assert diagnose([_outcome(0, -9, 2.0), _outcome(1, -6, 1.0)]).endswith("SIGKILL")
     got = diagnose([_outcome(0, 4, 1.0), _outcome(1, -6, 1.5)])
     assert got.startswith(f"rank 1 on host h was killed by SIGABRT: {WATCHDOG}")
@@ -276,16 +303,23 @@ def test_ops_build_chooses_the_ops_the_json_needs_on_cuda_and_everything_on_the_
     assert ops_for({"optimizer": {"type": "AdamW"}}, "cuda")[0] == ["FusedAdamBuilder"]
     torch_adam = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
     assert ops_for(torch_adam, "cuda")[0] == []
-    offload = {"optimizer": {"type": "Adam"}, "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "cpu"},
-        "zero_quantized_weights": True}}  # fmt: skip
+    offload = {
+        "optimizer": {"type": "Adam"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme"},
+            "offload_param": {"device": "cpu"},
+            "zero_quantized_weights": True,
+        },
+    }
     assert ops_for(offload, "cuda")[0] == ["CPUAdamBuilder", "AsyncIOBuilder", "QuantizerBuilder"]
     offload["zero_optimization"]["stage"] = 0  # nothing is offloaded without ZeRO
     assert ops_for(offload, "cuda")[0][0] == "FusedAdamBuilder"
 
 
 def test_ops_build_on_cuda_loads_only_what_the_json_needs_and_says_what_it_skipped(
-        monkeypatch, tmp_path, capsys):  # fmt: skip
+    monkeypatch, tmp_path, capsys
+):
     from dsnd.commands import ops
     from dsnd.engine import compat
 
@@ -313,8 +347,9 @@ def test_ops_build_on_cuda_loads_only_what_the_json_needs_and_says_what_it_skipp
     assert loaded == ["FusedLambBuilder"]
     out = capsys.readouterr().out.splitlines()
     assert len(out) == len(ops.KNOWN_BUILDERS)
-    assert "FusedAdamBuilder     skipped: not needed: the JSON's optimizer 'Lamb' is " \
-        "FusedLamb" in out  # fmt: skip
+    assert (
+        "FusedAdamBuilder     skipped: not needed: the JSON's optimizer 'Lamb' is FusedLamb" in out
+    )
     assert out[-1].startswith("FusedLambBuilder     ready (FusedLambBuilder, ")
 
 
@@ -330,13 +365,20 @@ def test_quantized_switches_are_refused_only_where_the_quantizer_cannot_build():
     )
     assert set(cpu) == {"zero_quantized_weights", "zero_quantized_gradients"}
     assert ds_quantized.quantized_refusals("cuda", None) == {}
-    assert "cuda accelerator cannot build here (no nvcc)" in ds_quantized.quantized_refusals(
-        "cuda", "no nvcc")["zero_quantized_gradients"]  # fmt: skip
+    assert (
+        "cuda accelerator cannot build here (no nvcc)"
+        in ds_quantized.quantized_refusals("cuda", "no nvcc")["zero_quantized_gradients"]
+    )
 
 
 def test_quantized_switches_pass_the_key_check_where_the_quantizer_builds(monkeypatch):
-    ds = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
-                                "zero_quantized_gradients": True}}  # fmt: skip
+    ds = {
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_weights": True,
+            "zero_quantized_gradients": True,
+        }
+    }
     with pytest.raises(UserError, match="its CPU accelerator does not implement"):
         deepspeed_json._check_sections(ds, "ds.json")  # this machine's CPU accelerator
     monkeypatch.setattr(public, "accelerator", lambda: _Accelerator("cuda"))

@@ -17,8 +17,9 @@ def load(path, sets):
 
 def _windows(samples) -> list[bytes]:
     x, y = samples.batch(np.arange(len(samples)))
-    return [bytes(row) for row in np.concatenate([x.numpy(), y.numpy()[:, -1:]], 1).astype(
-        np.uint8)]  # fmt: skip
+    return [
+        bytes(row) for row in np.concatenate([x.numpy(), y.numpy()[:, -1:]], 1).astype(np.uint8)
+    ]
 
 
 def test_a_default_run_holds_out_the_last_share_it_never_trains_on(tmp_path):
@@ -44,16 +45,19 @@ def test_a_corpus_too_small_to_hold_out_a_sample_trains_on_all_of_it_and_says_so
     run = load(None, [f"data.path={tmp_path / 'small.txt'}"])
     split = split_samples(run, load_data(run.data, run.model))
     assert (len(split.train), split.held_out) == (49, None)
-    assert split.note == (f"not evaluating: {tmp_path / 'small.txt'} has 49 samples of 64 "
-                          "tokens, too few to hold out eval.fraction 0.02 of them (at least 50 "
-                          "needed); set data.eval_path, or a larger eval.fraction")  # fmt: skip
+    assert split.note == (
+        f"not evaluating: {tmp_path / 'small.txt'} has 49 samples of 64 "
+        "tokens, too few to hold out eval.fraction 0.02 of them (at least 50 "
+        "needed); set data.eval_path, or a larger eval.fraction"
+    )
 
 
 def test_data_eval_path_is_the_held_out_set_and_all_of_data_path_trains(tmp_path):
     (tmp_path / "train.txt").write_bytes(b"t" * 65 * 30)
     (tmp_path / "held.txt").write_bytes(b"h" * 65 * 4 + b"h" * 10)
-    run = load(None, [f"data.path={tmp_path / 'train.txt'}",
-                      f"data.eval_path={tmp_path / 'held.txt'}"])  # fmt: skip
+    run = load(
+        None, [f"data.path={tmp_path / 'train.txt'}", f"data.eval_path={tmp_path / 'held.txt'}"]
+    )
     assert load_eval_corpus(load(None, [])) is None
     split = split_samples(run, load_data(run.data, run.model), load_eval_corpus(run))
     assert (len(split.train), len(split.held_out), split.note) == (30, 4, None)

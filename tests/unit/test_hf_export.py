@@ -83,8 +83,11 @@ def test_the_plan_sends_each_piece_once_in_layer_order():
     plan = make_plan(every[::-1])
     assert list(plan) == ["layers.0.w", "layers.0.norm", "layers.1.w", "layers.1.e"]
     assert {name: [p.rank for p in pieces] for name, pieces in plan.items()} == {
-        "layers.0.w": [0, 1], "layers.0.norm": [0], "layers.1.w": [2, 3], "layers.1.e": [2, 3]
-    }  # fmt: skip
+        "layers.0.w": [0, 1],
+        "layers.0.norm": [0],
+        "layers.1.w": [2, 3],
+        "layers.1.e": [2, 3],
+    }
     assert plan["layers.0.w"][0].full_shape == (8, 2)
     with pytest.raises(ValueError, match="layers.0.w: 1 of its 2 shards"):
         make_plan([every[0]])
@@ -107,8 +110,11 @@ class LiveBytes(TorchDispatchMode):
                 if storage.data_ptr() not in self.exclude and storage.nbytes():
                     refs, _ = self.live.setdefault(storage.data_ptr(), ([], storage.nbytes()))
                     refs.append(weakref.ref(t))
-        self.live = {ptr: (refs, n) for ptr, (refs, n) in self.live.items()
-                     if any(r() is not None for r in refs)}  # fmt: skip
+        self.live = {
+            ptr: (refs, n)
+            for ptr, (refs, n) in self.live.items()
+            if any(r() is not None for r in refs)
+        }
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
 
@@ -124,8 +130,16 @@ def payloads(monkeypatch) -> list[tuple[str, int]]:
 
     def recording(name: str, original):
         def call(pg, *args, **kwargs):
-            calls.append((name, sum(t.numel() * t.element_size() for t in tree_leaves(args[:2])
-                                    if isinstance(t, torch.Tensor))))  # fmt: skip
+            calls.append(
+                (
+                    name,
+                    sum(
+                        t.numel() * t.element_size()
+                        for t in tree_leaves(args[:2])
+                        if isinstance(t, torch.Tensor)
+                    ),
+                )
+            )
             return original(pg, *args, **kwargs)
 
         return call
@@ -159,8 +173,14 @@ def test_an_export_holds_one_layer_at_a_time_and_writes_write_hf_dirs_files(
     assert _bytes(stack.parameters()) > 4 * max(layer_bytes)  # the bound means something
     counter = LiveBytes({p.untyped_storage().data_ptr() for p in stack.parameters()})
     with counter:
-        said = export_hf(stack, str(tmp_path / "streamed"), spec, dist.group.WORLD,
-                         ExportOrigin(None, 5), torch.device("cpu"))  # fmt: skip
+        said = export_hf(
+            stack,
+            str(tmp_path / "streamed"),
+            spec,
+            dist.group.WORLD,
+            ExportOrigin(None, 5),
+            torch.device("cpu"),
+        )
     assert said is not None and said.startswith("exported step 5 as a transformers directory")
     assert counter.peak <= max(layer_bytes), (counter.peak, max(layer_bytes))
     assert payloads and max(n for _, n in payloads) <= max(layer_bytes), payloads
@@ -178,9 +198,15 @@ def test_a_failed_write_still_takes_every_tensor_then_raises(one_rank, monkeypat
     and raises the first error once every tensor is in."""
     spec = spec_of("llama-tiny")
     stack = build_model(spec, seed=3)
-    plan = make_plan([[Piece(prefix + n, (layer, i), 0, tuple(p.shape), p.dtype, None)
-                       for layer, prefix, m in stage_layers(stack)
-                       for i, (n, p) in enumerate(m.named_parameters())]])  # fmt: skip
+    plan = make_plan(
+        [
+            [
+                Piece(prefix + n, (layer, i), 0, tuple(p.shape), p.dtype, None)
+                for layer, prefix, m in stage_layers(stack)
+                for i, (n, p) in enumerate(m.named_parameters())
+            ]
+        ]
+    )
     received, taken = [], []
     real = hf_export._receive
 

@@ -116,9 +116,21 @@ def test_parse_hostfile_refuses_what_no_host_can_be_naming_the_line(tmp_path, na
 
 @pytest.mark.parametrize(
     "name",
-    ["localhost", "node-01", "gpu07", "a.b-c.example.org", "10.0.0.1", "127.0.0.2", "::1",
-     "fe80::1%eth0", "2001:db8::7", "x" * 63, "1node", "NODE"],
-)  # fmt: skip
+    [
+        "localhost",
+        "node-01",
+        "gpu07",
+        "a.b-c.example.org",
+        "10.0.0.1",
+        "127.0.0.2",
+        "::1",
+        "fe80::1%eth0",
+        "2001:db8::7",
+        "x" * 63,
+        "1node",
+        "NODE",
+    ],
+)
 def test_parse_hostfile_keeps_host_names_and_addresses(name):
     assert parse_hostfile_text(f"{name} slots=2\n", "hf") == [Host(name, 2)]
 

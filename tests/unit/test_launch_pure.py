@@ -31,8 +31,13 @@ def test_diagnose_all_ok_is_none():
 
 def test_diagnose_names_the_killed_rank_before_peers_that_errored_earlier_or_later():
     # rank 1 SIGKILLed; rank 0's collective failed right after (exit 1); rank 2 ended by its agent
-    got = diagnose([outcome(0, 1, at=10.02), outcome(1, -9, at=10.00, host="b"),
-                    outcome(2, -9, by_agent=True, at=10.5)])  # fmt: skip
+    got = diagnose(
+        [
+            outcome(0, 1, at=10.02),
+            outcome(1, -9, at=10.00, host="b"),
+            outcome(2, -9, by_agent=True, at=10.5),
+        ]
+    )
     assert got == "rank 1 on host b was killed by SIGKILL"
     # a signal death wins even when the exit-1 peer was recorded first
     got = diagnose([outcome(0, 1, at=9.0), outcome(3, -11, at=9.5)])
@@ -45,8 +50,13 @@ def test_diagnose_earliest_error_exit():
 
 
 def test_diagnose_a_stopped_rank_before_the_peer_whose_collective_timed_out():
-    got = diagnose([outcome(0, 1, at=30.0), outcome(1, -9, 29.6, by_agent=True, host="b"),
-                    outcome(2, -9, by_agent=True)])  # fmt: skip
+    got = diagnose(
+        [
+            outcome(0, 1, at=30.0),
+            outcome(1, -9, 29.6, by_agent=True, host="b"),
+            outcome(2, -9, by_agent=True),
+        ]
+    )
     assert got == "rank 1 on host b was stopped (frozen for 30 s)"
     found = outcome(1, -9, 31.0, by_agent=True, reason="was stopped (...) for 31 s")
     assert diagnose([outcome(0, -9, by_agent=True), found]) == (
@@ -59,13 +69,25 @@ def test_diagnose_a_stopped_rank_before_the_peer_whose_collective_timed_out():
 
 
 def test_spec_and_events_round_trip():
-    spec = AgentSpec("h", [2, 3], 4, "127.0.0.1", 29500, ["python", "-c", "x"], "/w",
-                     {"A": "it's \"$HOME\"\n{\"json\": [1]}"}, 12.5)  # fmt: skip
+    spec = AgentSpec(
+        "h",
+        [2, 3],
+        4,
+        "127.0.0.1",
+        29500,
+        ["python", "-c", "x"],
+        "/w",
+        {"A": 'it\'s "$HOME"\n{"json": [1]}'},
+        12.5,
+    )
     assert AgentSpec.from_line(spec.to_line()) == spec
     env = spec.rank_env(1)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
-        "3", "1", "4", "2",
-    )  # fmt: skip
+        "3",
+        "1",
+        "4",
+        "2",
+    )
     assert env["A"] == spec.env["A"]
     assert parse_event(event_line("failed", rank=3)) == {"event": "failed", "rank": 3}
     assert parse_event(b"[r0] step 1 loss 5.6\n") is None
@@ -79,17 +101,30 @@ def test_secrets_are_matched_by_name_and_masked():
     assert is_secret("tokenizer_dir")  # substring match: over-masking is the accepted cost
     assert mask_env({"HF_TOKEN": "hf_abc", "X": "1"}) == {"HF_TOKEN": MASK, "X": "1"}
     cfg = {"comet": {"api_key": "abc", "enabled": True}, "steps": [1, {"password": 5}]}
-    assert mask_config(cfg) == {"comet": {"api_key": MASK, "enabled": True},
-                                "steps": [1, {"password": MASK}]}  # fmt: skip
+    assert mask_config(cfg) == {
+        "comet": {"api_key": MASK, "enabled": True},
+        "steps": [1, {"password": MASK}],
+    }
     assert cfg["comet"]["api_key"] == "abc"  # a copy
 
 
 def test_passed_env_prefixes_names_and_env_file():
-    environ = {"PYTHONPATH": "/p", "NCCL_DEBUG": "INFO", "HOME": "/root", "HF_TOKEN": "hf_x",
-               "RANK": "7", "DSND_FAULT": "1"}  # fmt: skip
+    environ = {
+        "PYTHONPATH": "/p",
+        "NCCL_DEBUG": "INFO",
+        "HOME": "/root",
+        "HF_TOKEN": "hf_x",
+        "RANK": "7",
+        "DSND_FAULT": "1",
+    }
     got = passed_env(environ, ["HF_TOKEN"], {"OMP_NUM_THREADS": "1", "MASTER_PORT": "1"})
-    assert got == {"DSND_FAULT": "1", "HF_TOKEN": "hf_x", "NCCL_DEBUG": "INFO",
-                   "OMP_NUM_THREADS": "1", "PYTHONPATH": "/p"}  # fmt: skip
+    assert got == {
+        "DSND_FAULT": "1",
+        "HF_TOKEN": "hf_x",
+        "NCCL_DEBUG": "INFO",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": "/p",
+    }
     line = describe(got)
     assert "hf_x" not in line and f"HF_TOKEN={MASK}" in line and 'PYTHONPATH="/p"' in line
     with pytest.raises(UserError, match="launch.env: MISSING not set"):
@@ -100,8 +135,18 @@ def test_remote_module_command_is_quoted_and_local_is_plain():
     assert python_module_argv(None, "/v/py", "m", "/w", None) == ["/v/py", "-u", "-m", "m"]
     argv = python_module_argv("h2", "/v/py", "m", "/my dir/$x", "/a b:/c")
     assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "h2"]
-    assert shlex.split(argv[4]) == ["cd", "/my dir/$x", "&&", "exec", "env", "PYTHONPATH=/a b:/c",
-                                    "/v/py", "-u", "-m", "m"]  # fmt: skip
+    assert shlex.split(argv[4]) == [
+        "cd",
+        "/my dir/$x",
+        "&&",
+        "exec",
+        "env",
+        "PYTHONPATH=/a b:/c",
+        "/v/py",
+        "-u",
+        "-m",
+        "m",
+    ]
 
 
 def test_preflight_problems_one_line_each():
@@ -165,8 +210,11 @@ def test_loopback_cluster_stop_removes_what_start_wrote(tmp_path):
     spec.loader.exec_module(script)
     workdir = str(tmp_path / "cluster")
     _cluster_files(workdir)
-    written = {os.path.relpath(os.path.join(d, f), workdir)
-               for d, _, files in os.walk(workdir) for f in files}  # fmt: skip
+    written = {
+        os.path.relpath(os.path.join(d, f), workdir)
+        for d, _, files in os.walk(workdir)
+        for f in files
+    }
     assert "id_ed25519" in written and written <= set(CREATED_FILES)
     assert script.stop(workdir) == 0
     assert not os.path.exists(workdir)  # the private key with it

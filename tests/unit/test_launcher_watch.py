@@ -37,8 +37,9 @@ p.wait()
 
 def test_the_runners_exit_is_seen_though_launch_py_lives_on():
     env = {**os.environ, "PYTHONPATH": ROOT}
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER, LAUNCH, RANK], env=env,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    runner = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, LAUNCH, RANK], env=env, stdout=subprocess.PIPE, text=True
+    )
     launch_pid = int(runner.stdout.readline())
     try:
         chain = ast.literal_eval(runner.stdout.readline())  # the rank's, via the shared stdout

@@ -11,10 +11,33 @@ import sys
 import dsnd
 
 LAYERS = [
-    "errors", "fs", "engine", "extensions", "secrets", "topology_rules", "topology", "tp", "cp",
-    "model", "moe", "plan", "config", "data", "distributed", "pipeline", "stop_request", "report",
-    "checkpoint", "trainer", "launcher", "layout_search", "bench", "commands", "cli", "__main__",
-]  # fmt: skip
+    "errors",
+    "fs",
+    "engine",
+    "extensions",
+    "secrets",
+    "topology_rules",
+    "topology",
+    "tp",
+    "cp",
+    "model",
+    "moe",
+    "plan",
+    "config",
+    "data",
+    "distributed",
+    "pipeline",
+    "stop_request",
+    "report",
+    "checkpoint",
+    "trainer",
+    "launcher",
+    "layout_search",
+    "bench",
+    "commands",
+    "cli",
+    "__main__",
+]
 ROOT = pathlib.Path(dsnd.__file__).parent
 
 
@@ -86,9 +109,13 @@ def _imports(path: pathlib.Path) -> list[str]:
 def test_only_the_engine_imports_deepspeed():
     """DeepSpeed, any module of it, is imported by dsnd/engine/ only: the one boundary a
     DeepSpeed upgrade has to read."""
-    found = [f"{path.relative_to(ROOT)}: {name}" for path in sorted(ROOT.rglob("*.py"))
-             if _part(path) != "engine" for name in _imports(path)
-             if name == "deepspeed" or name.startswith("deepspeed.")]  # fmt: skip
+    found = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if _part(path) != "engine"
+        for name in _imports(path)
+        if name == "deepspeed" or name.startswith("deepspeed.")
+    ]
     assert found == []
 
 
@@ -101,13 +128,15 @@ def test_no_import_cycles():
     """No module reaches itself through the modules it imports (lazy imports included): each
     dependency is one-way inside a part as well as between parts."""
     modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
-    graph = {name: {m for m in _imports(path) if m in modules and m != name}
-             for name, path in modules.items()}  # fmt: skip
+    graph = {
+        name: {m for m in _imports(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
     cycles, done = [], set()
 
     def visit(name: str, stack: list[str]) -> None:
         if name in stack:
-            cycles.append(" -> ".join(stack[stack.index(name):] + [name]))
+            cycles.append(" -> ".join(stack[stack.index(name) :] + [name]))
             return
         if name in done:
             return
@@ -133,8 +162,9 @@ def test_the_plan_config_model_and_topology_import_without_deepspeed():
         "assert sys.modules['deepspeed'] is None\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=ROOT.parent, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent, timeout=120
+    )
     assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr[-2000:]
 
 
@@ -147,20 +177,32 @@ def degree_reads(path: pathlib.Path) -> list[str]:
     size (``zero_hpz_partition_size``) from the DeepSpeed JSON."""
     tree = ast.parse(path.read_text())
     where = path.relative_to(ROOT) if ROOT in path.parents else path.name
-    bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
-             and isinstance(n.value, ast.Attribute) and n.value.attr == "parallel"
-             for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+    bound = {
+        t.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "parallel"
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
 
     def is_parallel(node: ast.AST) -> bool:
         return (isinstance(node, ast.Attribute) and node.attr == "parallel") or (
-            isinstance(node, ast.Name) and node.id in bound)
+            isinstance(node, ast.Name) and node.id in bound
+        )
 
     found = []
     for n in ast.walk(tree):
         if isinstance(n, ast.Attribute) and n.attr in DEGREES and is_parallel(n.value):
             found.append(f"{where}:{n.lineno} .{n.attr}")
-        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr"
-              and n.args and is_parallel(n.args[0])):  # fmt: skip
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "getattr"
+            and n.args
+            and is_parallel(n.args[0])
+        ):
             found.append(f"{where}:{n.lineno} getattr")
         elif isinstance(n, ast.Constant) and n.value == "zero_hpz_partition_size":
             found.append(f"{where}:{n.lineno} zero_hpz_partition_size")
@@ -170,31 +212,53 @@ def degree_reads(path: pathlib.Path) -> list[str]:
 def test_no_degree_is_read_from_the_run_config_outside_config():
     """Every parallel degree is read once, into `Topology` (dsnd/config/resolve.py); everything
     else asks the topology (`res.topology.ep`) or its groups (`groups.expert`)."""
-    found = [hit for path in sorted(ROOT.rglob("*.py")) if _part(path) != "config"
-             for hit in degree_reads(path)]  # fmt: skip
+    found = [
+        hit
+        for path in sorted(ROOT.rglob("*.py"))
+        if _part(path) != "config"
+        for hit in degree_reads(path)
+    ]
     assert found == []
 
 
 def test_the_degree_scan_finds_each_way_of_reading_one(tmp_path):
     """The scan above is not vacuous: each form it looks for is found."""
     src = tmp_path / "probe.py"
-    src.write_text("par = res.run.parallel\na = par.ep\nb = res.run.parallel.dp_shard\n"
-                   "c = getattr(run.parallel, 'tp')\nd = zero['zero_hpz_partition_size']\n"
-                   "e = res.topology.ep\nf = run.parallel.schedule\n")  # fmt: skip
+    src.write_text(
+        "par = res.run.parallel\na = par.ep\nb = res.run.parallel.dp_shard\n"
+        "c = getattr(run.parallel, 'tp')\nd = zero['zero_hpz_partition_size']\n"
+        "e = res.topology.ep\nf = run.parallel.schedule\n"
+    )
     hits = degree_reads(src)
-    assert [h.split(" ", 1)[1] for h in hits] == [".ep", ".dp_shard", "getattr",
-                                                  "zero_hpz_partition_size"]  # fmt: skip
+    assert [h.split(" ", 1)[1] for h in hits] == [
+        ".ep",
+        ".dp_shard",
+        "getattr",
+        "zero_hpz_partition_size",
+    ]
 
 
-PURE_OF_THE_ENGINE = ["topology_rules", "topology", "tp", "moe", "plan", "data", "report",
-                      "trainer", "layout_search"]  # fmt: skip
+PURE_OF_THE_ENGINE = [
+    "topology_rules",
+    "topology",
+    "tp",
+    "moe",
+    "plan",
+    "data",
+    "report",
+    "trainer",
+    "layout_search",
+]
 """Parts that take numbers, not DeepSpeed's state: the engine adapter (`dsnd.engine`, used by
 the pipeline's `StageRunner`) reads it for them, so an engine swap never reaches them."""
 
 
 def test_the_pure_parts_do_not_import_the_engine():
-    found = [f"{path.relative_to(ROOT)}" for path in sorted(ROOT.rglob("*.py"))
-             if _part(path) in PURE_OF_THE_ENGINE and "engine" in _imported_parts(path)]  # fmt: skip
+    found = [
+        f"{path.relative_to(ROOT)}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if _part(path) in PURE_OF_THE_ENGINE and "engine" in _imported_parts(path)
+    ]
     assert found == []
 
 

@@ -31,8 +31,14 @@ def test_zero_paper_model_states_7_5b_on_64_gpus(stage, want_gb):
 
 
 KORTHIKANTI = [(run.name, run.hidden, run.heads) for run in selene.RUNS]
-MODES = [(1, False, "none"), (8, False, "none"), (8, True, "none"), (8, False, "selective"),
-         (8, True, "selective"), (8, False, "full")]  # fmt: skip
+MODES = [
+    (1, False, "none"),
+    (8, False, "none"),
+    (8, True, "none"),
+    (8, False, "selective"),
+    (8, True, "selective"),
+    (8, False, "full"),
+]
 
 
 @pytest.mark.parametrize(("name", "h", "a"), KORTHIKANTI)
@@ -86,10 +92,21 @@ def test_block_accounting_matches_what_a_dsnd_block_saves(preset):
 def test_deepspeed_estimate_is_deepspeeds_own_and_differs_by_its_fp32_gradients():
     model = load_model("llama-3.2-1b", "--model")
     shape = from_model(model, "llama-3.2-1b")
-    pr = Problem(shape, stage_split(model), 16, DEVICES["h100"], 2048, 64, bf16=True,
-                 estimate=estimate_model_states)
-    layouts = {(x.pp, x.tp, x.zero_stage): x for x in plan(pr)
-               if x.micro_batch == 1 and not x.activation_checkpointing and x.cp == 1}  # fmt: skip
+    pr = Problem(
+        shape,
+        stage_split(model),
+        16,
+        DEVICES["h100"],
+        2048,
+        64,
+        bf16=True,
+        estimate=estimate_model_states,
+    )
+    layouts = {
+        (x.pp, x.tp, x.zero_stage): x
+        for x in plan(pr)
+        if x.micro_batch == 1 and not x.activation_checkpointing and x.cp == 1
+    }
     z2 = layouts[(1, 1, 2)]
     psi = shape.params
     assert z2.deepspeed_estimate_bytes == estimate_model_states(2, psi, shape.largest_layer, 8, 2)
@@ -138,8 +155,20 @@ def test_moe_layouts_keep_experts_whole_and_count_active_flops():
     assert {x.ep for x in layouts} == {1, 2, 4, 8}
     assert all(x.dp % x.ep == 0 for x in layouts)
     dense = load_model("llama-tiny", "--model")
-    assert {x.ep for x in plan(Problem(from_model(dense, "llama-tiny"), stage_split(dense), 4,
-                                       DEVICES["a100"], 64, 16, bf16=True))} == {1}  # fmt: skip
+    assert {
+        x.ep
+        for x in plan(
+            Problem(
+                from_model(dense, "llama-tiny"),
+                stage_split(dense),
+                4,
+                DEVICES["a100"],
+                64,
+                16,
+                bf16=True,
+            )
+        )
+    } == {1}
 
 
 def test_published_moe_runs():
@@ -161,12 +190,27 @@ def test_published_moe_runs():
     (published,) = moe_runs.published_step_s(mixtral)
     assert published / lay.step_time_s == pytest.approx(0.916, abs=0.005)
     assert lay.fits
-    whole = Layout(lay.pp, 1, lay.dp, 1, 1, lay.micro_batch, False, lay.schedule,
-                   lay.virtual_stages, lay.micro_batches, ep=1)  # fmt: skip
+    whole = Layout(
+        lay.pp,
+        1,
+        lay.dp,
+        1,
+        1,
+        lay.micro_batch,
+        False,
+        lay.schedule,
+        lay.virtual_stages,
+        lay.micro_batches,
+        ep=1,
+    )
     whole = evaluate(pr, whole, uniform_stages(pr.shape, lay.pp, lay.virtual_stages))
     assert not whole.fits
-    extra = (whole.memory_bytes["params"] + whole.memory_bytes["grads"]
-             - lay.memory_bytes["params"] - lay.memory_bytes["grads"])  # fmt: skip
+    extra = (
+        whole.memory_bytes["params"]
+        + whole.memory_bytes["grads"]
+        - lay.memory_bytes["params"]
+        - lay.memory_bytes["grads"]
+    )
     # a stage's 8 experts of 8 layers: 8 x 8 x 3 x 4096 x 14336 parameters, 7/8 of them gone,
     # bf16 weights and gradients
     assert extra == pytest.approx(8 * 8 * 3 * 4096 * 14336 * 7 / 8 * 4, rel=1e-6)
@@ -178,8 +222,9 @@ def test_published_moe_runs():
 
 def test_plan_layouts_are_valid_and_ranked():
     model = load_model("llama-tiny", "--model")
-    pr = Problem(from_model(model, "llama-tiny"), stage_split(model), 4, DEVICES["a100"], 64, 16,
-                 bf16=True)  # fmt: skip
+    pr = Problem(
+        from_model(model, "llama-tiny"), stage_split(model), 4, DEVICES["a100"], 64, 16, bf16=True
+    )
     layouts = plan(pr)
     assert layouts and all(x.fits for x in layouts)  # a tiny model fits anywhere
     for x in layouts:
@@ -195,8 +240,10 @@ def test_plan_layouts_are_valid_and_ranked():
     times = [x.step_time_s for x in layouts]
     assert times == sorted(times)
     # ZeRO-3 shards every state; ZeRO-1 only the optimizer's
-    by = {(x.pp, x.tp, x.cp, x.micro_batch, x.activation_checkpointing, x.schedule, x.zero_stage): x
-          for x in layouts}  # fmt: skip
+    by = {
+        (x.pp, x.tp, x.cp, x.micro_batch, x.activation_checkpointing, x.schedule, x.zero_stage): x
+        for x in layouts
+    }
     z1, z3 = by[(1, 1, 1, 1, False, "1f1b", 1)], by[(1, 1, 1, 1, False, "1f1b", 3)]
     assert z3.memory_bytes["params"] == pytest.approx(z1.memory_bytes["params"] / 4)
     assert z1.memory_bytes["activations"] == z3.memory_bytes["activations"]

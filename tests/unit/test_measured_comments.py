@@ -18,22 +18,27 @@ import dsnd
 ROOT = pathlib.Path(dsnd.__file__).parent
 WORD = re.compile(r"\bmeasured\b", re.IGNORECASE)
 CITES = re.compile(r"(?<![\w/.])tests/[\w/.-]+|docs/benchmarks\.md|dsnd bench\b")
-_NOUN = (r"(?:costs?|seconds|times?|bytes|memory|bubble|ratio|steps?|peak|partition(?:ing)?|"
-         r"fraction|ones|ms|latency|forward|iteration)\b")  # fmt: skip
-ALLOWED = [re.compile(p, re.IGNORECASE) for p in (
-    # "measured X": a quantity the code itself measures or a bench reports (measured layer
-    # costs of `partition: profile`, a bench's measured bubble or peak), not a claim
-    rf"measured (?:\([^)]*\) )?(?:[\w-]+ )?{_NOUN}",
-    # a ratio's name: measured ÷ predicted (the planner's calibration and --validate)
-    r"measured ÷|÷ measured",
-    # the baseline a figure is divided by (MFU's peak, the overhead bench's plain loop)
-    r"measured against",
-    # where and when the code measures, at run time (the profile, the CPU peak, the meter)
-    r"measured (?:here|in this process|in turn|again|\(?once per host\)?|on sampled steps|"
-    r"on this process)|else measured on this CPU",
-    # passive or relative: what a step, the profile or the telemetry measures
-    r"(?:is|are|have|them|it|run|where|peak) measured",
-)]  # fmt: skip
+_NOUN = (
+    r"(?:costs?|seconds|times?|bytes|memory|bubble|ratio|steps?|peak|partition(?:ing)?|"
+    r"fraction|ones|ms|latency|forward|iteration)\b"
+)
+ALLOWED = [
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        # "measured X": a quantity the code itself measures or a bench reports (measured layer
+        # costs of `partition: profile`, a bench's measured bubble or peak), not a claim
+        rf"measured (?:\([^)]*\) )?(?:[\w-]+ )?{_NOUN}",
+        # a ratio's name: measured ÷ predicted (the planner's calibration and --validate)
+        r"measured ÷|÷ measured",
+        # the baseline a figure is divided by (MFU's peak, the overhead bench's plain loop)
+        r"measured against",
+        # where and when the code measures, at run time (the profile, the CPU peak, the meter)
+        r"measured (?:here|in this process|in turn|again|\(?once per host\)?|on sampled steps|"
+        r"on this process)|else measured on this CPU",
+        # passive or relative: what a step, the profile or the telemetry measures
+        r"(?:is|are|have|them|it|run|where|peak) measured",
+    )
+]
 
 
 def _comment_blocks(source: str) -> list[tuple[int, str]]:
@@ -59,8 +64,11 @@ def _docstring_paragraphs(source: str) -> list[tuple[int, str]]:
     function and attribute docstrings)."""
     out = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
-                and isinstance(node.value.value, str):  # fmt: skip
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             text = node.value.value
             for para in re.finditer(r"(?:(?!\n[ \t]*\n).)+", text, re.DOTALL):
                 start = para.start() + len(para.group()) - len(para.group().lstrip())

@@ -18,8 +18,9 @@ def test_formula_is_the_plans_model_state_bytes_with_the_gradients_held_whole():
     # the ZeRO formula: 16, 14, 12, 10 Psi at Nd=2; dsnd's step holds whole gradients until its
     # one reduction: + 2 Psi at ZeRO-2 (whole 4 Psi, formula 2 Psi), + 4 Psi at ZeRO-3 (whole
     # gradients besides the partition buffer)
-    for stage, total, held in zip((0, 1, 2, 3), (16000, 14000, 14000, 14000), (0, 0, 2000, 4000),
-                                  strict=True):  # fmt: skip
+    for stage, total, held in zip(
+        (0, 1, 2, 3), (16000, 14000, 14000, 14000), (0, 0, 2000, 4000), strict=True
+    ):
         want = model_state_bytes(stage, 1000, 2, bf16=False)["device"]
         got = mr.formula_bytes(stage, 1000, 2, LAYOUT)
         assert got == {**want, "grads": want["grads"] + held} and sum(got.values()) == total
@@ -33,8 +34,12 @@ def _parts(params: int, grads: int, master: int, optimizer: int) -> dict:
 
 
 def _record(stage: int, psi: int, backward: dict, reduced: dict, after: dict) -> dict:
-    points = [["backward_loss", backward], ["backward_loss", backward], ["reduce", reduced],
-              ["step", after]]  # fmt: skip
+    points = [
+        ["backward_loss", backward],
+        ["backward_loss", backward],
+        ["reduce", reduced],
+        ["step", after],
+    ]
     return {"stage": stage, "psi": psi, "nd": 2, "points": points}
 
 
@@ -44,13 +49,26 @@ RANKS = ((0, 1000), (1, 1100), (0, 1000), (1, 1100))  # (pipeline stage, psi) of
 def _zero_raw() -> dict:
     """psi 1000 on pipeline stage 0, 1100 on stage 1; ZeRO-1 as the formula, ZeRO-3 with whole
     gradients (and its partition buffer) while accumulating."""
-    z1 = [_record(s, psi, _parts(4 * psi, 4 * psi, 2 * psi, 4 * psi),
-                  _parts(4 * psi, 0, 2 * psi, 4 * psi), _parts(4 * psi, 0, 2 * psi, 4 * psi))
-          for s, psi in RANKS]  # fmt: skip
-    z3 = [_record(s, psi, _parts(2 * psi, 6 * psi, 2 * psi, 4 * psi),
-                  _parts(2 * psi, 2 * psi, 2 * psi, 4 * psi),
-                  _parts(2 * psi, 2 * psi, 2 * psi, 4 * psi))
-          for s, psi in RANKS]  # fmt: skip
+    z1 = [
+        _record(
+            s,
+            psi,
+            _parts(4 * psi, 4 * psi, 2 * psi, 4 * psi),
+            _parts(4 * psi, 0, 2 * psi, 4 * psi),
+            _parts(4 * psi, 0, 2 * psi, 4 * psi),
+        )
+        for s, psi in RANKS
+    ]
+    z3 = [
+        _record(
+            s,
+            psi,
+            _parts(2 * psi, 6 * psi, 2 * psi, 4 * psi),
+            _parts(2 * psi, 2 * psi, 2 * psi, 4 * psi),
+            _parts(2 * psi, 2 * psi, 2 * psi, 4 * psi),
+        )
+        for s, psi in RANKS
+    ]
     z3[3]["points"][0][1] = _parts(2200, 6600, 2200, 4600)  # rank 3 a little further from 1
     return {"layout": LAYOUT, "warmup": 1, "steps": 1, "stages": {"1": z1, "3": z3}}
 
@@ -59,9 +77,11 @@ def test_zero_memory_rows_compare_each_ranks_peak_with_its_stages_formula():
     rows = mr.zero_memory_rows(_zero_raw())
     by = {row.metric: row for row in rows}
     assert list(by) == [
-        "zero1_state_bytes_vs_formula", "zero1_state_bytes_at_reduction_vs_formula",
-        "zero3_state_bytes_vs_formula", "zero3_state_bytes_at_reduction_vs_formula",
-    ]  # fmt: skip
+        "zero1_state_bytes_vs_formula",
+        "zero1_state_bytes_at_reduction_vs_formula",
+        "zero3_state_bytes_vs_formula",
+        "zero3_state_bytes_at_reduction_vs_formula",
+    ]
     assert all(row.bench == "zero-memory" for row in rows)
     z1 = by["zero1_state_bytes_vs_formula"]
     assert (z1.value, z1.met, z1.target.text) == (pytest.approx(1.0), True, "1 ±5%")
@@ -85,8 +105,11 @@ def test_zero_memory_rows_compare_each_ranks_peak_with_its_stages_formula():
 
 
 def test_peak_and_reduction_points():
-    points = [("backward_output", _parts(1, 2, 0, 0)), ("reduce", _parts(1, 1, 0, 0)),
-              ("step", _parts(3, 0, 0, 0))]  # fmt: skip
+    points = [
+        ("backward_output", _parts(1, 2, 0, 0)),
+        ("reduce", _parts(1, 1, 0, 0)),
+        ("step", _parts(3, 0, 0, 0)),
+    ]
     assert mr.peak_point(points)[0] == "backward_output"  # the first of equal totals
     assert mr.reduction_point(points)[1] == _parts(1, 1, 0, 0)
     with pytest.raises(ValueError):
@@ -95,10 +118,12 @@ def test_peak_and_reduction_points():
 
 @pytest.mark.parametrize(
     ("interval", "per_token"),
-    [(1, 8 + 6 * 1024 + 1024 + 8),  # every layer a chunk: ids + 6 hidden inputs + the loss's
-     (2, 8 + 3 * 1024 + 1024 + 8),  # chunks [0,2) [2,4) [4,6) [6,7)
-     (0, 8 + 1024 + 8)],  # off: one chunk (the count is then meaningless: nothing recomputes)
-)  # fmt: skip
+    [
+        (1, 8 + 6 * 1024 + 1024 + 8),  # every layer a chunk: ids + 6 hidden inputs + the loss's
+        (2, 8 + 3 * 1024 + 1024 + 8),  # chunks [0,2) [2,4) [4,6) [6,7)
+        (0, 8 + 1024 + 8),
+    ],  # off: one chunk (the count is then meaningless: nothing recomputes)
+)
 def test_checkpointed_bytes(interval, per_token):
     # llama at hidden 256, vocab 256: embedding, 4 blocks, norm, head = 7 pipeline layers
     got = mr.checkpointed_bytes(7, interval, micro=2, seq=512, hidden=256, vocab=256)
@@ -106,16 +131,29 @@ def test_checkpointed_bytes(interval, per_token):
 
 
 def _run(step_s: float, loss: float, peak: int) -> dict:
-    return {"step_s": step_s, "loss": loss, "forward_s": step_s / 3, "backward_s": step_s / 2,
-            "activation_peak_bytes": peak}  # fmt: skip
+    return {
+        "step_s": step_s,
+        "loss": loss,
+        "forward_s": step_s / 3,
+        "backward_s": step_s / 2,
+        "activation_peak_bytes": peak,
+    }
 
 
 def _checkpointing_raw(on_loss_shift: float = 0.0) -> dict:
     steps = [(9.0, 9.0), (1.0, 1.2), (1.0, 1.3), (2.0, 2.2)]  # (off, on) seconds; first warm-up
-    reps = [{"rep": i, "timed": i > 0, "order": ["off", "on"],
-             "runs": {"off": _run(off, 5.0 - i, 88_000_000),
-                      "on": _run(on, 5.0 - i + on_loss_shift, 7_356_420)}}
-            for i, (off, on) in enumerate(steps)]  # fmt: skip
+    reps = [
+        {
+            "rep": i,
+            "timed": i > 0,
+            "order": ["off", "on"],
+            "runs": {
+                "off": _run(off, 5.0 - i, 88_000_000),
+                "on": _run(on, 5.0 - i + on_loss_shift, 7_356_420),
+            },
+        }
+        for i, (off, on) in enumerate(steps)
+    ]
     layout = {
         "model": "llama",
         "batch": "Batch(train=4, micro=2, gas=2)",
@@ -132,8 +170,12 @@ def _checkpointing_raw(on_loss_shift: float = 0.0) -> dict:
 def test_checkpointing_rows():
     rows = mr.checkpointing_rows(_checkpointing_raw())
     by = {row.metric: row for row in rows}
-    assert list(by) == ["activation_peak_ratio", "checkpointed_bytes_vs_predicted",
-                        "step_time_ratio", "losses_max_rel_diff"]  # fmt: skip
+    assert list(by) == [
+        "activation_peak_ratio",
+        "checkpointed_bytes_vs_predicted",
+        "step_time_ratio",
+        "losses_max_rel_diff",
+    ]
     assert all(row.bench == "activation-checkpointing" for row in rows)
     ratio = by["activation_peak_ratio"]
     assert (ratio.value, ratio.met) == (pytest.approx(7_356_420 / 88_000_000), True)
@@ -179,8 +221,10 @@ def test_checkpointing_runs_differ_only_in_the_interval():
 
     runs = checkpointing_configs()
     off, on = runs["off"], runs["on"]
-    assert (off.run.parallel.activation_checkpoint_interval,
-            on.run.parallel.activation_checkpoint_interval) == (0, 1)  # fmt: skip
+    assert (
+        off.run.parallel.activation_checkpoint_interval,
+        on.run.parallel.activation_checkpoint_interval,
+    ) == (0, 1)
     assert off.model.describe() == on.model.describe()
     assert (on.model.hidden_size, on.run.model.seq_len, on.topology.world_size) == (256, 512, 1)
     assert (on.batch.micro, on.batch.gas) == (2, 2) and off.ds == on.ds

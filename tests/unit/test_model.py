@@ -55,11 +55,20 @@ def test_logits_match_transformers(preset):
 MOE_SHAPES = {  # preset, config overrides, shape overrides
     "mixtral": ("mixtral-tiny", {}, {}),
     "qwen3_moe": ("qwen3-moe-tiny", {}, {}),  # layer 0 dense (mlp_only_layers), top-k renormalised
-    "qwen2_moe": ("qwen1.5-moe-a2.7b", {"moe_intermediate_size": 32,
-                                        "shared_expert_intermediate_size": 48},
-                  {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4,
-                   "head_dim": 16, "ffn_size": 96, "vocab_size": 256}),  # shared expert,
-}  # fmt: skip
+    "qwen2_moe": (
+        "qwen1.5-moe-a2.7b",
+        {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+        {
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "head_dim": 16,
+            "ffn_size": 96,
+            "vocab_size": 256,
+        },
+    ),  # shared expert,
+}
 """(qwen2_moe: top-4 of 60 experts, unnormalised)"""
 
 

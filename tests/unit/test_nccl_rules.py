@@ -16,8 +16,15 @@ class Program:
         self.groups = groups or {"0": [0, 1]}
         self.batch = None
 
-    def _op(self, name: str, group: str, peer: int, nbytes: int, wait: bool,
-            dtype: str = "torch.float32") -> int:  # fmt: skip
+    def _op(
+        self,
+        name: str,
+        group: str,
+        peer: int,
+        nbytes: int,
+        wait: bool,
+        dtype: str = "torch.float32",
+    ) -> int:
         op = self.ops
         self.ops += 1
         self.events.append(["op", op, name, group, peer, nbytes, dtype, self.batch, "here"])
@@ -71,8 +78,9 @@ def test_receive_then_send_on_both_ranks_hangs(mode):
 def test_the_same_exchange_in_one_batch_runs(mode):
     a, b = Program(0), Program(1)
     for me, peer in ((a, 1), (b, 0)):
-        me.batch_of(lambda p, peer=peer: p.recv(peer, wait=False),
-                    lambda p, peer=peer: p.send(peer))  # fmt: skip
+        me.batch_of(
+            lambda p, peer=peer: p.recv(peer, wait=False), lambda p, peer=peer: p.send(peer)
+        )
     assert run([a, b], mode) == []
 
 
@@ -134,8 +142,10 @@ def test_different_collectives_meeting_are_flagged(mode):
     a.collective("allreduce", nbytes=8)
     b.collective("allreduce", nbytes=16)
     problems = run([a, b], mode)
-    assert [p.split(":")[0] for p in problems] == ["different collectives meet",
-                                                   "collective sizes differ"]  # fmt: skip
+    assert [p.split(":")[0] for p in problems] == [
+        "different collectives meet",
+        "collective sizes differ",
+    ]
 
 
 def test_the_modes_differ_where_torch_does():

@@ -21,6 +21,8 @@ def test_a_decoder_sparse_step_of_0_is_refused_by_name(tmp_path, preset):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(UserError) as e:
         load_model(str(tmp_path), "model.config")
-    assert str(e.value) == (f"{tmp_path}/config.json: decoder_sparse_step=0: must be an integer "
-                            ">= 1 (layer i is a mixture of experts when (i + 1) % "
-                            "decoder_sparse_step == 0; 1 = every layer)")
+    assert str(e.value) == (
+        f"{tmp_path}/config.json: decoder_sparse_step=0: must be an integer "
+        ">= 1 (layer i is a mixture of experts when (i + 1) % "
+        "decoder_sparse_step == 0; 1 = every layer)"
+    )

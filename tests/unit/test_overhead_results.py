@@ -9,12 +9,26 @@ from dsnd.bench import overhead_results as orr
 
 
 def _raw(dsnd: list[float], plain: list[float], shift: float = 0.0) -> dict:
-    reps = [{"rep": i, "timed": i > 0, "order": ["dsnd", "plain"],
-             "runs": {"dsnd": {"step_s": d, "loss": 5.0 - i + shift},
-                      "plain": {"step_s": p, "loss": 5.0 - i}}}
-            for i, (d, p) in enumerate(zip(dsnd, plain, strict=True))]  # fmt: skip
-    layout = {"model": "llama", "batch": "Batch(train=16, micro=2, gas=8)", "seq_len": 64,
-              "tokens_per_step": 1024, "zero_stage": 0, "optimizer": "AdamW"}  # fmt: skip
+    reps = [
+        {
+            "rep": i,
+            "timed": i > 0,
+            "order": ["dsnd", "plain"],
+            "runs": {
+                "dsnd": {"step_s": d, "loss": 5.0 - i + shift},
+                "plain": {"step_s": p, "loss": 5.0 - i},
+            },
+        }
+        for i, (d, p) in enumerate(zip(dsnd, plain, strict=True))
+    ]
+    layout = {
+        "model": "llama",
+        "batch": "Batch(train=16, micro=2, gas=8)",
+        "seq_len": 64,
+        "tokens_per_step": 1024,
+        "zero_stage": 0,
+        "optimizer": "AdamW",
+    }
     return {"layout": layout, "reps": reps}
 
 
@@ -22,8 +36,13 @@ def test_overhead_rows_are_paired_medians():
     # paired plain / dsnd: 0.9, 1.0, 0.8 -> 0.9; dsnd - plain: 10, 0, 20 ms -> 10 (warm-up out)
     raw = _raw(dsnd=[5.0, 0.100, 0.090, 0.100], plain=[1.0, 0.090, 0.090, 0.080])
     rows = {row.metric: row for row in orr.overhead_rows(raw)}
-    assert list(rows) == ["throughput_ratio", "dsnd_overhead_ms_per_step", "dsnd_tokens_per_s",
-                          "plain_tokens_per_s", "losses_max_rel_diff"]  # fmt: skip
+    assert list(rows) == [
+        "throughput_ratio",
+        "dsnd_overhead_ms_per_step",
+        "dsnd_tokens_per_s",
+        "plain_tokens_per_s",
+        "losses_max_rel_diff",
+    ]
     ratio = rows["throughput_ratio"]
     assert (ratio.value, ratio.met, ratio.target.text) == (pytest.approx(0.9), False, ">= 0.95")
     assert "median of 3 paired repetitions in alternating order after 1 warm-up" in ratio.note

@@ -38,9 +38,18 @@ def _one_error_line(capsys, *argv: str) -> str:
 def _ds_optim_file(tag, name: str, state: dict) -> str:
     """An optimizer file as DeepSpeed's ZeRO-1/2 writes it (the keys a conversion reads)."""
     path = os.path.join(tag, name)
-    torch.save({"optimizer_state_dict": {"base_optimizer_state": {
-        "state": {0: state}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
-        "single_partition_of_fp32_groups": [torch.zeros(8)]}}, path)  # fmt: skip
+    torch.save(
+        {
+            "optimizer_state_dict": {
+                "base_optimizer_state": {
+                    "state": {0: state},
+                    "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}],
+                },
+                "single_partition_of_fp32_groups": [torch.zeros(8)],
+            }
+        },
+        path,
+    )
     return path
 
 
@@ -58,12 +67,20 @@ def test_import_blames_non_finite_optimizer_state_on_the_deepspeed_file_and_key(
 
     tag = tmp_path / "global_step3"
     tag.mkdir()
-    _ds_optim_file(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                   {"step": torch.tensor(3.0), "exp_avg": torch.zeros(8),
-                    "exp_avg_sq": torch.zeros(8)})  # fmt: skip
-    bad = _ds_optim_file(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                         {"step": torch.tensor(3.0), "exp_avg": torch.tensor([0.0, float("nan")]),
-                          "exp_avg_sq": torch.zeros(8)})  # fmt: skip
+    _ds_optim_file(
+        tag,
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        {"step": torch.tensor(3.0), "exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8)},
+    )
+    bad = _ds_optim_file(
+        tag,
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        {
+            "step": torch.tensor(3.0),
+            "exp_avg": torch.tensor([0.0, float("nan")]),
+            "exp_avg_sq": torch.zeros(8),
+        },
+    )
     universal = _universal(tmp_path, "w", exp_avg=torch.tensor([[0.0, float("nan")]]))
     with pytest.raises(UserError) as refused:
         import_ds._tensor(universal, "w", "exp_avg", (1, 2), str(tag))
@@ -81,8 +98,9 @@ def test_import_refuses_an_optimizer_step_that_is_not_an_integer(tmp_path, step)
 
     tag = tmp_path / "global_step3"
     tag.mkdir()
-    path = _ds_optim_file(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                          {"step": step, "exp_avg": torch.zeros(8)})  # fmt: skip
+    path = _ds_optim_file(
+        tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt", {"step": step, "exp_avg": torch.zeros(8)}
+    )
     universal = _universal(tmp_path, "w", step=step)
     with pytest.raises(UserError) as refused:
         import_ds._adam_step(universal, ["w"], {}, str(tag))
@@ -112,8 +130,10 @@ def test_a_lock_held_without_a_job_id_does_not_say_job_none(tmp_path):
             RootLock(root).acquire("job-b")
     said = str(refused.value)
     assert "None" not in said, said
-    assert said.startswith(f"checkpoint.dir {root} is in use by a dsnd process without a job id "
-                           f"(pid {os.getpid()} on host "), said  # fmt: skip
+    assert said.startswith(
+        f"checkpoint.dir {root} is in use by a dsnd process without a job id "
+        f"(pid {os.getpid()} on host "
+    ), said
 
 
 # --- 4: a stopped run's export ---
@@ -134,9 +154,16 @@ def test_a_refused_start_leaves_no_export_directory_it_made(capsys, tmp_path, mo
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     target = tmp_path / "exports" / "hf"
-    said = _one_error_line(capsys, "train", "--set", "log.tensorboard=false",
-                           "--set", f"checkpoint.export_hf={target}",
-                           "--set", f"checkpoint.resume={tmp_path / 'missing'}")  # fmt: skip
+    said = _one_error_line(
+        capsys,
+        "train",
+        "--set",
+        "log.tensorboard=false",
+        "--set",
+        f"checkpoint.export_hf={target}",
+        "--set",
+        f"checkpoint.resume={tmp_path / 'missing'}",
+    )
     assert "missing" in said
     assert not (tmp_path / "exports").exists()
 
@@ -180,11 +207,19 @@ def test_a_yaml_without_deepspeed_takes_the_packaged_default(tmp_path):
 HUGE = "x" * 100_000
 
 
-@pytest.mark.parametrize("item", [
-    f"model.seq_len={HUGE}", f'log.dir=["{HUGE}"]', f"data.format={HUGE}",
-    f"model.preset={HUGE}", f"parallel.partition={HUGE}", f"ds.train_batch_size={HUGE}",
-    f"model.overrides.rope_theta={HUGE}", f"{HUGE}=1",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "item",
+    [
+        f"model.seq_len={HUGE}",
+        f'log.dir=["{HUGE}"]',
+        f"data.format={HUGE}",
+        f"model.preset={HUGE}",
+        f"parallel.partition={HUGE}",
+        f"ds.train_batch_size={HUGE}",
+        f"model.overrides.rope_theta={HUGE}",
+        f"{HUGE}=1",
+    ],
+)
 def test_set_errors_shorten_the_values_they_echo(capsys, item):
     said = _one_error_line(capsys, "launch", "--nprocs", "1", "--dry-run", "--set", item)
     assert len(said) < 600 and "… (100" in said, said[:600]
@@ -208,21 +243,30 @@ def test_rope_theta_override_works_on_either_config_form(preset):
     spec = load_model(preset, "model.preset", overrides={"rope_theta": 500000.0})
     assert spec.config.rope_parameters["rope_theta"] == 500000.0
     with pytest.raises(UserError, match="rope_theta=1.0 disagrees with rope_parameters"):
-        load_model(preset, "model.preset", overrides={
-            "rope_theta": 1.0, "rope_parameters": {"rope_type": "default", "rope_theta": 2.0}})
+        load_model(
+            preset,
+            "model.preset",
+            overrides={
+                "rope_theta": 1.0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 2.0},
+            },
+        )
 
 
 # --- 9: dsnd plan's numbers ---
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--world", "1000000000"], "--world 1000000000 is above 1048576 devices"),
-    (["--world", "8", "--gpu-mem", "nan"], "--gpu-mem must be a finite number > 0, got nan"),
-    (["--world", "8", "--gpu-mem", "inf"], "--gpu-mem must be a finite number > 0, got inf"),
-    (["--world", "8", "--gpu-mem", "-1"], "--gpu-mem must be a finite number > 0, got -1.0"),
-    (["--world", "8", "--intra-bw", "nan"], "--intra-bw must be a finite number > 0, got nan"),
-    (["--world", "8", "--top", "0"], "--top must be >= 1, got 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world", "1000000000"], "--world 1000000000 is above 1048576 devices"),
+        (["--world", "8", "--gpu-mem", "nan"], "--gpu-mem must be a finite number > 0, got nan"),
+        (["--world", "8", "--gpu-mem", "inf"], "--gpu-mem must be a finite number > 0, got inf"),
+        (["--world", "8", "--gpu-mem", "-1"], "--gpu-mem must be a finite number > 0, got -1.0"),
+        (["--world", "8", "--intra-bw", "nan"], "--intra-bw must be a finite number > 0, got nan"),
+        (["--world", "8", "--top", "0"], "--top must be >= 1, got 0"),
+    ],
+)
 def test_plan_refuses_numbers_it_cannot_plan_with(capsys, argv, message):
     start = time.monotonic()
     said = _one_error_line(capsys, "plan", "--gpu", "h100", *argv)
@@ -244,12 +288,15 @@ def test_no_experts_is_named_as_such(capsys):
     said = _dry_run(capsys, "model.preset=mixtral-tiny", "model.overrides.num_local_experts=0")
     assert said.endswith("num_local_experts=0: must be >= 1 (routed experts per layer)"), said
     said = _dry_run(capsys, "model.preset=qwen3-moe-tiny", "model.overrides.num_experts=1")
-    assert said.endswith("num_experts_per_tok=2: must be in 1..1, the number of experts per "
-                         "layer"), said  # fmt: skip
+    assert said.endswith(
+        "num_experts_per_tok=2: must be in 1..1, the number of experts per layer"
+    ), said
 
 
-@pytest.mark.parametrize("dense", ["model.overrides.decoder_sparse_step=100",
-                                   "model.overrides.mlp_only_layers=[0, 1, 2, 3]"])
+@pytest.mark.parametrize(
+    "dense",
+    ["model.overrides.decoder_sparse_step=100", "model.overrides.mlp_only_layers=[0, 1, 2, 3]"],
+)
 def test_expert_parallelism_needs_a_layer_with_experts(capsys, dense):
     said = _dry_run(capsys, "model.preset=qwen3-moe-tiny", dense, "parallel.ep=2")
     assert said.startswith("parallel.ep=2: preset qwen3-moe-tiny has no layer with experts"), said
@@ -258,8 +305,7 @@ def test_expert_parallelism_needs_a_layer_with_experts(capsys, dense):
 # --- 12: ckpt verify during rotation, and a manifest whose step is not its directory's ---
 
 
-def test_verify_of_a_root_follows_latest_when_keep_rotates_mid_read(capsys, tmp_path,
-                                                                    monkeypatch):  # fmt: skip
+def test_verify_of_a_root_follows_latest_when_keep_rotates_mid_read(capsys, tmp_path, monkeypatch):
     """A run saves step 4 and `checkpoint.keep: 1` removes step 2 while verify reads it."""
     from dsnd.checkpoint import verify as verify_mod
     from dsnd.checkpoint.commit import prune
@@ -277,13 +323,17 @@ def test_verify_of_a_root_follows_latest_when_keep_rotates_mid_read(capsys, tmp_
     monkeypatch.setattr(verify_mod, "_file_problem", a_save_meanwhile)
     rc, out, err = _said(capsys, "ckpt", "verify", root)
     assert (rc, out) == (0, f"ok: {root}/step_00000004 (4 files)\n"), err
-    assert err == (f"dsnd: {root}/step_00000002 was removed while it was verified (rotated "
-                   "away by checkpoint.keep); verifying what latest names now\n")  # fmt: skip
+    assert err == (
+        f"dsnd: {root}/step_00000002 was removed while it was verified (rotated "
+        "away by checkpoint.keep); verifying what latest names now\n"
+    )
     pending.append(6)
     rc, out, err = _said(capsys, "ckpt", "verify", f"{root}/step_00000004")
     assert (rc, out) == (2, ""), err
-    assert err == (f"dsnd: error: {root}/step_00000004: removed while it was verified (rotated "
-                   "away by checkpoint.keep?); nothing left to verify\n")  # fmt: skip
+    assert err == (
+        f"dsnd: error: {root}/step_00000004: removed while it was verified (rotated "
+        "away by checkpoint.keep?); nothing left to verify\n"
+    )
 
 
 def test_a_manifest_step_other_than_its_directory_is_refused(capsys, tmp_path):
@@ -295,8 +345,10 @@ def test_a_manifest_step_other_than_its_directory_is_refused(capsys, tmp_path):
     moved = str(root / step_dir_name(3))
     rc, _, err = _said(capsys, "ckpt", "verify", moved)
     assert rc == 1
-    assert err == (f"{moved}/manifest.json: 'step' is 2, but the directory is named "
-                   "step_00000003 (a resume would continue one step off)\n")  # fmt: skip
+    assert err == (
+        f"{moved}/manifest.json: 'step' is 2, but the directory is named "
+        "step_00000003 (a resume would continue one step off)\n"
+    )
     run = RunConfig()
     run.checkpoint.resume = moved
     with pytest.raises(CheckpointError, match="'step' is 2, but the directory is named"):
@@ -319,6 +371,7 @@ def test_a_build_lock_no_process_holds_is_removed(tmp_path):
     finally:
         os.close(fd)  # a build killed midway: the descriptor is gone, the file stays
     said = remove_stale_lock(str(build), settle_s=0.0)
-    assert said == (f"removed the stale build lock {lock} (no process holds it: a build was "
-                    "killed midway)")  # fmt: skip
+    assert said == (
+        f"removed the stale build lock {lock} (no process holds it: a build was killed midway)"
+    )
     assert not lock.exists()

@@ -43,10 +43,16 @@ def test_an_empty_stage_is_refused_before_start():
 
 
 def test_interleaved_plan_holds_two_chunks_per_stage_and_ties_across_the_ring():
-    res = resolved(2, "parallel.pp=2", "parallel.schedule=interleaved-1f1b",
-                   "parallel.virtual_stages=2", "model.preset=gpt2-tiny",
-                   "model.num_layers=4", "ds.gradient_accumulation_steps=4",
-                   "ds.train_batch_size=null")  # fmt: skip
+    res = resolved(
+        2,
+        "parallel.pp=2",
+        "parallel.schedule=interleaved-1f1b",
+        "parallel.virtual_stages=2",
+        "model.preset=gpt2-tiny",
+        "model.num_layers=4",
+        "ds.gradient_accumulation_steps=4",
+        "ds.train_batch_size=null",
+    )
     plan = res.plan
     assert len(plan.parts) == 5  # 4 virtual stages
     for stage in range(2):
@@ -67,22 +73,43 @@ def test_interleaved_plan_holds_two_chunks_per_stage_and_ties_across_the_ring():
         (("parallel.schedule=interleaved-1f1b",), "needs parallel.pp >= 2"),
         (("parallel.pp=2", "parallel.schedule=interleaved-1f1b"), "virtual_stages >= 2"),
         (("parallel.pp=2", "parallel.virtual_stages=2"), "needs parallel.schedule=interleaved"),
-        (("parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
-          "ds.gradient_accumulation_steps=3", "ds.train_batch_size=null"),
-         "gradient_accumulation_steps=3.*multiple of parallel.pp=2"),
-        (("parallel.pp=2", "parallel.schedule=zb-h1", "deepspeed=ds_configs/zero3.json"),
-         "zb-h1 runs with ZeRO stages 0, 1, 2, not zero_optimization.stage=3"),
+        (
+            (
+                "parallel.pp=2",
+                "parallel.schedule=interleaved-1f1b",
+                "parallel.virtual_stages=2",
+                "ds.gradient_accumulation_steps=3",
+                "ds.train_batch_size=null",
+            ),
+            "gradient_accumulation_steps=3.*multiple of parallel.pp=2",
+        ),
+        (
+            ("parallel.pp=2", "parallel.schedule=zb-h1", "deepspeed=ds_configs/zero3.json"),
+            "zb-h1 runs with ZeRO stages 0, 1, 2, not zero_optimization.stage=3",
+        ),
         (("parallel.pp=2", "parallel.virtual_stages=0"), "virtual_stages=0 must be >= 1"),
-        (("parallel.pp=2", "deepspeed=ds_configs/zero3.json",
-          "ds.zero_optimization.sub_group_size=0"),
-         "sub_group_size=0 splits a pipeline stage's .* parameters into ZeRO-3 sub-groups"),
+        (
+            (
+                "parallel.pp=2",
+                "deepspeed=ds_configs/zero3.json",
+                "ds.zero_optimization.sub_group_size=0",
+            ),
+            "sub_group_size=0 splits a pipeline stage's .* parameters into ZeRO-3 sub-groups",
+        ),
         # the chunk count is named by the keys the user set, not as a parallel.pp they did not
-        (("parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=8",
-          "ds.gradient_accumulation_steps=8", "ds.train_batch_size=null"),
-         r"^parallel.pp=2 x parallel.virtual_stages=8 = 16 model chunks is more than the "
-         r"model's \d+ pipeline layers"),
+        (
+            (
+                "parallel.pp=2",
+                "parallel.schedule=interleaved-1f1b",
+                "parallel.virtual_stages=8",
+                "ds.gradient_accumulation_steps=8",
+                "ds.train_batch_size=null",
+            ),
+            r"^parallel.pp=2 x parallel.virtual_stages=8 = 16 model chunks is more than the "
+            r"model's \d+ pipeline layers",
+        ),
     ],
-)  # fmt: skip
+)
 def test_schedules_refuse_what_they_cannot_run(sets, message):
     world = 2 if "parallel.pp=2" in sets else 1
     with pytest.raises(UserError, match=message):
@@ -94,6 +121,9 @@ def test_describe_prints_stages_ties_and_a_timeline_row_per_stage():
     lines = plan.describe(width=60)
     assert lines[0].startswith("plan: pp=2 dp=1 tp=1, ZeRO-0, schedule zb-h1")
     assert any("tied 'embed': stage 0 owns it, stage 1 borrows it" in line for line in lines)
-    rows = [line for line in lines if line.strip().startswith("stage ") and ":" in line
-            and "layers" not in line]  # fmt: skip
+    rows = [
+        line
+        for line in lines
+        if line.strip().startswith("stage ") and ":" in line and "layers" not in line
+    ]
     assert len(rows) == 2 and all(set(r.split(": ")[1]) <= set("FIW.") for r in rows)

@@ -22,7 +22,9 @@ def test_fitted_efficiencies_are_the_fit_of_the_published_runs():
     for gen, eff in FITTED.items():
         for f in fields(eff):
             assert getattr(got[gen], f.name) == pytest.approx(getattr(eff, f.name), abs=2e-3), (
-                gen, f.name)  # fmt: skip
+                gen,
+                f.name,
+            )
 
 
 def test_every_published_run_is_inside_the_printed_accuracy():
@@ -38,8 +40,10 @@ def test_every_published_run_is_inside_the_printed_accuracy():
     assert not outside, "\n".join(outside)
     for gen, got in by_gen.items():
         acc = ACCURACY[gen]
-        assert (acc.low, acc.high) == (math.floor(min(got) * 100) / 100,
-                                       math.ceil(max(got) * 100) / 100)  # fmt: skip
+        assert (acc.low, acc.high) == (
+            math.floor(min(got) * 100) / 100,
+            math.ceil(max(got) * 100) / 100,
+        )
         rms = math.sqrt(sum((x - 1) ** 2 for x in got) / len(got))
         assert acc.rms == pytest.approx(rms, abs=1e-3) and acc.runs == len(got) == 72
 
@@ -53,9 +57,18 @@ def test_runs_left_out_of_the_fit_are_where_their_notes_say():
     assert len(titan) == 2 and all(0.70 < x < 0.79 for x in titan)
 
 
-@pytest.mark.parametrize(("size", "published"), [
-    ("760m", 760470528), ("1b", 1315950592), ("3b", 2651837440), ("7b", 6658859008),
-    ("13b", 12853954560), ("30b", 29975214080), ("70b", 64862437376)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("size", "published"),
+    [
+        ("760m", 760470528),
+        ("1b", 1315950592),
+        ("3b", 2651837440),
+        ("7b", 6658859008),
+        ("13b", 12853954560),
+        ("30b", 29975214080),
+        ("70b", 64862437376),
+    ],
+)
 def test_mpt_shapes_count_llm_foundrys_published_parameters(size, published):
     assert dense_runs.shape(f"mpt-{size}", 2048).params == published
 
@@ -87,27 +100,54 @@ def test_llama_3_1_8b_on_64_h100_is_predicted_inside_published_figures():
 
 
 def _lay(key: int, time: float, gib: float, fits: bool = True, **knobs) -> Layout:
-    lay = Layout(**{"pp": 1, "tp": 1, "dp": 8, "cp": 1, "zero_stage": 1, "micro_batch": 1,
-                    "activation_checkpointing": False, "schedule": "1f1b", **knobs})  # fmt: skip
+    lay = Layout(
+        **{
+            "pp": 1,
+            "tp": 1,
+            "dp": 8,
+            "cp": 1,
+            "zero_stage": 1,
+            "micro_batch": 1,
+            "activation_checkpointing": False,
+            "schedule": "1f1b",
+            **knobs,
+        }
+    )
     lay.step_time_s, lay.fits, lay.micro_batches = time, fits, key
-    lay.memory_bytes = {"params": 1024**3, "grads": 0.0, "optimizer": 0.0,
-                        "activations": (gib - 1) * 1024**3, "buffers": 0.0}  # fmt: skip
+    lay.memory_bytes = {
+        "params": 1024**3,
+        "grads": 0.0,
+        "optimizer": 0.0,
+        "activations": (gib - 1) * 1024**3,
+        "buffers": 0.0,
+    }
     return lay
 
 
 def test_ties_are_not_reported_as_reasons():
     best = _lay(1, 10.0, 40)
-    lines = explain([best, _lay(2, 10.0, 40, zero_stage=2), _lay(3, 10.2, 41, pp=2),
-                     _lay(4, 10.0, 30, micro_batch=2), _lay(5, 10.0, 50, tp=2),
-                     _lay(6, 13.0, 20, activation_checkpointing=True),
-                     _lay(7, 10.3, 90, fits=False, cp=2)])  # fmt: skip
+    lines = explain(
+        [
+            best,
+            _lay(2, 10.0, 40, zero_stage=2),
+            _lay(3, 10.2, 41, pp=2),
+            _lay(4, 10.0, 30, micro_batch=2),
+            _lay(5, 10.0, 50, tp=2),
+            _lay(6, 13.0, 20, activation_checkpointing=True),
+            _lay(7, 10.3, 90, fits=False, cp=2),
+        ]
+    )
     why = {line.split(maxsplit=1)[0].rstrip(","): line for line in lines[1:]}
-    assert why["zero=1"].startswith("zero=1 ties with zero=2: ") and "same time and memory" in \
-        why["zero=1"]  # fmt: skip
+    assert (
+        why["zero=1"].startswith("zero=1 ties with zero=2: ")
+        and "same time and memory" in why["zero=1"]
+    )
     assert why["pp=1"].startswith("pp=1, narrowly: ") and "1.00x" not in why["pp=1"]
     assert why["micro-batch=1"].startswith("micro-batch=1 ties with micro-batch=2 on time: ")
-    assert why["tp=1"].startswith("tp=1 because at the same time ") and "1.25x the memory" in \
-        why["tp=1"]  # fmt: skip
+    assert (
+        why["tp=1"].startswith("tp=1 because at the same time ")
+        and "1.25x the memory" in why["tp=1"]
+    )
     assert why["checkpointing=False"].endswith("takes 1.30x the time")
     assert why["cp=1"].startswith("cp=1 because every layout with another cp needs more memory")
     for line in lines[1:]:
@@ -118,13 +158,16 @@ def test_memory_in_words_and_the_mfu_range_in_the_table():
     lay = _lay(1, 10.0, 40)
     lay.memory_bytes.update(grads=3.2 * 1024**3, optimizer=12.8 * 1024**3, buffers=1e6)
     lay.mfu, lay.mfu_range = 0.38, (0.30, 0.43)
-    assert render.memory_words(lay) == ("params 1.0 + grads 3.2 + optim 12.8 + acts 39.0 + "
-                                        "buffers 0.00093 = 56.0 GiB")  # fmt: skip
+    assert render.memory_words(lay) == (
+        "params 1.0 + grads 3.2 + optim 12.8 + acts 39.0 + buffers 0.00093 = 56.0 GiB"
+    )
     head, row = render.table([lay])
     assert "MFU (range)" in head and "38.0% (30.0-43.0%)" in row and row.endswith("= 56.0 GiB")
     figures, efficiency, accuracy = render.device_lines(DEVICES["h100"], True)
-    assert accuracy.startswith("accuracy: on 72 published h100 runs the measured MFU was "
-                               "0.79-1.12x the prediction (rms 9.1%)")  # fmt: skip
+    assert accuracy.startswith(
+        "accuracy: on 72 published h100 runs the measured MFU was "
+        "0.79-1.12x the prediction (rms 9.1%)"
+    )
     assert "GEMMs 0.607, attention 0.295" in efficiency
 
 

@@ -11,8 +11,19 @@ import yaml
 
 from dsnd import cli
 
-BASE = ["plan", "--model", "llama-tiny", "--world", "4", "--gpu", "h100", "--seq", "64",
-        "--global-batch", "16"]  # fmt: skip
+BASE = [
+    "plan",
+    "--model",
+    "llama-tiny",
+    "--world",
+    "4",
+    "--gpu",
+    "h100",
+    "--seq",
+    "64",
+    "--global-batch",
+    "16",
+]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -28,14 +39,16 @@ def test_table_header_and_explanation(capsys):
     assert "batch: 16 sequences of 64 tokens per step" in out
     assert out.count("\n  ") >= 5  # five layouts ranked
     assert "accuracy: on 72 published h100 runs the measured MFU was 0.79-1.12x" in out
-    assert "MFU (range)" in out and any(" + optim " in line and line.endswith(" GiB")
-                                        for line in out.splitlines())  # memory in words
+    assert "MFU (range)" in out and any(
+        " + optim " in line and line.endswith(" GiB") for line in out.splitlines()
+    )  # memory in words
     best = next(line for line in out.splitlines() if line.startswith("best: "))
     assert "s/step" in best and "GiB per device" in best and "going by published runs" in best
     reasons = (" because ", " ties with ", ", narrowly: ")  # a tie is not given as a reason
     for knob in ("pp=", "zero=", "micro-batch=", "checkpointing=", "schedule="):
-        assert any(line.startswith(knob) and any(r in line for r in reasons)
-                   for line in out.splitlines())  # fmt: skip
+        assert any(
+            line.startswith(knob) and any(r in line for r in reasons) for line in out.splitlines()
+        )
 
 
 def test_json_has_every_field_the_issue_names(capsys):
@@ -43,20 +56,49 @@ def test_json_has_every_field_the_issue_names(capsys):
     assert code == 0
     doc = json.loads(out)
     assert set(doc) == {"layouts", "validation"} and doc["validation"] == []
-    fields = {"pp", "tp", "dp", "cp", "zero_stage", "micro_batch", "activation_checkpointing",
-              "schedule", "params_count", "memory_bytes", "step_time_s", "fits",
-              "deepspeed_estimate_bytes"}  # fmt: skip
+    fields = {
+        "pp",
+        "tp",
+        "dp",
+        "cp",
+        "zero_stage",
+        "micro_batch",
+        "activation_checkpointing",
+        "schedule",
+        "params_count",
+        "memory_bytes",
+        "step_time_s",
+        "fits",
+        "deepspeed_estimate_bytes",
+    }
     for lay in doc["layouts"]:
         assert fields <= set(lay)
-        assert set(lay["memory_bytes"]) == {"params", "grads", "optimizer", "activations",
-                                            "buffers"}  # fmt: skip
+        assert set(lay["memory_bytes"]) == {
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "buffers",
+        }
         assert lay["params_count"] == 217664  # llama-tiny, counted on the meta device
         assert (lay["deepspeed_estimate_bytes"] is None) == (lay["zero_stage"] < 2)
 
 
 def test_all_lists_layouts_that_do_not_fit(capsys):
-    code, out, _ = run(capsys, "plan", "--model", "llama-3.1-70b", "--world", "8", "--gpu",
-                       "a100", "--json", "--all", "--fix", "micro_batch=1")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "llama-3.1-70b",
+        "--world",
+        "8",
+        "--gpu",
+        "a100",
+        "--json",
+        "--all",
+        "--fix",
+        "micro_batch=1",
+    )
     assert code == 0
     layouts = json.loads(out)["layouts"]
     assert any(not x["fits"] for x in layouts)
@@ -76,8 +118,16 @@ def test_out_writes_files_dsnd_launch_takes_as_is(capsys, tmp_path):
     p = run_yaml["parallel"]
     dp = 4 // (p["pp"] * p["tp"] * p["cp"])
     assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * dp == 16
-    code, out, err = run(capsys, "launch", "--config", str(out_dir / "run.yaml"), "--nprocs", "4",
-                         "--dry-run", "--json")  # fmt: skip
+    code, out, err = run(
+        capsys,
+        "launch",
+        "--config",
+        str(out_dir / "run.yaml"),
+        "--nprocs",
+        "4",
+        "--dry-run",
+        "--json",
+    )
     assert code == 0, err
     launched = json.loads(out)
     assert launched["world_size"] == 4
@@ -108,12 +158,15 @@ def test_out_refuses_a_directory_that_holds_anything(capsys, tmp_path):
     (mine / "run.yaml").write_text("my: run\n")
     (mine / "notes.txt").write_text("keep\n")
     code, _, err = run(capsys, *BASE, "--out", str(mine))
-    assert code == 2 and err == (f"dsnd: error: --out {mine}: holds notes.txt, run.yaml; dsnd "
-                                 "plan writes run.yaml and ds_config.json into a new or empty "
-                                 "directory only (nothing is overwritten): name another one, or "
-                                 "remove what is there\n")  # fmt: skip
+    assert code == 2 and err == (
+        f"dsnd: error: --out {mine}: holds notes.txt, run.yaml; dsnd "
+        "plan writes run.yaml and ds_config.json into a new or empty "
+        "directory only (nothing is overwritten): name another one, or "
+        "remove what is there\n"
+    )
     assert sorted(os.listdir(mine)) == ["notes.txt", "run.yaml"]
     assert (mine / "run.yaml").read_text() == "my: run\n"
     code, _, err = run(capsys, *BASE, "--out", str(mine / "notes.txt"))
-    assert code == 2 and err == (f"dsnd: error: --out {mine}/notes.txt: exists and is not a "
-                                 "directory\n")
+    assert code == 2 and err == (
+        f"dsnd: error: --out {mine}/notes.txt: exists and is not a directory\n"
+    )

@@ -16,8 +16,13 @@ from dsnd.report.reporter import start_mark
 def write_run(log_dir, scale: float, steps: int = 6, resumed_at: int | None = None) -> None:
     writer = MetricsWriter(str(log_dir))
     for step in range(1, steps + 1):
-        writer.write({"step": step, "loss": 5.6 * scale * math.exp(-0.05 * step),
-                      "tokens_per_s": 1000.0 * scale + step})  # fmt: skip
+        writer.write(
+            {
+                "step": step,
+                "loss": 5.6 * scale * math.exp(-0.05 * step),
+                "tokens_per_s": 1000.0 * scale + step,
+            }
+        )
     if resumed_at is not None:  # a resumed run appends the steps again
         for step in range(resumed_at, steps + 1):
             writer.write({"step": step, "loss": 1.0, "tokens_per_s": 1.0})
@@ -31,8 +36,10 @@ def test_two_runs_two_curves_per_panel_with_labelled_axes(tmp_path):
     loss_ax, speed_ax, lr_ax, norm_ax = fig.axes
     assert [ax.get_xlabel() for ax in fig.axes] == ["step"] * 4
     assert "loss" in loss_ax.get_ylabel() and "tokens" in speed_ax.get_ylabel()
-    assert (lr_ax.get_title(), norm_ax.get_title()) == ("Learning rate",
-                                                        "Gradient norm (before clipping)")
+    assert (lr_ax.get_title(), norm_ax.get_title()) == (
+        "Learning rate",
+        "Gradient norm (before clipping)",
+    )
     for ax in (loss_ax, speed_ax):
         lines = [line for line in ax.get_lines() if line.get_gid() is None]
         assert [line.get_label() for line in lines] == ["pp2-z3", "dp2-z0"]
@@ -67,8 +74,15 @@ def test_moe_runs_get_an_expert_load_panel(tmp_path):
     writer = MetricsWriter(str(tmp_path / "moe"))
     for step in (1, 2):
         alert = {"layer": 1, "max_over_mean": 2.0, "steps": 5} if step == 2 else None
-        writer.write({"step": step, "loss": 5.0, "tokens_per_s": 10.0, "moe_load_alert": alert,
-                      "moe_tokens_per_expert": {"0": [4, 4, 4, 4], "1": [8, 4, 2, 2 * step]}})
+        writer.write(
+            {
+                "step": step,
+                "loss": 5.0,
+                "tokens_per_s": 10.0,
+                "moe_load_alert": alert,
+                "moe_tokens_per_expert": {"0": [4, 4, 4, 4], "1": [8, 4, 2, 2 * step]},
+            }
+        )
     writer.close()
     write_run(tmp_path / "dense", 1.0)
     fig = plot_runs([str(tmp_path / "moe"), str(tmp_path / "dense")])
@@ -89,8 +103,16 @@ def test_throughput_is_the_progress_lines_moving_average_each_step_faint(tmp_pat
     rows = []
     for step in range(1, 26):
         seconds = 0.1 if step % 2 else 3.2
-        rows.append({"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
-                     "tokens_per_s": 570 / seconds, "step_time_s": seconds})  # fmt: skip
+        rows.append(
+            {
+                "step": step,
+                "loss": 5.0,
+                "lr": 1e-3,
+                "grad_norm": 1.0,
+                "tokens_per_s": 570 / seconds,
+                "step_time_s": seconds,
+            }
+        )
         writer.write(rows[-1])
     writer.close()
     progress = Progress(total=25, every=1)
@@ -110,13 +132,22 @@ def test_resumes_and_layout_changes_are_marked_on_every_panel(tmp_path):
     held-out loss drawn."""
     dp2 = {"pp": 1, "dp": 2, "tp": 1, "cp": 1, "ep": 1, "world": 2}
     pp2 = {**dp2, "pp": 2, "dp": 1}
-    starts = {1: start_mark(0, dp2), 4: start_mark(3, dp2, "ck/step_3", dp2),
-              7: start_mark(6, pp2, "ck/step_6", dp2)}  # fmt: skip
+    starts = {
+        1: start_mark(0, dp2),
+        4: start_mark(3, dp2, "ck/step_3", dp2),
+        7: start_mark(6, pp2, "ck/step_6", dp2),
+    }
     writer = MetricsWriter(str(tmp_path / "run"))
     for steps in (range(1, 6), range(4, 7), range(7, 9)):  # the second resume drops 5, 6
         for step in steps:
-            row = {"step": step, "loss": 5.0 - 0.1 * step, "lr": 1e-4 * step, "grad_norm": 2.0,
-                   "tokens_per_s": 100.0, "step_time_s": 1.0}  # fmt: skip
+            row = {
+                "step": step,
+                "loss": 5.0 - 0.1 * step,
+                "lr": 1e-4 * step,
+                "grad_norm": 2.0,
+                "tokens_per_s": 100.0,
+                "step_time_s": 1.0,
+            }
             if step in starts and step == steps[0]:
                 row["run_start"] = starts[step]
             if step % 4 == 0:
@@ -127,8 +158,7 @@ def test_resumes_and_layout_changes_are_marked_on_every_panel(tmp_path):
     for ax in fig.axes:
         marks = [line for line in ax.get_lines() if line.get_gid() == "mark"]
         assert [list(line.get_xdata()) for line in marks] == [[3, 3], [6, 6]], ax.get_title()
-        assert [t.get_text() for t in ax.texts] == [
-            " resumed", " resumed, layout pp 1->2 dp 2->1"]
+        assert [t.get_text() for t in ax.texts] == [" resumed", " resumed, layout pp 1->2 dp 2->1"]
     loss_ax, _, lr_ax, norm_ax = fig.axes
     assert list(lr_ax.get_lines()[0].get_ydata()) == [1e-4 * s for s in range(1, 9)]
     assert list(norm_ax.get_lines()[0].get_ydata()) == [2.0] * 8

@@ -72,8 +72,12 @@ def test_checkpoint_roots_a_save_would_die_on(capsys, tmp_path):
     assert refused(capsys, *train(f"checkpoint.dir={root}")).startswith(
         f"{root}/step_00000004: is a symbolic link"
     )
-    assert sorted(os.listdir(step)) == ["layer_000-model.safetensors", "manifest.json",
-                                        "manifest.sha256", "rng"]  # fmt: skip
+    assert sorted(os.listdir(step)) == [
+        "layer_000-model.safetensors",
+        "manifest.json",
+        "manifest.sha256",
+        "rng",
+    ]
 
 
 def test_a_named_checkpoint_holding_nan_is_refused(capsys, tmp_path):
@@ -105,8 +109,12 @@ def _export(path, root, step: int = 2) -> None:
     from tests.models import spec_of
 
     spec = spec_of("llama-tiny")
-    write_hf_dir(str(path), spec, build_model(spec, seed=0).state_dict(),
-                 origin=ExportOrigin(str(root), step))  # fmt: skip
+    write_hf_dir(
+        str(path),
+        spec,
+        build_model(spec, seed=0).state_dict(),
+        origin=ExportOrigin(str(root), step),
+    )
 
 
 def test_an_export_directory_holding_what_dsnd_did_not_write(capsys, tmp_path):

@@ -190,10 +190,16 @@ def test_the_second_call_reads_the_cache(tmp_path):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("text", ["{not json", "[]", '{"format": 1, "key": "k", "layers": []}',
-                                  '{"format": 1, "key": "k", "layers": [{"seconds": -1, '
-                                  '"memory_bytes": 3}]}', '{"format": 1, "key": "j", "layers": '
-                                  '[{"seconds": 1, "memory_bytes": 3}]}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[]",
+        '{"format": 1, "key": "k", "layers": []}',
+        '{"format": 1, "key": "k", "layers": [{"seconds": -1, "memory_bytes": 3}]}',
+        '{"format": 1, "key": "j", "layers": [{"seconds": 1, "memory_bytes": 3}]}',
+    ],
+)
 def test_a_corrupt_cache_file_is_measured_again(tmp_path, caplog, text):
     (tmp_path / "k.json").write_text(text)
     calls = []
@@ -229,8 +235,10 @@ def test_racing_processes_measure_once(tmp_path):
     count_file = str(tmp_path / "measured")
     workers = 2  # each spawned process imports torch and DeepSpeed: seconds
     barrier, results = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(str(tmp_path / "cache"), count_file, barrier, results))
-             for _ in range(workers)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_race, args=(str(tmp_path / "cache"), count_file, barrier, results))
+        for _ in range(workers)
+    ]
     for p in procs:
         p.start()
     got = [results.get(timeout=120) for _ in procs]
@@ -284,6 +292,5 @@ def test_layers_are_measured_where_the_run_computes():
     from dsnd.plan.profile import DTYPES, target_device
 
     assert target_device({"LOCAL_RANK": "3"}, cuda_available=False) == "cpu"
-    assert target_device({"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "1"}, cuda_available=True) \
-        == "cpu"
+    assert target_device({"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "1"}, cuda_available=True) == "cpu"
     assert DTYPES == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

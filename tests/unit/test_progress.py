@@ -14,8 +14,14 @@ from dsnd.topology import Topology
 
 
 def row(step: int, step_time: float = 2.0) -> dict:
-    return {"step": step, "loss": 5.0 - 0.1 * step, "lr": 1e-3, "grad_norm": 1.5,
-            "tokens_per_s": 1234.4, "step_time_s": step_time}  # fmt: skip
+    return {
+        "step": step,
+        "loss": 5.0 - 0.1 * step,
+        "lr": 1e-3,
+        "grad_norm": 1.5,
+        "tokens_per_s": 1234.4,
+        "step_time_s": step_time,
+    }
 
 
 class Terminal(io.StringIO):
@@ -56,11 +62,9 @@ def figures(line: str) -> tuple[int, str]:
     return int(words[words.index("tokens/s") + 1]), words[words.index("ETA") + 1]
 
 
-def test_tokens_per_s_and_eta_are_a_moving_average_but_metrics_keep_each_step(tmp_path,
-                                                                               caplog):  # fmt: skip
+def test_tokens_per_s_and_eta_are_a_moving_average_but_metrics_keep_each_step(tmp_path, caplog):
     log_dir = tmp_path / "run"
-    res = resolve(load(None, [f"log.dir={log_dir}", "log.tensorboard=false",
-                              "train.steps=100"]), 1)  # fmt: skip
+    res = resolve(load(None, [f"log.dir={log_dir}", "log.tensorboard=false", "train.steps=100"]), 1)
     reporter = Reporter(res)
     with caplog.at_level(logging.INFO, logger="dsnd.report.progress"):
         for step in range(1, 31):

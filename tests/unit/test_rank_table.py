@@ -55,9 +55,15 @@ def test_pp2_dp2_tp2_on_two_hosts_of_four():
     place = [("a", i) for i in range(4)] + [("b", i) for i in range(4)]
     rows = rank_rows(Topology(pp=2, dp=2, tp=2), place)
     assert [(r["host"], r["pp"], r["dp"], r["tp"]) for r in rows] == [
-        ("a", 0, 0, 0), ("a", 0, 0, 1), ("a", 0, 1, 0), ("a", 0, 1, 1),
-        ("b", 1, 0, 0), ("b", 1, 0, 1), ("b", 1, 1, 0), ("b", 1, 1, 1),
-    ]  # fmt: skip
+        ("a", 0, 0, 0),
+        ("a", 0, 0, 1),
+        ("a", 0, 1, 0),
+        ("a", 0, 1, 1),
+        ("b", 1, 0, 0),
+        ("b", 1, 0, 1),
+        ("b", 1, 1, 0),
+        ("b", 1, 1, 1),
+    ]
 
 
 def test_format_widens_columns_for_long_values():
@@ -74,8 +80,15 @@ def test_format_widens_columns_for_long_values():
 def test_context_parallel_peers_sit_between_data_and_tensor_peers():
     rows = rank_rows(Topology(pp=1, dp=2, tp=2, cp=2), [("a", i) for i in range(8)])
     assert [(r["dp"], r["cp"], r["tp"]) for r in rows] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
-    ]  # fmt: skip
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
 
 
 def test_length_mismatch_is_an_error():

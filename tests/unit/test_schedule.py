@@ -89,8 +89,12 @@ def test_instr_prints_as_op_micro_and_odd_chunk():
     assert str(Instr("recv_grad", 0)) == "recv_grad0"
     assert str(Instr("step")) == "step"
     assert str(Instr("tied_lend")) == "tied_lend"
-    assert parse("F3 B0 F1.2 reduce") == [Instr("F", 3), Instr("B", 0), Instr("F", 1, 2),
-                                          Instr("reduce")]  # fmt: skip
+    assert parse("F3 B0 F1.2 reduce") == [
+        Instr("F", 3),
+        Instr("B", 0),
+        Instr("F", 1, 2),
+        Instr("reduce"),
+    ]
     assert show(parse("F0 send_act0.1 recv_grad12.3 sp_sum step")) == (
         "F0 send_act0.1 recv_grad12.3 sp_sum step"
     )
@@ -108,9 +112,19 @@ def test_instr_is_frozen_and_hashable():
 
 @pytest.mark.parametrize(
     ("op", "micro", "chunk"),
-    [("X", 0, 0), ("f", 0, 0), ("forward", 0, 0), ("", 0, 0), ("F", 0, -1),
-     ("send_act", 0, -1), ("F", -1, 0), ("B", -1, 0), ("I", -1, 0), ("W", -1, 1)],
-)  # fmt: skip
+    [
+        ("X", 0, 0),
+        ("f", 0, 0),
+        ("forward", 0, 0),
+        ("", 0, 0),
+        ("F", 0, -1),
+        ("send_act", 0, -1),
+        ("F", -1, 0),
+        ("B", -1, 0),
+        ("I", -1, 0),
+        ("W", -1, 1),
+    ],
+)
 def test_instr_rejects_bad_fields(op, micro, chunk):
     with pytest.raises(ValueError):
         Instr(op, micro, chunk)
@@ -166,8 +180,11 @@ def test_bad_arguments_are_value_errors(build, args, message):
 
 @pytest.mark.parametrize("build", BUILDERS)
 def test_zero_chunks_is_a_value_error(build):
-    with pytest.raises(ValueError, match=r"^stages, micro-batches and chunks must be >= 1, "
-                       r"got 4, 4, 0$"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^stages, micro-batches and chunks must be >= 1, "
+        r"got 4, 4, 0$",
+    ):
         build(4, 0, 4, 0)
 
 
@@ -311,8 +328,9 @@ def test_interleaved_equals_megatron_and_runs_every_chunk_once():
                     assert sorted(forwards) == units and sorted(backwards) == units, where
                     assert len(ours) == 2 * m * v, where
                     at = {x: i for i, x in enumerate(ours)}
-                    assert all(at[Instr(FORWARD, i, c)] < at[Instr(BACKWARD, i, c)]
-                               for i, c in units), where  # fmt: skip
+                    assert all(
+                        at[Instr(FORWARD, i, c)] < at[Instr(BACKWARD, i, c)] for i, c in units
+                    ), where
 
 
 # ---- per-stage properties, every (pp, m) ------------------------------------------------------
@@ -449,8 +467,19 @@ def check_program(compute: list[Instr], role: StageRole, prog: list[Instr], wher
             where
         )
     for x in prog:
-        assert x.op not in ("tied_lend", "tied_add", "tied_borrow", "tied_return", "sp_sum",
-                            "reduce", "step") or prog.count(x) == 1, where  # fmt: skip
+        assert (
+            x.op
+            not in (
+                "tied_lend",
+                "tied_add",
+                "tied_borrow",
+                "tied_return",
+                "sp_sum",
+                "reduce",
+                "step",
+            )
+            or prog.count(x) == 1
+        ), where
     expected: list[Instr] = []
     for x in compute:
         vs = x.chunk * p + role.stage
@@ -558,19 +587,25 @@ def test_simulate_runs_stages_in_lock_step_ticks():
     assert [f"{s}:{x}" for s, x in order] == [
         "0:F0",  # tick 0: stage 1 waits for micro 0's activation
         "0:send_act0",
-        "0:F1", "1:recv_act0",
-        "0:send_act1", "1:F0",
+        "0:F1",
+        "1:recv_act0",
+        "0:send_act1",
+        "1:F0",
         "1:B0",  # stage 0 waits for B0's gradient
         "1:send_grad0",
-        "0:recv_grad0", "1:recv_act1",
-        "0:B0", "1:F1",
+        "0:recv_grad0",
+        "1:recv_act1",
+        "0:B0",
+        "1:F1",
         "1:B1",
         "1:send_grad1",
-        "0:recv_grad1", "1:reduce",
+        "0:recv_grad1",
+        "1:reduce",
         "0:B1",  # stage 1 waits at its step for stage 0
         "0:reduce",
-        "0:step", "1:step",
-    ]  # fmt: skip
+        "0:step",
+        "1:step",
+    ]
 
 
 def test_simulate_of_nothing_is_nothing():
@@ -601,8 +636,10 @@ def test_chunks_sharing_a_stream_must_be_received_in_the_order_sent():
     send = parse("send_act1")[0]
     programs[0].remove(send)
     programs[0].insert(programs[0].index(parse("send_act0.1")[0]) + 1, send)
-    assert "receives recv_act1 but the next message on its stream is send_act0.1 (for chunk " \
+    assert (
+        "receives recv_act1 but the next message on its stream is send_act0.1 (for chunk "
         "1): sends and receives out of order" in deadlock(programs, roles)
+    )
 
 
 def test_a_message_never_received_is_caught():
@@ -642,8 +679,11 @@ def test_deadlock_when_last_stage_backwards_before_its_forward():
 def test_deadlock_on_a_backward_before_its_forward_on_one_stage():
     programs, roles = programs_for("zb-h1", 1, 2)
     programs[0] = parse("I0 F0 W0 F1 I1 W1 reduce step")
-    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 blocked at I0 on its own F0 "
-                       r"\(after 0 instructions\)$"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"^deadlock: stage 0 blocked at I0 on its own F0 "
+        r"\(after 0 instructions\)$",
+    ):
         simulate(programs, roles)
     programs[0] = parse("F0 W0 I0 F1 I1 W1 reduce step")
     with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 blocked at W0 on its own I0 "):
@@ -694,13 +734,19 @@ def test_deadlock_names_finished_stages_and_the_step_barrier():
 def test_deadlock_on_a_tied_exchange_without_its_partner():
     programs, roles = programs_for("1f1b", 2, 2, ties=True)
     programs[1] = [x for x in programs[1] if x.op != "tied_borrow"]
-    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 blocked at tied_lend on a stage "
-                       r"at tied_borrow; stage 1 blocked at recv_act0 "):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"^deadlock: stage 0 blocked at tied_lend on a stage "
+        r"at tied_borrow; stage 1 blocked at recv_act0 ",
+    ):
         simulate(programs, roles)
     programs, roles = programs_for("1f1b", 2, 2, ties=True)
     programs[0] = [x for x in programs[0] if x.op != "tied_add"]
-    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 blocked at step on every stage "
-                       r".*; stage 1 blocked at tied_return on a stage at tied_add "):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"^deadlock: stage 0 blocked at step on every stage "
+        r".*; stage 1 blocked at tied_return on a stage at tied_add ",
+    ):
         simulate(programs, roles)
 
 
@@ -729,8 +775,12 @@ def test_a_backward_before_its_gradient_arrives_is_caught():
 
 
 def theory(name: str, p: int, m: int, v: int) -> float:
-    return {"1f1b": (p - 1) / m, "gpipe": (p - 1) / m, "interleaved-1f1b": (p - 1) / (v * m),
-            "zb-h1": (p - 1) / (3 * m)}[name]  # fmt: skip
+    return {
+        "1f1b": (p - 1) / m,
+        "gpipe": (p - 1) / m,
+        "interleaved-1f1b": (p - 1) / (v * m),
+        "zb-h1": (p - 1) / (3 * m),
+    }[name]
 
 
 def test_bubble_at_unit_costs_equals_theory():
@@ -740,8 +790,11 @@ def test_bubble_at_unit_costs_equals_theory():
                 for v in (2, 3) if name == "interleaved-1f1b" else (1,):
                     rows = timeline(*programs_for(name, p, m, v))
                     assert bubble(rows) == pytest.approx(theory(name, p, m, v), abs=1e-9), (
-                        name, p, m, v,
-                    )  # fmt: skip
+                        name,
+                        p,
+                        m,
+                        v,
+                    )
 
 
 def test_bubble_is_the_same_with_ties_and_without_one_stage_none():
@@ -773,8 +826,13 @@ def test_timeline_golden_and_costs():
 
 
 def test_chart_lines():
-    for name, p, m, v in [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("zb-h1", 4, 6, 1),
-                          ("interleaved-1f1b", 4, 8, 2), ("1f1b", 6, 12, 1)]:  # fmt: skip
+    for name, p, m, v in [
+        ("1f1b", 4, 8, 1),
+        ("gpipe", 3, 5, 1),
+        ("zb-h1", 4, 6, 1),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("1f1b", 6, 12, 1),
+    ]:
         rows = timeline(*programs_for(name, p, m, v))
         for width in (96, 40, 13, 5):
             lines = chart(rows, width)
@@ -783,10 +841,13 @@ def test_chart_lines():
             prefixes = [f"stage {s}: " for s in range(p)]
             assert all(line.startswith(pre) for line, pre in zip(lines, prefixes, strict=True))
             assert len({len(line) for line in lines}) == 1, where
-            assert all(0 < len(line) - len(pre) <= width
-                       for line, pre in zip(lines, prefixes, strict=True)), where  # fmt: skip
-            assert all(set(line[len(pre) :]) <= set("FBIWfbiw.")
-                       for line, pre in zip(lines, prefixes, strict=True)), where  # fmt: skip
+            assert all(
+                0 < len(line) - len(pre) <= width for line, pre in zip(lines, prefixes, strict=True)
+            ), where
+            assert all(
+                set(line[len(pre) :]) <= set("FBIWfbiw.")
+                for line, pre in zip(lines, prefixes, strict=True)
+            ), where
             if name == "1f1b" and width >= 40:  # a character is at most 1 F: p - 1 idle ones
                 assert lines[-1][len(prefixes[-1])] == ".", where  # the last stage starts idle
 

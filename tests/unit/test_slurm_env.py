@@ -18,18 +18,31 @@ from dsnd.errors import UserError
 def srun_task(rank: int, local: int, **extra: str) -> dict[str, str]:
     """A task of `srun -N2 --ntasks-per-node=2` in job 4711 (the variables that matter)."""
     env = {
-        "SLURM_JOB_ID": "4711", "SLURM_JOBID": "4711", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
-        "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURM_NTASKS": "4",
-        "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_NODELIST": "gpu[07-08]",
-        "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_NUM_NODES": "2",
-        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": str(rank // 2),
-    }  # fmt: skip
+        "SLURM_JOB_ID": "4711",
+        "SLURM_JOBID": "4711",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEPID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(local),
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": str(rank // 2),
+    }
     env.update(extra)
     return env
 
 
-BATCH_SCRIPT = {"SLURM_JOB_ID": "4711", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[07-08]"}  # fmt: skip
+BATCH_SCRIPT = {
+    "SLURM_JOB_ID": "4711",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+}
 
 
 @pytest.mark.parametrize(
@@ -76,8 +89,9 @@ def test_two_jobs_on_one_node_get_different_ports_and_master_variables_win():
 
 
 def test_one_node_step_is_all_local_and_step_values_beat_the_allocation():
-    env = srun_task(1, 1, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="gpu08",
-                    SLURM_STEP_NUM_NODES="1")  # fmt: skip
+    env = srun_task(
+        1, 1, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="gpu08", SLURM_STEP_NUM_NODES="1"
+    )
     assert discover(env) == WorldInfo(1, 2, 1, "gpu08", 19711, "slurm", True)
 
 
@@ -93,8 +107,12 @@ def test_other_launchers_inside_an_allocation_are_theirs():
     env = {**BATCH_SCRIPT, "RANK": "2", "WORLD_SIZE": "8", "LOCAL_RANK": "2"}
     assert discover(env).source == "env"
     # mpirun inside an allocation: its rank inherits the daemon's step variables
-    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
-            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}  # fmt: skip
+    ompi = {
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+    }
     assert discover({**srun_task(1, 0), **ompi}).rank == 5
     assert discover({**BATCH_SCRIPT, **ompi}).source == "openmpi"
     # MPICH's Hydra under Slurm: PMI says rank 6, the proxy's step says 1 -> MPI's

@@ -11,9 +11,11 @@ def test_expert_load_tags_each_moe_layer_and_skips_dense_blocks():
     tags, counts = expert_load([[0.0, 0.0, 0.0, 0.0], [8.0, 4.0, 2.0, 2.0], [4.0, 4.0, 4.0, 4.0]])
     assert counts == {"1": [8, 4, 2, 2], "2": [4, 4, 4, 4]}  # block 0 is dense
     assert tags == {
-        "moe/layer1_load_max_over_mean": 2.0, "moe/layer1_load_min_over_mean": 0.5,
-        "moe/layer2_load_max_over_mean": 1.0, "moe/layer2_load_min_over_mean": 1.0,
-    }  # fmt: skip
+        "moe/layer1_load_max_over_mean": 2.0,
+        "moe/layer1_load_min_over_mean": 0.5,
+        "moe/layer2_load_max_over_mean": 1.0,
+        "moe/layer2_load_min_over_mean": 1.0,
+    }
 
 
 def test_expert_parallel_runs_tag_the_share_of_rows_sent_off_rank():

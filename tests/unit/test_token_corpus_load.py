@@ -28,9 +28,15 @@ def write_tokens(path: Path, ids, vocab: int = 256, starts=None, mask=None, **me
     """A token file as `dsnd data prepare` writes it (the format, written directly)."""
     ids = np.asarray(ids, dtype="<u2")
     ids.tofile(path)
-    sidecar = {"dtype": "uint16", "vocab_size": vocab, "tokens": len(ids), "tokenizer": "byte",
-               "source": "test", "sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-               "eot": None}  # fmt: skip
+    sidecar = {
+        "dtype": "uint16",
+        "vocab_size": vocab,
+        "tokens": len(ids),
+        "tokenizer": "byte",
+        "source": "test",
+        "sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+        "eot": None,
+    }
     if starts is not None:
         np.asarray(starts, dtype="<i8").tofile(f"{path}.docs")
         sidecar["documents"] = len(starts)
@@ -57,13 +63,15 @@ def test_no_silent_cap_and_a_cap_said_in_one_line(tmp_path):
     assert len(corpus.tokens) == 4_750_000 and corpus.notes == ()
     capped = load_data(DataConfig(path=str(text), max_bytes=1_000_000), ModelConfig())
     assert len(capped.tokens) == 1_000_000
-    assert capped.notes == (f"data: data.max_bytes=1000000 reads the first 1000000 of 4750000 "
-                            f"bytes (21.1%) of {text}",)  # fmt: skip
+    assert capped.notes == (
+        f"data: data.max_bytes=1000000 reads the first 1000000 of 4750000 bytes (21.1%) of {text}",
+    )
     tokens = write_tokens(tmp_path / "t.bin", np.arange(2_500_000) % 256)  # 5 MB of uint16
     assert len(load_data(DataConfig(path=tokens), ModelConfig()).tokens) == 2_500_000
     capped = load_data(DataConfig(path=tokens, max_bytes=1000), ModelConfig())
     assert len(capped.tokens) == 500 and capped.notes == (
-        f"data: data.max_bytes=1000 reads the first 1000 of 5000000 bytes (0.0%) of {tokens}",)
+        f"data: data.max_bytes=1000 reads the first 1000 of 5000000 bytes (0.0%) of {tokens}",
+    )
     # the default corpus keeps its own size, whatever data.max_bytes is
     assert len(load_corpus(None).tokens) == STDLIB_BYTES
     assert len(load_corpus(None, max_bytes=10**9).tokens) == STDLIB_BYTES
@@ -104,43 +112,44 @@ def test_document_starts_and_mask_of_a_token_file(tmp_path):
 
 def _mutate(path: str, what: str) -> None:
     meta = json.loads(Path(path + ".json").read_text())
-    changes = {"docs-missing": lambda: Path(path + ".docs").unlink(),
-               "docs-size": lambda: Path(path + ".docs").write_bytes(b"\0" * 20),
-               "docs-first": lambda: np.array([3, 50, 90], "<i8").tofile(path + ".docs"),
-               "docs-last": lambda: np.array([0, 50, 100], "<i8").tofile(path + ".docs"),
-               "docs-order": lambda: np.array([0, 50, 50], "<i8").tofile(path + ".docs"),
-               "mask-size": lambda: Path(path + ".mask").write_bytes(b"\1" * 99),
-               "documents-type": lambda: meta.update(documents="3"),
-               "documents-count": lambda: meta.update(documents=0),
-               "targets-type": lambda: meta.update(targets=1),
-               "eot-range": lambda: meta.update(eot=256)}  # fmt: skip
+    changes = {
+        "docs-missing": lambda: Path(path + ".docs").unlink(),
+        "docs-size": lambda: Path(path + ".docs").write_bytes(b"\0" * 20),
+        "docs-first": lambda: np.array([3, 50, 90], "<i8").tofile(path + ".docs"),
+        "docs-last": lambda: np.array([0, 50, 100], "<i8").tofile(path + ".docs"),
+        "docs-order": lambda: np.array([0, 50, 50], "<i8").tofile(path + ".docs"),
+        "mask-size": lambda: Path(path + ".mask").write_bytes(b"\1" * 99),
+        "documents-type": lambda: meta.update(documents="3"),
+        "documents-count": lambda: meta.update(documents=0),
+        "targets-type": lambda: meta.update(targets=1),
+        "eot-range": lambda: meta.update(eot=256),
+    }
     changes[what]()
     Path(path + ".json").write_text(json.dumps(meta))
 
 
 SIDE_FILE_CASES = {
     "docs-missing": "{p}.docs: not found, but {p}.json records 3 documents in it; write both "
-                    "again with 'dsnd data prepare'",
+    "again with 'dsnd data prepare'",
     "docs-size": "{p}.docs: 20 bytes hold 2.5 int64 entries, {p}.json says 3 documents (24 "
-                 "bytes); write it again with 'dsnd data prepare'",
+    "bytes); write it again with 'dsnd data prepare'",
     "docs-first": "{p}.docs: the first document starts at token 3, not 0",
     "docs-last": "{p}.docs: the last document starts at token 100, past the 100 tokens {p}.json "
-                 "records",
+    "records",
     "docs-order": "{p}.docs: document starts are not strictly increasing (first 0, 50; last 50, "
-                  "50)",
+    "50)",
     "mask-size": "{p}.mask: 99 bytes hold 99 uint8 entries, {p}.json says 100 tokens (100 "
-                 "bytes); write it again with 'dsnd data prepare'",
+    "bytes); write it again with 'dsnd data prepare'",
     "documents-type": '{p}.json: documents must be an integer, got string "3"',
     "documents-count": "{p}.json: documents must be in 1..tokens (100), got 0",
     "targets-type": "{p}.json: targets must be a boolean, got integer 1",
     "eot-range": "{p}.json: eot 256 is not an id of the vocabulary of 256",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("what", SIDE_FILE_CASES)
 def test_side_files_that_disagree_with_the_sidecar_are_one_line(tmp_path, what):
-    path = write_tokens(tmp_path / "t.bin", np.arange(100), starts=[0, 40, 90],
-                        mask=np.ones(100))  # fmt: skip
+    path = write_tokens(tmp_path / "t.bin", np.arange(100), starts=[0, 40, 90], mask=np.ones(100))
     _mutate(path, what)
     want = SIDE_FILE_CASES[what].format(p=path)
     assert _error(check_data, DataConfig(path=path), 256) == want
@@ -148,14 +157,17 @@ def test_side_files_that_disagree_with_the_sidecar_are_one_line(tmp_path, what):
 
 
 def test_the_full_check_reads_what_start_does_not(tmp_path):
-    path = write_tokens(tmp_path / "t.bin", np.arange(100), starts=[0, 40, 30, 90],
-                        mask=np.r_[np.ones(99), 2])  # fmt: skip
+    path = write_tokens(
+        tmp_path / "t.bin", np.arange(100), starts=[0, 40, 30, 90], mask=np.r_[np.ones(99), 2]
+    )
     load_corpus(path)  # start checks the ends of the starts only
-    assert _error(verify_token_file, path) == (f"{path}.docs: document starts are not strictly "
-                                               "increasing: entry 1 is 40, entry 2 is 30")
+    assert _error(verify_token_file, path) == (
+        f"{path}.docs: document starts are not strictly increasing: entry 1 is 40, entry 2 is 30"
+    )
     np.array([0, 30, 40, 90], "<i8").tofile(path + ".docs")
-    assert _error(verify_token_file, path) == (f"{path}.mask: holds 2; a loss mask is 0 or 1 "
-                                               "per token")
+    assert _error(verify_token_file, path) == (
+        f"{path}.mask: holds 2; a loss mask is 0 or 1 per token"
+    )
 
 
 def test_dsnd_data_verify_runs_the_full_check(tmp_path, capsys):
@@ -163,8 +175,10 @@ def test_dsnd_data_verify_runs_the_full_check(tmp_path, capsys):
 
     path = write_tokens(tmp_path / "t.bin", np.arange(100), starts=[0, 40, 90])
     assert main(["data", "verify", path]) == 0
-    assert capsys.readouterr().out.startswith(f"{path}: verified 100 tokens (uint16, vocabulary "
-                                              "256): SHA-256, ids, document starts and mask")
+    assert capsys.readouterr().out.startswith(
+        f"{path}: verified 100 tokens (uint16, vocabulary "
+        "256): SHA-256, ids, document starts and mask"
+    )
     np.arange(1, 101, dtype="<u2").tofile(path)  # same size, other tokens: start cannot tell
     load_corpus(path)
     assert main(["data", "verify", path]) == 2
@@ -189,7 +203,8 @@ def test_a_batch_checks_its_ids_against_the_sidecars_vocabulary(tmp_path):
     samples.batch(np.array([0, 1, 2]))
     assert _error(samples.batch, np.array([0, 14])) == (
         f"{path}: sample 14 holds token id 300, outside the vocabulary of 256 its sidecar "
-        "records; the metadata does not describe these tokens")
+        "records; the metadata does not describe these tokens"
+    )
 
 
 def test_orders_past_the_table_are_a_keyed_permutation():
@@ -204,13 +219,14 @@ def test_orders_past_the_table_are_a_keyed_permutation():
     # up to the table size the order is exactly what it always was (resumes keep their data)
     stream = np.concatenate([np.random.default_rng([5, e]).permutation(1000) for e in range(3)])
     for step in (0, 1, 2):
-        assert np.array_equal(global_batch_indices(1000, 700, 5, step),
-                              stream[700 * step : 700 * (step + 1)])  # fmt: skip
+        assert np.array_equal(
+            global_batch_indices(1000, 700, 5, step), stream[700 * step : 700 * (step + 1)]
+        )
 
 
 def test_token_file_packing_trains_through_the_sampler(tmp_path):
     path = write_tokens(tmp_path / "t.bin", np.arange(3400) % 256, starts=np.arange(0, 3400, 50))
     corpus = load_data(DataConfig(path=path, packing="documents"), ModelConfig())
     samples, _ = sample_sets(corpus, 16, "documents")
-    (x, y), = batch_for_step(samples, 0, 2, 4, 1, 4, 1)
+    ((x, y),) = batch_for_step(samples, 0, 2, 4, 1, 4, 1)
     assert x.shape == (1, 16) and (y == IGNORE_INDEX).sum() <= 1

@@ -13,8 +13,9 @@ from dsnd import cli
 from dsnd.data.corpus import load_corpus
 from dsnd.errors import UserError
 
-DOCS = [{"text": f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs."}
-        for i in range(50)]  # fmt: skip
+DOCS = [
+    {"text": f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs."} for i in range(50)
+]
 
 
 @pytest.fixture
@@ -41,13 +42,16 @@ def test_byte_token_file_loads_as_the_same_tokens(tmp_path, jsonl, capsys):
 def test_transformers_tokenizer_from_a_local_directory(tmp_path, jsonl):
     raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.train_from_iterator([d["text"] for d in DOCS],
-                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))  # fmt: skip
+    raw.train_from_iterator(
+        [d["text"] for d in DOCS], trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
     fast.save_pretrained(tmp_path / "tok")
     out = tmp_path / "words.bin"
-    assert cli.main(["data", "prepare", str(jsonl), str(out), "--tokenizer",
-                     str(tmp_path / "tok")]) == 0  # fmt: skip
+    assert (
+        cli.main(["data", "prepare", str(jsonl), str(out), "--tokenizer", str(tmp_path / "tok")])
+        == 0
+    )
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     text = load_corpus(str(jsonl)).tokens.tobytes().decode()
     corpus = load_corpus(str(out))

@@ -13,14 +13,38 @@ LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2), (4, 1, 2), (1,
 
 # rank -> (pp, dp, tp): tensor-parallel peers adjacent, pipeline stages outermost.
 GOLDEN_COORDS = {
-    (2, 2, 2): [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
-                (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)],
-    (4, 1, 2): [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1),
-                (2, 0, 0), (2, 0, 1), (3, 0, 0), (3, 0, 1)],
-    (1, 4, 2): [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
-                (0, 2, 0), (0, 2, 1), (0, 3, 0), (0, 3, 1)],
+    (2, 2, 2): [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ],
+    (4, 1, 2): [
+        (0, 0, 0),
+        (0, 0, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (2, 0, 0),
+        (2, 0, 1),
+        (3, 0, 0),
+        (3, 0, 1),
+    ],
+    (1, 4, 2): [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (0, 2, 0),
+        (0, 2, 1),
+        (0, 3, 0),
+        (0, 3, 1),
+    ],
     (2, 2, 1): [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)],
-}  # fmt: skip
+}
 
 GOLDEN_GROUPS = {
     (2, 2, 2): {
@@ -115,9 +139,15 @@ def test_context_axis_sits_between_data_and_model():
     """rank = ((pp*dp + d)*cp + c)*tp + t: tensor peers adjacent, context peers next."""
     topo = Topology(pp=2, dp=1, tp=2, cp=2)
     assert [tuple(topo.coord(r)) for r in range(8)] == [
-        (0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 1, 1),
-        (1, 0, 0, 0), (1, 0, 1, 0), (1, 0, 0, 1), (1, 0, 1, 1),
-    ]  # fmt: skip
+        (0, 0, 0, 0),
+        (0, 0, 1, 0),
+        (0, 0, 0, 1),
+        (0, 0, 1, 1),
+        (1, 0, 0, 0),
+        (1, 0, 1, 0),
+        (1, 0, 0, 1),
+        (1, 0, 1, 1),
+    ]
     assert topo.groups("context") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert topo.groups("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert topo.groups("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -176,23 +206,37 @@ def test_hybrid_sharding_and_hpz_groups_are_runs_of_each_stages_zero_group():
     "degrees, message",
     [
         ({"dp": 4, "ep": 0}, "parallel.ep=0 must be >= 1"),
-        ({"dp": 4, "dp_shard": 3}, "parallel.dp_shard=3 must divide the data-parallel size dp=4 "
-         "(or be null or 0: shard over all of dp)"),
+        (
+            {"dp": 4, "dp_shard": 3},
+            "parallel.dp_shard=3 must divide the data-parallel size dp=4 "
+            "(or be null or 0: shard over all of dp)",
+        ),
         ({"dp": 4, "dp_shard": -2}, "parallel.dp_shard=-2 must divide"),
-        ({"dp": 4, "hpz": 3, "hpz_from": "z3.json"},
-         "z3.json: zero_optimization.zero_hpz_partition_size=3 must divide each stage's "
-         "data-parallel size dp=4"),
-        ({"dp": 4, "dp_shard": 2, "hpz": 2, "hpz_from": "z3.json"},
-         "z3.json: zero_optimization.zero_hpz_partition_size=2 and parallel.dp_shard=2 both "
-         "choose where ZeRO-3 gathers parameters from; set one of them"),
-        ({"dp": 4, "cp": 2, "dp_shard": 2}, "parallel.dp_shard=2 with parallel.cp=2 is not "
-         "supported"),
-        ({"dp": 4, "ep": 2, "dp_shard": 2}, "parallel.ep=2 with parallel.dp_shard=2 is not "
-         "supported"),
-        ({"dp": 4, "ep": 2, "hpz": 2, "hpz_from": "z3.json"}, "z3.json: zero_optimization."
-         "zero_hpz_partition_size=2 with parallel.ep=2 is not supported"),
+        (
+            {"dp": 4, "hpz": 3, "hpz_from": "z3.json"},
+            "z3.json: zero_optimization.zero_hpz_partition_size=3 must divide each stage's "
+            "data-parallel size dp=4",
+        ),
+        (
+            {"dp": 4, "dp_shard": 2, "hpz": 2, "hpz_from": "z3.json"},
+            "z3.json: zero_optimization.zero_hpz_partition_size=2 and parallel.dp_shard=2 both "
+            "choose where ZeRO-3 gathers parameters from; set one of them",
+        ),
+        (
+            {"dp": 4, "cp": 2, "dp_shard": 2},
+            "parallel.dp_shard=2 with parallel.cp=2 is not supported",
+        ),
+        (
+            {"dp": 4, "ep": 2, "dp_shard": 2},
+            "parallel.ep=2 with parallel.dp_shard=2 is not supported",
+        ),
+        (
+            {"dp": 4, "ep": 2, "hpz": 2, "hpz_from": "z3.json"},
+            "z3.json: zero_optimization."
+            "zero_hpz_partition_size=2 with parallel.ep=2 is not supported",
+        ),
     ],
-)  # fmt: skip
+)
 def test_every_rule_about_degrees_is_checked_when_a_topology_is_built(degrees, message):
     with pytest.raises(UserError) as e:
         Topology(pp=1, tp=1, **degrees)

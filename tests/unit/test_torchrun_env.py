@@ -20,12 +20,21 @@ LOOPBACK = "127.0.0.1"
 def torchrun_env(rank: int, agent_store: str | None = "True", **extra: str) -> dict[str, str]:
     """What torch 2.13's torchrun sets in worker `rank` of `--nnodes 2 --nproc-per-node 2`."""
     env = {
-        "RANK": str(rank), "GROUP_RANK": str(rank // 2), "ROLE_RANK": str(rank),
-        "ROLE_NAME": "default", "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2",
-        "WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "4",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "41234", "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RUN_ID": "job-7",
-    }  # fmt: skip
+        "RANK": str(rank),
+        "GROUP_RANK": str(rank // 2),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_RANK": str(rank % 2),
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "4",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "41234",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "1",
+        "TORCHELASTIC_RUN_ID": "job-7",
+    }
     if agent_store is not None:
         env["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
     env.update(extra)

@@ -19,8 +19,14 @@ PP2 = {**DP2, "pp": 2, "dp": 1}
 
 
 def _row(step: int) -> dict:
-    return {"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0,
-            "step_time_s": 1.0}  # fmt: skip
+    return {
+        "step": step,
+        "loss": 5.0,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 100.0,
+        "step_time_s": 1.0,
+    }
 
 
 def _load(worst: float) -> dict:
@@ -29,8 +35,9 @@ def _load(worst: float) -> dict:
 
 
 def _reporter(tmp_path, *sets: str) -> Reporter:
-    return Reporter(resolve(load(None, [f"log.dir={tmp_path / 'run'}", "train.steps=20",
-                                        *sets]), 1))  # fmt: skip
+    return Reporter(
+        resolve(load(None, [f"log.dir={tmp_path / 'run'}", "train.steps=20", *sets]), 1)
+    )
 
 
 def test_a_resume_on_another_layout_is_marked_in_tensorboard(tmp_path):
@@ -43,13 +50,18 @@ def test_a_resume_on_another_layout_is_marked_in_tensorboard(tmp_path):
     events.Reload()
     for tag in ("events/resume", "events/layout_change"):
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [(5, 1.0)], tag
-    texts = [(e.step, e.tensor_proto.string_val[0].decode())
-             for e in events.Tensors("events/text_summary")]  # fmt: skip
+    texts = [
+        (e.step, e.tensor_proto.string_val[0].decode())
+        for e in events.Tensors("events/text_summary")
+    ]
     assert texts == [
         (0, "started at step 0 on pp=1 dp=2 tp=1 cp=1 ep=1 (world 2)"),
-        (5, "resumed, layout pp 1->2 dp 2->1: at step 5 from ck/step_00000005 on pp=2 dp=1 tp=1 "
-            "cp=1 ep=1 (world 2), saved on pp=1 dp=2 tp=1 cp=1 ep=1"),
-    ]  # fmt: skip
+        (
+            5,
+            "resumed, layout pp 1->2 dp 2->1: at step 5 from ck/step_00000005 on pp=2 dp=1 tp=1 "
+            "cp=1 ep=1 (world 2), saved on pp=1 dp=2 tp=1 cp=1 ep=1",
+        ),
+    ]
 
 
 def test_a_busiest_expert_over_the_threshold_for_5_steps_is_warned_once(tmp_path, caplog):
@@ -62,20 +74,24 @@ def test_a_busiest_expert_over_the_threshold_for_5_steps_is_warned_once(tmp_path
             reporter.write(_row(step), _load(load_))
     reporter.close()
     (warning,) = [r.getMessage() for r in caplog.records]
-    assert warning.startswith("expert load: MoE layer 1's busiest expert got 2.50x the mean "
-                              "tokens, over log.expert_load_warn 2.0, for 5 steps in a row: "
-                              "the router is collapsing onto few experts")  # fmt: skip
+    assert warning.startswith(
+        "expert load: MoE layer 1's busiest expert got 2.50x the mean "
+        "tokens, over log.expert_load_warn 2.0, for 5 steps in a row: "
+        "the router is collapsing onto few experts"
+    )
     with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as f:
         alerts = {r["step"]: r.get("moe_load_alert") for r in map(json.loads, f)}
     assert {s: a for s, a in alerts.items() if a} == {
-        7: {"layer": 1, "max_over_mean": 2.5, "steps": 5}}
+        7: {"layer": 1, "max_over_mean": 2.5, "steps": 5}
+    }
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("events/expert_load")] == [(7, 2.5)]
 
 
 def test_a_model_whose_experts_cannot_reach_the_threshold_is_watched_below_its_ceiling(
-        tmp_path, caplog):  # fmt: skip
+    tmp_path, caplog
+):
     """mixtral-tiny: 4 experts, top-2, so at most 2.0x the mean (every token picks the expert):
     over 90% of that (1.8x) for 5 steps is a collapse although 2.0 is never passed."""
     reporter = _reporter(tmp_path, "model.preset=mixtral-tiny", "log.tensorboard=false")
@@ -84,8 +100,10 @@ def test_a_model_whose_experts_cannot_reach_the_threshold_is_watched_below_its_c
             reporter.write(_row(step), _load(worst))
     reporter.close()
     (warning,) = [r.getMessage() for r in caplog.records]
-    assert ("got 2.00x the mean tokens, over log.expert_load_warn 2.0, capped at 1.80x: 90% of "
-            "the most an expert can get here, for 5 steps in a row") in warning  # fmt: skip
+    assert (
+        "got 2.00x the mean tokens, over log.expert_load_warn 2.0, capped at 1.80x: 90% of "
+        "the most an expert can get here, for 5 steps in a row"
+    ) in warning
 
 
 def test_expert_load_warn_0_never_warns(tmp_path, caplog):
@@ -97,15 +115,19 @@ def test_expert_load_warn_0_never_warns(tmp_path, caplog):
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("saved, export, names", [
-    ("out/checkpoints/step_00000020", None, "checkpoint out/checkpoints/step_00000020"),
-    (None, "hf", "checkpoints out/checkpoints (none saved)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "saved, export, names",
+    [
+        ("out/checkpoints/step_00000020", None, "checkpoint out/checkpoints/step_00000020"),
+        (None, "hf", "checkpoints out/checkpoints (none saved)"),
+    ],
+)
 def test_the_closing_line_names_every_output(tmp_path, monkeypatch, saved, export, names):
     monkeypatch.chdir(tmp_path)
     reporter = Reporter(resolve(load(None, ["log.dir=out"]), 1))
     line = reporter.closing_line(saved, "out/checkpoints", export)
     reporter.close()
     tail = ", export hf" if export else ""
-    assert line == (f"outputs: metrics out/metrics.jsonl, {names}, TensorBoard out, "
-                    f"logs out/logs{tail}")  # fmt: skip
+    assert line == (
+        f"outputs: metrics out/metrics.jsonl, {names}, TensorBoard out, logs out/logs{tail}"
+    )

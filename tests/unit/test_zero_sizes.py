@@ -25,8 +25,25 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _emitted(capsys, tmp_path, gpu: str, stage: int) -> dict:
     out = tmp_path / f"{gpu}-{stage}"
-    code = cli.main(["plan", "--model", "llama-tiny", "--world", "4", "--gpu", gpu, "--seq", "64",
-                     "--global-batch", "16", "--fix", f"zero_stage={stage}", "--out", str(out)])
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            "llama-tiny",
+            "--world",
+            "4",
+            "--gpu",
+            gpu,
+            "--seq",
+            "64",
+            "--global-batch",
+            "16",
+            "--fix",
+            f"zero_stage={stage}",
+            "--out",
+            str(out),
+        ]
+    )
     capsys.readouterr()
     assert code == 0
     return json.loads((out / "ds_config.json").read_text())
@@ -38,8 +55,10 @@ def test_a_gpu_plan_is_sized_to_the_model_with_deepspeeds_adam(capsys, tmp_path,
     zero = ds["zero_optimization"]
     assert zero["stage"] == stage
     assert zero.get("reduce_bucket_size") == (HIDDEN * HIDDEN if stage else None)
-    stage3 = {k: zero.get(k) for k in ("stage3_prefetch_bucket_size",
-                                       "stage3_param_persistence_threshold")}  # fmt: skip
+    stage3 = {
+        k: zero.get(k)
+        for k in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    }
     want = [int(0.9 * HIDDEN * HIDDEN), 10 * HIDDEN] if stage == 3 else [None, None]
     assert list(stage3.values()) == want
     assert "torch_adam" not in ds["optimizer"]["params"]
@@ -62,12 +81,15 @@ def test_the_packaged_and_test_jsons_keep_their_tiny_model_sizes():
         assert zero3["reduce_bucket_size"] == TEST_BUCKET, folder
 
 
-@pytest.mark.parametrize(("offload", "kept"), [(None, True), ("none", True), ("cpu", False),
-                                               ("nvme", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("offload", "kept"), [(None, True), ("none", True), ("cpu", False), ("nvme", False)]
+)
 def test_torch_adam_never_stays_beside_an_offloaded_optimizer(offload, kept):
     zero = {"stage": 2} | ({"offload_optimizer": {"device": offload}} if offload else {})
-    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-          "zero_optimization": zero}  # fmt: skip
+    ds = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": zero,
+    }
     drop_torch_adam_beside_offload(ds)
     assert ("torch_adam" in ds["optimizer"]["params"]) is kept
     assert ds["optimizer"]["params"]["lr"] == 1e-4

@@ -15,5 +15,11 @@ def add_arguments(ds_config: argparse.ArgumentParser) -> None:
         what.add_argument("file", metavar="FILE", help="a DeepSpeed JSON")
         what.add_argument("--config", help="the run YAML (default: dsnd's default run)")
         what.add_argument("--nprocs", type=int, default=1, help="ranks the run has")
-        what.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                          help="a run key or ds.KEY (repeatable)")  # fmt: skip
+        what.add_argument(
+            "--set",
+            dest="sets",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a run key or ds.KEY (repeatable)",
+        )

@@ -6,9 +6,15 @@ from dsnd.model.families import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe,
 from dsnd.model.family import Family
 
 FAMILIES: tuple[Family, ...] = (
-    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY,
-)  # fmt: skip
+    llama.FAMILY,
+    gpt2.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    mixtral.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
+)
 
 
 def by_name(name: str) -> Family:

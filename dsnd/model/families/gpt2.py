@@ -32,9 +32,13 @@ class Embedding(nn.Module):
 
     tied_weight_attr = "wte.weight"
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None,
-                 cp: ContextParallel | None = None,
-                 documents: Documents | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        tp: TensorParallel | None = None,
+        cp: ContextParallel | None = None,
+        documents: Documents | None = None,
+    ) -> None:
         super().__init__()
         self.init_std = config.initializer_range
         self.documents = documents
@@ -66,10 +70,14 @@ class Block(GPT2Block):
     """`GPT2Block` called with hidden states only (no cache, no mask → causal SDPA; packed
     documents: their block-diagonal mask)."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int,
-                 tp: TensorParallel | None = None,
-                 cp: ContextParallel | None = None,
-                 documents: Documents | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        tp: TensorParallel | None = None,
+        cp: ContextParallel | None = None,
+        documents: Documents | None = None,
+    ) -> None:
         super().__init__(attention_config(config, cp), layer_idx=layer_idx)
         self.init_std = config.initializer_range
         self.documents = documents
@@ -88,8 +96,10 @@ def check(config: PretrainedConfig, seq_len: int) -> list[str]:
     out += activation(config, "activation_function")
     for name in ("add_cross_attention", "reorder_and_upcast_attn"):
         if getattr(config, name, False):
-            out.append(f"{name}=true: not supported by dsnd's GPT-2 (a decoder-only LM "
-                       "without cross-attention, attention in the input dtype)")  # fmt: skip
+            out.append(
+                f"{name}=true: not supported by dsnd's GPT-2 (a decoder-only LM "
+                "without cross-attention, attention in the input dtype)"
+            )
     return out
 
 
@@ -108,6 +118,6 @@ FAMILY = Family(
         embedding=("wte", "wpe"),
         final_norm="ln_f",
         tied_attr=Embedding.tied_weight_attr,
-    ),  # fmt: skip
+    ),
     check=check,
 )
