@@ -316,7 +316,7 @@ def _train(
     if reporter:
         _log_start(res, st)
     rows: list[dict[str, Any]] = []
-    last_saved = exported = None
+    last_saved = None
     stop = stop or StopRequest()  # (not entered: no signal handlers, but `ask` works)
     outputs = _LogDir(reporter, stop, run.log.dir)
     try:
@@ -342,20 +342,7 @@ def _train(
                 break
         if (res.ds.get("comms_logger") or {}).get("enabled"):
             _comms_summary(st.runner, run.log.dir)
-        if run.checkpoint.export_hf and not (rows and rows[-1].get("stopped")):
-            said = export_hf(
-                engine.module,
-                run.checkpoint.export_hf,
-                res.model,
-                groups.data,
-                ExportOrigin(st.root, run.train.steps),
-                engine.device,
-            )
-            if said:  # rank 0: says where the model went
-                log.info("%s", said)
-            exported = run.checkpoint.export_hf
-        elif run.checkpoint.export_hf and reporter:  # stopped early: said, not skipped silently
-            log.warning("%s", export_skipped(run.checkpoint.export_hf))
+        exported = _export(res, groups, st, stopped=bool(rows and rows[-1].get("stopped")))
         outputs.check(last_saved)  # rank 0: a log.dir it could not write ends the run here
         if reporter:  # the closing line: where everything the run wrote is
             log.info("%s", reporter.closing_line(last_saved, st.root, exported))
@@ -363,6 +350,23 @@ def _train(
         outputs.close()
         engine.destroy()
     return rows
+
+
+def _export(res: Resolved, groups: ProcessGroups, st: _Stage, stopped: bool) -> str | None:
+    """`checkpoint.export_hf` at the end of a completed run (collective): where the model went,
+    or None. A run stopped early says it did not export (not skipped silently)."""
+    path, engine = res.run.checkpoint.export_hf, st.runner.engine
+    if not path:
+        return None
+    if stopped:
+        if dist.get_rank() == 0:
+            log.warning("%s", export_skipped(path))
+        return None
+    origin = ExportOrigin(st.root, res.run.train.steps)
+    said = export_hf(engine.module, path, res.model, groups.data, origin, engine.device)
+    if said:  # rank 0: says where the model went
+        log.info("%s", said)
+    return path
 
 
 class _LogDir:

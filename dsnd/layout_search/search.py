@@ -135,6 +135,42 @@ def _schedules(pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
 def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
     """Fill in the layout's predicted memory (its busiest stage's device) and step time."""
     sh, dev = pr.shape, pr.device
+    lay.memory_bytes = _busiest_stage(pr, lay, stages)
+    lay.params_count = sh.params
+    lay.deepspeed_estimate_bytes = _deepspeed_estimate(pr, lay, stages)
+    recompute = "full" if lay.activation_checkpointing else "none"
+    st = Step(
+        lay.pp,
+        lay.tp,
+        lay.dp,
+        lay.cp,
+        lay.zero_stage,
+        lay.micro_batch,
+        lay.micro_batches,
+        pr.seq,
+        lay.schedule,
+        lay.virtual_stages,
+        recompute,
+        lay.tp > 1,
+        pr.bf16,
+        layer_seconds=_measured(pr, lay),
+        ep=lay.ep,
+    )
+    lay.step_time_s = step_seconds(sh, stages, st, dev)
+    tokens_step = pr.global_batch * pr.seq
+    lay.tokens_per_s = tokens_step / lay.step_time_s
+    flops = sum(sh.forward_flops(i, 1, pr.seq) for i in range(len(sh.layer_params))) * 3
+    lay.mfu = lay.tokens_per_s * flops / (pr.world * dev.flops(pr.bf16))
+    if dev.accuracy is not None:
+        lay.mfu_range = (lay.mfu * dev.accuracy.low, lay.mfu * dev.accuracy.high)
+    lay.fits = lay.total_bytes <= HEADROOM * dev.memory_bytes
+    return lay
+
+
+def _busiest_stage(pr: Problem, lay: Layout, stages: list[list[int]]) -> dict[str, float]:
+    """The memory parts of the stage whose device holds the most (model states, activations of
+    the micro-batches in flight, buffers)."""
+    sh = pr.shape
     low = 2 if pr.bf16 else 4
     recompute = "full" if lay.activation_checkpointing else "none"
     sp = lay.tp > 1
@@ -144,7 +180,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
         sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp, recompute, low
     )
     whole = mem.block_activation_bytes(sh, lay.micro_batch, pr.seq, lay.tp, lay.cp, sp, "none", low)
-    bucket = reduce_bucket(sized_hidden(dev.name, sh.hidden))  # as `dsnd plan --out` writes
+    bucket = reduce_bucket(sized_hidden(pr.device.name, sh.hidden))  # as `dsnd plan --out` writes
     worst: dict[str, float] = {}
     for s, layers in enumerate(stages):
         experts = sh.experts_of(layers)  # routed experts: whole on every tensor-parallel rank
@@ -170,35 +206,7 @@ def evaluate(pr: Problem, lay: Layout, stages: list[list[int]]) -> Layout:
         )
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
-    lay.memory_bytes = worst
-    lay.params_count = sh.params
-    lay.deepspeed_estimate_bytes = _deepspeed_estimate(pr, lay, stages)
-    st = Step(
-        lay.pp,
-        lay.tp,
-        lay.dp,
-        lay.cp,
-        lay.zero_stage,
-        lay.micro_batch,
-        lay.micro_batches,
-        pr.seq,
-        lay.schedule,
-        lay.virtual_stages,
-        recompute,
-        sp,
-        pr.bf16,
-        layer_seconds=_measured(pr, lay),
-        ep=lay.ep,
-    )
-    lay.step_time_s = step_seconds(sh, stages, st, dev)
-    tokens_step = pr.global_batch * pr.seq
-    lay.tokens_per_s = tokens_step / lay.step_time_s
-    flops = sum(sh.forward_flops(i, 1, pr.seq) for i in range(len(sh.layer_params))) * 3
-    lay.mfu = lay.tokens_per_s * flops / (pr.world * dev.flops(pr.bf16))
-    if dev.accuracy is not None:
-        lay.mfu_range = (lay.mfu * dev.accuracy.low, lay.mfu * dev.accuracy.high)
-    lay.fits = lay.total_bytes <= HEADROOM * dev.memory_bytes
-    return lay
+    return worst
 
 
 def _deepspeed_estimate(pr: Problem, lay: Layout, stages: list[list[int]]) -> float | None:

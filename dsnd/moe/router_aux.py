@@ -20,7 +20,7 @@ Under sequence parallelism each tensor-parallel rank routes a slice of the token
 stage sums the ranks' running sums (Megatron's g: all-reduce forward, identity backward, so each
 rank's routers get their own tokens' gradient, which the sequence-parallel gradient sum then adds
 up); per-token shares over a tp-th of the tokens summed tp times give the same loss. Context
-parallelism is refused before start (`dsnd.config.resolve.check_router_aux`).
+parallelism is refused before start (`dsnd.config.parallel_rules.check_router_aux`).
 """
 
 from __future__ import annotations

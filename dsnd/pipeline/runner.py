@@ -67,69 +67,70 @@ class StageRunner:
         _check_same_plan(plan)
         if plan.pp > 1:
             scope_zero3_trace_checks(groups.data, accelerator_device())
-        # ZeRO's groups: the data group, or with hybrid sharding its shard (dsnd.engine.hsdp)
-        zero_groups = groups.for_zero()
         # the document layout every block reads (data.packing: documents), set per micro-batch
         self.documents = Documents() if res.run.data.packing == "documents" else None
-        ep = expert_parallel(groups)
-        stack = build_stage(res, zero_groups, self.documents, ep)
-        # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
-        self.tied = TiedWeights(stack, plan.ties, groups)
-        if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
-            load_hf_stage(stack, res.run.model.init_from, res.model)
-        ep_groups = (ep.group, ep.data) if ep is not None else (None, None)
-        prepare_experts(stack, plan.zero_stage, *ep_groups)
-        self.engine = build_engine(
-            stack, res.ds, param_groups(stack, unpartitioned_shape), Mpu(zero_groups)
-        )
-        after_build(self.engine, ep_groups[0])
-        if groups.replicate is not None:
-            replicate_gradients(self.engine.optimizer, groups.replicate)
+        self.engine = self._engine(res, groups, load_hf)
         self.program = list(plan.programs[stage])
         self.links = StageLinks(
             groups.channels, dist.get_process_group_ranks(groups.pipe), self.engine.device
         )
-        dtype = (
-            torch.bfloat16
-            if self.engine.bfloat16_enabled()
-            else torch.float16
-            if self.engine.fp16_enabled()
-            else torch.float32
-        )
         tp, self.cp = tensor_parallel(res, groups), context_parallel(res, groups)
         seq = res.run.model.seq_len // self.cp.size // (tp.size if tp.sequence_parallel else 1)
         math = self._math(res, tp)
+        aux_width = math.aux.width if math.aux is not None else 0
         self.shape = StageShape(
-            res.batch.micro,
-            seq,
-            res.model.hidden_size,
-            dtype,
-            math.aux.width if math.aux is not None else 0,
+            res.batch.micro, seq, res.model.hidden_size, self._dtype(), aux_width
         )
-        factor = res.run.model.moe_capacity_factor
         # tensor-parallel ranks without sequence parallelism route the same tokens: one counts
-        counts = groups.coord.tp == 0 or tp.sequence_parallel
-        self.capacity = (
-            None
-            if factor is None
-            else Capacity(self.engine.module, factor, res.model.num_layers, counts=counts)
-        )
-        self.moe = (
-            MoeNumbers(
-                RouterLoad(self.engine.module, res.model.config, res.model.num_layers, counts),
-                self.capacity,
-                groups.expert is not None,
-                self.engine.device,
-            )
-            if res.model.family.moe
-            else None
-        )
+        self._moe(res, groups, counts=groups.coord.tp == 0 or tp.sequence_parallel)
         stage_engine = StageEngine(
             self.engine, groups.replica, groups.coord.tp, res.run.parallel.reshard_after_forward
         )
         self.executor = Executor(
             stage_engine, self.links, self.shape, math, plan.role(stage), self.tied, self.documents
         )
+
+    def _engine(self, res: Resolved, groups: ProcessGroups, load_hf: bool):
+        """The stage's layers (`build_stage`; the HF weights loaded into them) in one DeepSpeed
+        engine, sharded over ZeRO's groups: the data group, or with hybrid sharding its shard
+        (`dsnd.engine.hsdp`); sets `tied`."""
+        zero_groups = groups.for_zero()
+        ep = expert_parallel(groups)
+        stack = build_stage(res, zero_groups, self.documents, ep)
+        # before the engine exists: a borrowing stage must not hand the tied weight to ZeRO
+        self.tied = TiedWeights(stack, res.plan.ties, groups)
+        if load_hf and res.run.model.init_from:  # into the stage's layers, before ZeRO takes them
+            load_hf_stage(stack, res.run.model.init_from, res.model)
+        ep_groups = (ep.group, ep.data) if ep is not None else (None, None)
+        prepare_experts(stack, res.plan.zero_stage, *ep_groups)
+        groups_of_params = param_groups(stack, unpartitioned_shape)
+        engine = build_engine(stack, res.ds, groups_of_params, Mpu(zero_groups))
+        after_build(engine, ep_groups[0])
+        if groups.replicate is not None:
+            replicate_gradients(engine.optimizer, groups.replicate)
+        return engine
+
+    def _dtype(self) -> torch.dtype:
+        """What the engine computes and sends in."""
+        if self.engine.bfloat16_enabled():
+            return torch.bfloat16
+        return torch.float16 if self.engine.fp16_enabled() else torch.float32
+
+    def _moe(self, res: Resolved, groups: ProcessGroups, counts: bool) -> None:
+        """An MoE model's counters (`capacity`: rows dropped at `model.moe_capacity_factor`;
+        `moe`: its numbers per step), None for a dense model; `counts` where this rank's tokens
+        are its own to count."""
+        factor, module = res.run.model.moe_capacity_factor, self.engine.module
+        self.capacity = (
+            None
+            if factor is None
+            else Capacity(module, factor, res.model.num_layers, counts=counts)
+        )
+        self.moe = None
+        if res.model.family.moe:
+            load = RouterLoad(module, res.model.config, res.model.num_layers, counts)
+            expert_parallel = groups.expert is not None
+            self.moe = MoeNumbers(load, self.capacity, expert_parallel, self.engine.device)
 
     def _math(self, res: Resolved, tp) -> StageMath:
         """The stage's loss and gradient syncs: vocab-parallel cross-entropy and the partial

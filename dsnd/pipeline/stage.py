@@ -64,48 +64,13 @@ def build_stage(
     is what the layers read the micro-batch's documents from (`data.packing: documents`).
     """
     plan, stage = res.plan, groups.coord.pp
-    zero3 = plan.zero_stage == 3
-    swapper = None  # NVMe parameter offload: the stage's one swapper (see below)
-    hpz_ranks = groups.hpz  # (the topology's hpz > 1 only at ZeRO-3)
-    use_hpz_group(hpz_ranks)
-    if hpz_ranks is not None:
+    use_hpz_group(groups.hpz)  # (the topology's hpz > 1 only at ZeRO-3)
+    if groups.hpz is not None:
         log.info(
             "ZeRO++ hpZ: parameters' secondary partition over ranks %s",
-            dist.get_process_group_ranks(hpz_ranks),
+            dist.get_process_group_ranks(groups.hpz),
         )
-
-    ep = ep or expert_parallel(groups)
-
-    def prepare(layer: torch.nn.Module) -> None:
-        if ep is not None:
-            parallelize_experts(layer, ep)
-        if zero3:
-            partition(layer)
-
-    def partition(layer: torch.nn.Module) -> None:
-        nonlocal swapper
-        # zero.Init as a context creates parameters in the run's dtype; handed a built module it
-        # keeps their dtype, and a bf16 engine would then send fp32 activations between stages
-        layer.to(zero3_dtype(res.ds))
-        parts = [(layer, groups.data)]
-        experts = moe_experts(layer) if ep is not None else None
-        if experts is not None:  # a rank's experts first, over the ranks holding the same ones
-            parts.insert(0, (experts, ep.data))  # (zero.Init of the layer then skips them)
-        for module, group in parts:
-            zero_init(
-                module,
-                data_parallel_group=group,
-                config_dict_or_path=res.ds,
-                mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
-                param_swapper=swapper,
-                zero_param_parallel_group=hpz_ranks if group is groups.data else None,
-            )
-            # every layer shares the first layer's NVMe swapper: a new one empties the swap
-            # folder (measured: the next read of an earlier layer's parameter failed), and the
-            # ZeRO-3 optimizer reaches every parameter's NVMe copy through the first
-            # parameter's swapper
-            swapper = swapper or nvme_param_swapper(module)
-
+    prepare = _LayerPrep(res.ds, groups, ep or expert_parallel(groups), plan.zero_stage == 3)
     return LayerStack(
         layer_specs(
             res.model, tensor_parallel(res, groups), context_parallel(res, groups), documents
@@ -113,6 +78,52 @@ def build_stage(
         res.run.train.seed,
         layer_indices=plan.stage_layers(stage),
         activation_checkpoint_interval=res.run.parallel.activation_checkpoint_interval,
-        partition=prepare if zero3 or ep is not None else None,
+        partition=prepare if prepare.needed else None,
         chunk_sizes=[len(plan.chunk_layers(stage, c)) for c in range(plan.chunks)],
     )
+
+
+class _LayerPrep:
+    """What happens to each layer once it is built on the meta device: its MoE blocks keep this
+    rank's experts (`ep`), then ZeRO-3 partitions it (`zero.Init`), one layer at a time."""
+
+    def __init__(
+        self, ds: dict, groups: ProcessGroups, ep: ExpertParallel | None, zero3: bool
+    ) -> None:
+        self.ds, self.groups, self.ep, self.zero3 = ds, groups, ep, zero3
+        self.swapper = None  # NVMe parameter offload: the stage's one swapper (see below)
+
+    @property
+    def needed(self) -> bool:
+        return self.zero3 or self.ep is not None
+
+    def __call__(self, layer: torch.nn.Module) -> None:
+        if self.ep is not None:
+            parallelize_experts(layer, self.ep)
+        if self.zero3:
+            self._partition(layer)
+
+    def _partition(self, layer: torch.nn.Module) -> None:
+        groups = self.groups
+        # zero.Init as a context creates parameters in the run's dtype; handed a built module it
+        # keeps their dtype, and a bf16 engine would then send fp32 activations between stages
+        layer.to(zero3_dtype(self.ds))
+        parts = [(layer, groups.data)]
+        experts = moe_experts(layer) if self.ep is not None else None
+        if experts is not None:  # a rank's experts first, over the ranks holding the same ones
+            parts.insert(0, (experts, self.ep.data))  # (zero.Init of the layer then skips them)
+        for module, group in parts:
+            zero_init(
+                module,
+                data_parallel_group=group,
+                config_dict_or_path=self.ds,
+                mpu=Mpu(groups),  # so its config checks the batch against dp, not the world
+                param_swapper=self.swapper,
+                zero_param_parallel_group=groups.hpz if group is groups.data else None,
+            )
+            # every layer shares the first layer's NVMe swapper: a new one empties the swap
+            # folder (the next read of an earlier layer's parameter then fails: z3-nvme of
+            # `tests/distributed/test_offload.py`), and the
+            # ZeRO-3 optimizer reaches every parameter's NVMe copy through the first
+            # parameter's swapper
+            self.swapper = self.swapper or nvme_param_swapper(module)

@@ -47,8 +47,8 @@ input-gradient pass. ZeRO 0-2 reduce what `.grad` holds at the step's end (ZeRO 
 `coalesce_grad_reduction`, whose flush reads `.grad`): parity at dp=2 in
 `tests/distributed/test_parity_schedules.py::test_four_stages_and_tensor_parallel`. ZeRO-3
 gathers a layer's parameters for its backward and releases them after it, so the later weight
-pass finds them empty (DeepSpeed 0.19.8 raises "attempting to assign a gradient of size [64, 64]
-to a tensor of size [0]"); running it would need ZeRO-3's gather/release hooks around the weight
+pass finds them empty (torch then raises "attempting to assign a gradient of size [64, 64] to
+a tensor of size [0]"); running it would need ZeRO-3's gather/release hooks around the weight
 pass."""
 
 

@@ -87,8 +87,9 @@ class WandbWriter:
         import wandb
 
         self._run.finish()
-        # finish() returns before wandb's service has written the run file (measured: 7 bytes
-        # of it on return, all of it 3 s later); teardown waits for it, as at interpreter exit
+        # finish() returns before wandb's service has written the run file (observed, not in
+        # the suite: 7 bytes of it on return, all of it 3 s later); teardown waits for it, as at
+        # interpreter exit
         wandb.teardown()
 
 

@@ -142,8 +142,9 @@ class ExpertLoadWatch:
 
     An expert gets at most every token once, `ceiling` = experts / top-k times the mean (2.0
     for 4 experts, top-2): where that is not well above `threshold`, the limit is 90% of it, so
-    that a collapse is still seen (measured: mixtral-tiny's busiest expert at 1.97-2.0x the mean
-    from the 4th step on, no load-balancing loss)."""
+    that a collapse is still seen (mixtral-tiny without a load-balancing loss, observed outside
+    the suite: its busiest expert at 1.97-2.0x the mean from the 4th step on; the mixtral-tiny
+    test of `tests/unit/test_watch.py` replays such loads)."""
 
     SUFFIX = "_load_max_over_mean"
 

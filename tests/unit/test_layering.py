@@ -271,3 +271,19 @@ def test_every_package_says_in_one_line_what_lives_there():
         if not first or not (first.endswith(".") or doc == first or doc.split("\n")[1] == ""):
             missing.append(f"{path.relative_to(ROOT)}: {first!r}")
     assert missing == []
+
+
+def test_no_function_over_60_lines_and_no_file_over_450():
+    """Small files with one purpose and short functions (counted as `ruff format` lays them
+    out), so a newcomer reads any one in a sitting."""
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        src = path.read_text()
+        if src.count("\n") > 450:
+            long.append(f"{path.relative_to(ROOT)}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {size}")
+    assert long == []
