@@ -85,88 +85,102 @@ def state_formula(lay: Mapping[str, Any]) -> float:
     return sum(parts["device"].values()) + held
 
 
+def _state_row(name: str, lay: Mapping[str, Any], ranks: list[Mapping[str, Any]]) -> Row:
+    """The layout's model-state bytes per rank against the formula."""
+    world = len(ranks)
+    state = sum(_state(r[name]) for r in ranks) / (world * state_formula(lay))
+    return Row(
+        f"{name}_model_state_bytes_over_formula",
+        state,
+        SAME,
+        f"{sum(_state(r[name]) for r in ranks) / world:,.0f} B per rank; "
+        f"experts / {lay['ep']} over {lay['dp'] // lay['ep']} ranks, the rest "
+        f"over {lay['dp']}",
+        BENCH,
+    )
+
+
+def _a2a_rows(name: str, lay: Mapping[str, Any], ranks: list[Mapping[str, Any]]) -> list[Row]:
+    """The all-to-all bytes against the formula (none at ep=1, where any is an error)."""
+    world = len(ranks)
+    calls, payload = a2a_theory(lay, world)
+    got_calls = {r[name]["a2a_calls"] for r in ranks}
+    got = _sum(ranks, name, "a2a_payload")
+    if lay["ep"] > 1:
+        return [
+            Row(
+                f"{name}_all_to_all_bytes_over_formula",
+                got / payload,
+                EXACT,
+                f"{got:,.0f} B per step over {world} ranks; calls per rank "
+                f"{sorted(got_calls)} (formula {calls})",
+                BENCH,
+            )
+        ]
+    if got:
+        raise RuntimeError(f"{name}: {got} all-to-all bytes without expert parallelism")
+    return []
+
+
+def _against_ep1_rows(
+    name: str,
+    lay: Mapping[str, Any],
+    ranks: list[Mapping[str, Any]],
+    ep1: Mapping[str, Any],
+    base: Mapping[str, Any],
+) -> list[Row]:
+    """ZeRO's traffic, model state, throughput and losses of ep=n against ep=1 (`ep1` its
+    layout, `base` rank 0's record of it)."""
+    other = _sum(ranks, name, "other_sent") / _sum(ranks, "ep1", "other_sent")
+    want = zero_share(lay) / zero_share(ep1)
+    state = sum(_state(r[name]) for r in ranks) / sum(_state(r["ep1"]) for r in ranks)
+    speed = median(base["times"]) / median(ranks[0][name]["times"])
+    diff = max(
+        abs(a - b) / abs(b) for a, b in zip(ranks[0][name]["losses"], base["losses"], strict=True)
+    )
+    return [
+        Row(
+            f"{name}_other_bytes_over_formula",
+            other / want,
+            SAME,
+            f"ZeRO's traffic {other:.4f} of ep=1's, the experts' over dp / ep ranks: "
+            f"{want:.4f} by the formula",
+            BENCH,
+        ),
+        Row(
+            f"{name}_model_state_bytes_over_ep1",
+            state,
+            None,
+            "a rank keeps its experts only",
+            BENCH,
+        ),
+        Row(
+            f"{name}_throughput_over_ep1",
+            speed,
+            None,
+            f"median step {1000 * median(ranks[0][name]['times']):.1f} ms against "
+            f"{1000 * median(base['times']):.1f} ms at ep=1",
+            BENCH,
+        ),
+        Row(
+            f"{name}_loss_rel_diff",
+            diff,
+            Target.at_most(LOSS_TOLERANCE),
+            "the same losses as ep=1, step for step",
+            BENCH,
+        ),
+    ]
+
+
 def ep_rows(raw: Mapping[str, Any]) -> list[Row]:
     ranks, layouts = raw["ranks"], raw["layouts"]
-    world = len(ranks)
     base = ranks[0]["ep1"]
     rows: list[Row] = []
     for name, lay in layouts.items():
-        state = sum(_state(r[name]) for r in ranks) / (world * state_formula(lay))
-        rows.append(
-            Row(
-                f"{name}_model_state_bytes_over_formula",
-                state,
-                SAME,
-                f"{sum(_state(r[name]) for r in ranks) / world:,.0f} B per rank; "
-                f"experts / {lay['ep']} over {lay['dp'] // lay['ep']} ranks, the rest "
-                f"over {lay['dp']}",
-                BENCH,
-            )
-        )
+        rows.append(_state_row(name, lay, ranks))
         if not name[2:].isdigit():  # another ZeRO stage or bf16 at ep=2: its model state only
             continue
-        calls, payload = a2a_theory(lay, world)
-        got_calls = {r[name]["a2a_calls"] for r in ranks}
-        got = _sum(ranks, name, "a2a_payload")
-        if lay["ep"] > 1:
-            rows.append(
-                Row(
-                    f"{name}_all_to_all_bytes_over_formula",
-                    got / payload,
-                    EXACT,
-                    f"{got:,.0f} B per step over {world} ranks; calls per rank "
-                    f"{sorted(got_calls)} (formula {calls})",
-                    BENCH,
-                )
-            )
-        elif got:
-            raise RuntimeError(f"{name}: {got} all-to-all bytes without expert parallelism")
-        if name == "ep1":
-            continue
-        other = _sum(ranks, name, "other_sent") / _sum(ranks, "ep1", "other_sent")
-        want = zero_share(lay) / zero_share(layouts["ep1"])
-        rows.append(
-            Row(
-                f"{name}_other_bytes_over_formula",
-                other / want,
-                SAME,
-                f"ZeRO's traffic {other:.4f} of ep=1's, the experts' over dp / ep ranks: "
-                f"{want:.4f} by the formula",
-                BENCH,
-            )
-        )
-        state = sum(_state(r[name]) for r in ranks) / sum(_state(r["ep1"]) for r in ranks)
-        rows.append(
-            Row(
-                f"{name}_model_state_bytes_over_ep1",
-                state,
-                None,
-                "a rank keeps its experts only",
-                BENCH,
-            )
-        )
-        speed = median(base["times"]) / median(ranks[0][name]["times"])
-        rows.append(
-            Row(
-                f"{name}_throughput_over_ep1",
-                speed,
-                None,
-                f"median step {1000 * median(ranks[0][name]['times']):.1f} ms against "
-                f"{1000 * median(base['times']):.1f} ms at ep=1",
-                BENCH,
-            )
-        )
-        diff = max(
-            abs(a - b) / abs(b)
-            for a, b in zip(ranks[0][name]["losses"], base["losses"], strict=True)
-        )
-        rows.append(
-            Row(
-                f"{name}_loss_rel_diff",
-                diff,
-                Target.at_most(LOSS_TOLERANCE),
-                "the same losses as ep=1, step for step",
-                BENCH,
-            )
-        )
+        rows += _a2a_rows(name, lay, ranks)
+        if name != "ep1":
+            rows += _against_ep1_rows(name, lay, ranks, layouts["ep1"], base)
     return rows

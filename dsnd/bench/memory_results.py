@@ -164,22 +164,14 @@ def void(rows: list[Row], ok: bool, why: str) -> list[Row]:
     return [Row(r.metric, r.value, None, f"VOID ({why}): {r.note}", r.bench) for r in rows]
 
 
-def checkpointing_rows(raw: Mapping[str, Any]) -> list[Row]:
-    lay, reps = raw["layout"], raw["reps"]
-    off, on = reps[0]["runs"]["off"], reps[0]["runs"]["on"]  # the meter measures the first step
+def _activation_rows(
+    lay: Mapping[str, Any], off: Mapping[str, Any], on: Mapping[str, Any]
+) -> list[Row]:
+    """The first step's peak saved bytes, on ÷ off and on ÷ `checkpointed_bytes`."""
     mib = 2**20
     want = checkpointed_bytes(
         lay["layers"], lay["interval"], lay["micro"], lay["seq_len"], lay["hidden"], lay["vocab"]
     )
-    steps = timed(raw)
-    ratio = median(r["runs"]["on"]["step_s"] / r["runs"]["off"]["step_s"] for r in steps)
-    secs = {
-        side: {
-            k: median(r["runs"][side][k] for r in steps)
-            for k in ("step_s", "forward_s", "backward_s")
-        }
-        for side in ("off", "on")
-    }
     chunks = len(chunk_bounds(lay["layers"], lay["interval"]))
     tokens = lay["micro"] * lay["seq_len"]
     shape = (
@@ -187,7 +179,7 @@ def checkpointing_rows(raw: Mapping[str, Any]) -> list[Row]:
         f"({lay['batch']}), pp=1, fp32"
     )
     row = partial(Row, bench=CHECKPOINTING_BENCH)
-    measured = [
+    return [
         row(
             "activation_peak_ratio",
             on["activation_peak_bytes"] / off["activation_peak_bytes"],
@@ -209,28 +201,50 @@ def checkpointing_rows(raw: Mapping[str, Any]) -> list[Row]:
             note=f"measured {on['activation_peak_bytes']} / {want} predicted bytes "
             "(checkpointed_bytes: chunk inputs + the loss's log-probs and labels)",
         ),
-        row(
-            "step_time_ratio",
-            ratio,
-            STEP_TIME_TARGET,
-            f"seconds per step on / off, median of {len(steps)} paired repetitions in "
-            f"alternating order after {len(reps) - len(steps)} warm-up: off "
-            f"{secs['off']['step_s']:.3f} s (forward {secs['off']['forward_s']:.3f}, backward "
-            f"{secs['off']['backward_s']:.3f}), on {secs['on']['step_s']:.3f} s (forward "
-            f"{secs['on']['forward_s']:.3f}, backward {secs['on']['backward_s']:.3f}): the "
-            "backward reruns every chunk's forward",
-        ),
     ]
+
+
+def _step_time_row(raw: Mapping[str, Any]) -> Row:
+    """Seconds per step on ÷ off, the median over the timed (paired) repetitions."""
+    reps = raw["reps"]
+    steps = timed(raw)
+    ratio = median(r["runs"]["on"]["step_s"] / r["runs"]["off"]["step_s"] for r in steps)
+    secs = {
+        side: {
+            k: median(r["runs"][side][k] for r in steps)
+            for k in ("step_s", "forward_s", "backward_s")
+        }
+        for side in ("off", "on")
+    }
+    return Row(
+        "step_time_ratio",
+        ratio,
+        STEP_TIME_TARGET,
+        f"seconds per step on / off, median of {len(steps)} paired repetitions in "
+        f"alternating order after {len(reps) - len(steps)} warm-up: off "
+        f"{secs['off']['step_s']:.3f} s (forward {secs['off']['forward_s']:.3f}, backward "
+        f"{secs['off']['backward_s']:.3f}), on {secs['on']['step_s']:.3f} s (forward "
+        f"{secs['on']['forward_s']:.3f}, backward {secs['on']['backward_s']:.3f}): the "
+        "backward reruns every chunk's forward",
+        bench=CHECKPOINTING_BENCH,
+    )
+
+
+def checkpointing_rows(raw: Mapping[str, Any]) -> list[Row]:
+    lay, reps = raw["layout"], raw["reps"]
+    off, on = reps[0]["runs"]["off"], reps[0]["runs"]["on"]  # the meter measures the first step
+    measured = [*_activation_rows(lay, off, on), _step_time_row(raw)]
     diff = max_loss_rel_diff(reps, "on", "off")
     ok = diff <= LOSS_TOLERANCE
     return [
         *void(measured, ok, "losses differ"),
-        row(
+        Row(
             "losses_max_rel_diff",
             diff,
             Target.at_most(LOSS_TOLERANCE),
             f"every step of both runs (same weights and samples): they must agree, or the "
             f"ratios are void; last step: on {reps[-1]['runs']['on']['loss']:.6f}, off "
             f"{reps[-1]['runs']['off']['loss']:.6f}",
+            bench=CHECKPOINTING_BENCH,
         ),
     ]

@@ -29,6 +29,13 @@ from collections.abc import Callable
 
 from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.root import probe_lock, run_dirs
+from dsnd.commands.launch_argv import (
+    agent_launches,
+    external_argv,
+    module_argv,
+    only_this_machine,
+    step_name,
+)
 from dsnd.commands.prestart import check_before_start, check_inputs
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
@@ -46,28 +53,13 @@ from dsnd.launcher.hostfile import (
     select_slots,
 )
 from dsnd.launcher.local_ranks import free_port
-from dsnd.launcher.protocol import AgentSpec, aborted, describe_exit
+from dsnd.launcher.protocol import aborted, describe_exit
 from dsnd.launcher.rank_table import format_rank_table, rank_rows
 from dsnd.launcher.supervisor import AgentLaunch, supervise
 from dsnd.plan.plan import Plan, plan_json
 
-LOCALHOST = "127.0.0.1"
 DEFAULT_PORT = 29500
 PREFLIGHT_TIMEOUT_S = 60
-
-
-def _tool(name: str) -> str:
-    """`name` from this Python's own bin/ (a virtualenv's deepspeed, openmpi's mpirun), else
-    whatever PATH finds."""
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    return here if os.access(here, os.X_OK) else name
-
-
-def _only_this_machine(slots: dict[str, list[int]]) -> bool:
-    """A single selected host that is this machine runs without ssh (DeepSpeed does the same;
-    for pdsh dsnd forces the multi-node path otherwise, as DeepSpeed would run even a remote
-    single host locally)."""
-    return len(slots) == 1 and next(iter(slots)) in ("localhost", LOCALHOST)
 
 
 PATH_KEYS = ("data.path", "model.init_from", "checkpoint.dir", "checkpoint.export_hf", "log.dir")
@@ -104,15 +96,6 @@ def _relative_entry(entry: object) -> bool:
         and bool(entry["path"])
         and not os.path.isabs(entry["path"])
     )
-
-
-def _train_args(args: argparse.Namespace, sets: list[str]) -> list[str]:
-    """`dsnd train` arguments of every rank: the config (made absolute once, at the start), the
-    `--set`s, their relative paths made absolute, and the job id every attempt shares."""
-    out = ["--config", args.config] if args.config else []
-    for item in [*sets, *args.path_sets]:
-        out += ["--set", item]
-    return [*out, "--job-id", args.job_id]
 
 
 def new_job_id() -> str:
@@ -153,98 +136,6 @@ def _slots(args: argparse.Namespace) -> dict[str, list[int]]:
         return select_slots(allocation_hosts(dict(os.environ)), args.include, args.exclude)
     hostfile = os.path.abspath(args.hostfile)
     return select_slots(parse_hostfile(hostfile), args.include, args.exclude)
-
-
-def _master_addr(args: argparse.Namespace, slots: dict[str, list[int]]) -> str:
-    if args.master_addr:
-        return args.master_addr
-    first = next(iter(slots))
-    return LOCALHOST if first == "localhost" else first
-
-
-def external_argv(
-    args: argparse.Namespace, slots: dict[str, list[int]], env: dict[str, str], sets: list[str]
-) -> list[str]:
-    """`deepspeed`, `mpirun` or `srun` argv for the pdsh / openmpi / mpich / slurm launchers."""
-    train_args = _train_args(args, sets)
-    addr = _master_addr(args, slots)
-    if args.launcher == "slurm":
-        argv = command_lines.srun_argv(
-            None if args.nprocs is not None else slots,
-            args.nprocs,
-            addr,
-            args.master_port,
-            step_name(args.job_id),
-            sys.executable,
-            train_args,
-        )
-        return [_tool("srun"), *argv[1:]]
-    if args.nprocs is not None:
-        argv = command_lines.deepspeed_local_argv(args.nprocs, addr, args.master_port, train_args)
-        return [_tool("deepspeed"), *argv[1:]]
-    if args.launcher == "pdsh":
-        argv = command_lines.deepspeed_hostfile_argv(
-            os.path.abspath(args.hostfile),
-            "pdsh",
-            addr,
-            args.master_port,
-            args.include,
-            args.exclude,
-            train_args,
-            force_multi=not _only_this_machine(slots),
-        )
-        return [_tool("deepspeed"), *argv[1:]]
-    argv = command_lines.mpirun_argv(
-        args.launcher,
-        slots,
-        addr,
-        args.master_port,
-        env,
-        sys.executable,
-        train_args,
-        as_root=os.geteuid() == 0,
-    )
-    return [_tool("mpirun"), *argv[1:]]
-
-
-def agent_launches(
-    args: argparse.Namespace,
-    slots: dict[str, list[int]],
-    res: Resolved,
-    env: dict[str, str],
-    sets: list[str],
-) -> list[AgentLaunch]:
-    """One dsnd agent per host: where it runs and what it starts (ranks in placement order)."""
-    program = [sys.executable, "-u", "-m", "dsnd", "train", *_train_args(args, sets)]
-    world = sum(len(s) for s in slots.values())
-    launches, first = [], 0
-    for host, host_slots in slots.items():
-        ranks = list(range(first, first + len(host_slots)))
-        first += len(host_slots)
-        spec = AgentSpec(
-            host,
-            ranks,
-            world,
-            _master_addr(args, slots),
-            args.master_port,
-            program,
-            args.cwd,
-            env,
-            res.run.dist.timeout_s,
-            devices=host_slots,
-        )
-        argv = _module_argv(args, slots, host, "dsnd.launcher.agent")
-        launches.append(AgentLaunch(host, argv, spec))
-    return launches
-
-
-def _module_argv(
-    args: argparse.Namespace, slots: dict[str, list[int]], host: str, module: str
-) -> list[str]:
-    remote = None if _only_this_machine(slots) else host
-    return command_lines.python_module_argv(
-        remote, sys.executable, module, args.cwd, os.environ.get("PYTHONPATH")
-    )
 
 
 def _ask(argv: list[str], request: dict) -> dict | str:
@@ -298,10 +189,10 @@ def run_preflight(
         with concurrent.futures.ThreadPoolExecutor(max(1, len(launches))) as pool:
             futures = {}
             for a in launches:
-                if _only_this_machine(slots):
+                if only_this_machine(slots):
                     futures[a.host] = pool.submit(preflight.probe, requests[a.host])
                 else:
-                    argv = _module_argv(args, slots, a.host, "dsnd.launcher.preflight")
+                    argv = module_argv(args, slots, a.host, "dsnd.launcher.preflight")
                     futures[a.host] = pool.submit(_ask, argv, requests[a.host])
             reports = {host: f.result() for host, f in futures.items()}
     finally:
@@ -310,11 +201,6 @@ def run_preflight(
         reports, preflight.versions(), {**base, "addr": launches[0].spec.master_addr}
     )
     return lines + held
-
-
-def step_name(job_id: str) -> str:
-    """The name of the Slurm job step a launch starts (how a stop request finds it)."""
-    return f"dsnd-{job_id}"
 
 
 def _stop_slurm_step(name: str) -> bool:
