@@ -13,8 +13,9 @@ import subprocess
 import sys
 import tempfile
 
-from dsnd.launcher.local_ranks import base_env, free_port
-from dsnd.launcher.local_ranks import run_ranks as _run_ranks
+from dsnd.launcher.local_ranks import RanksFailed, base_env, free_port
+from dsnd.launcher.local_ranks import rank_env as _rank_env
+from tests import zygote
 from tests.nccl_rules import record, replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,7 @@ def run_ranks(world: int, argv: list[str], timeout: float = 300) -> list[str]:
         previous = os.environ.get(record.ENV)
         os.environ[record.ENV] = folder  # the ranks inherit this environment
         try:
-            outputs = _run_ranks(world, argv, timeout, cwd=ROOT)
+            outputs = _forked_ranks(world, argv, timeout)
         finally:
             if previous is None:
                 del os.environ[record.ENV]
@@ -49,6 +50,24 @@ def run_ranks(world: int, argv: list[str], timeout: float = 300) -> list[str]:
             )
         assert_nccl_rules(records, " ".join(argv))
     return outputs
+
+
+def _forked_ranks(world: int, argv: list[str], timeout: float) -> list[str]:
+    """`world` ranks of `python <argv>` forked from the session's zygote (`tests.zygote`), each
+    with the environment `dsnd.launcher.local_ranks` gives a rank; their outputs, or
+    RanksFailed with every rank's output, as `local_ranks.run_ranks` raises it."""
+    port = free_port()
+    # torch's libuv TCPStore server does not serve in a process forked after torch's import
+    # (its clients time out connecting); the classic server does
+    envs = [{**_rank_env(rank, world, port), "USE_LIBUV": "0"} for rank in range(world)]
+    outputs, codes, problem = zygote.run(world, argv, timeout, envs, ROOT)
+    if problem is None and all(c == 0 for c in codes):
+        return outputs
+    report = [
+        f"--- rank {rank} (exit code {c}) ---\n{out[-4000:]}"
+        for rank, (c, out) in enumerate(zip(codes, outputs, strict=True))
+    ]
+    raise RanksFailed(f"{problem or 'a rank failed'}:\n" + "\n".join(report))
 
 
 def assert_nccl_rules(records: list[dict], what: str) -> None:
