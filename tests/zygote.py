@@ -16,6 +16,7 @@ end is seen without being the test process's child.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -123,6 +124,9 @@ def _serve(path: str) -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
             pid = os.fork()
             if pid == 0:
+                # the child must not hold the test process's connection open: its reader
+                # waits for the end of the reply, which would then come only at the rank's end
+                conn.close()
                 server.close()
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
                 _child(request)
@@ -139,6 +143,7 @@ def zygote(env: dict[str, str], cwd: str) -> Zygote:
     global _ZYGOTE
     if _ZYGOTE is None or _ZYGOTE.proc.poll() is not None:
         _ZYGOTE = Zygote({**env, "ZYGOTE_CWD": cwd})
+        atexit.register(_ZYGOTE.close)
     return _ZYGOTE
 
 
