@@ -12,6 +12,15 @@ Protocol (one line of JSON each way over a Unix socket): the test process sends
 ``{"argv", "env", "cwd", "log"}``, the zygote forks and answers ``{"pid"}``; when the child
 ends, the zygote writes its exit code to ``<log>.rc``. `run` waits for those files, so a rank's
 end is seen without being the test process's child.
+
+What a forked rank does not have of a fresh interpreter, and why that is acceptable here:
+- one string-hash seed for every rank: an order over a set of strings that differed between
+  ranks would not show. The launcher tests (tests/integration) start every rank fresh, and
+  ``DSND_TEST_FRESH_RANKS=1`` runs this suite's ranks fresh too (`tests.procs.run_ranks`);
+- the environment as the zygote's imports read it (the first run's: the same for every run
+  but RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, which are read at run time);
+- torch's classic TCPStore server (``USE_LIBUV=0``): the libuv one does not serve in a process
+  forked after torch's import.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,6 +64,7 @@ class Zygote:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _child(request: dict) -> None:
@@ -83,6 +94,7 @@ def _child(request: dict) -> None:
 
         traceback.print_exc()
     finally:
+        atexit._run_exitfuncs()  # what the interpreter's own exit would run
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -185,11 +197,12 @@ def run(
     end = time.monotonic() + 30
     while any(code(r) is None for r in range(world)) and time.monotonic() < end:
         time.sleep(0.05)
-    outputs = []
+    outputs, codes = [], [code(r) for r in range(world)]
     for log in logs:
         with open(log, errors="replace") as f:
             outputs.append(f.read())
-    return outputs, [code(r) for r in range(world)], problem
+    shutil.rmtree(folder, ignore_errors=True)
+    return outputs, codes, problem
 
 
 if __name__ == "__main__":

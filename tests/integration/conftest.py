@@ -1,10 +1,17 @@
-"""The loopback test cluster (tests/cluster.py): one sshd serving 127.0.0.1 and 127.0.0.2."""
+"""What the launcher tests share: the loopback test cluster (tests/cluster.py), one sshd serving
+127.0.0.1 and 127.0.0.2, and the single-process reference losses of its launches."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
 from tests.cluster import start_cluster
+from tests.integration.test_multihost import STEPS, TIMEOUT
+from tests.procs import ROOT, rank_env
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +20,25 @@ def cluster(tmp_path_factory):
     c = start_cluster(str(tmp_path_factory.mktemp("cluster")), nhosts=2)
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_losses(tmp_path_factory) -> list[float]:
+    """The plain single-process PyTorch run's losses for the run config of the two-host launches
+    (tests/integration/test_multihost.py), computed once for every test that compares with it."""
+    code = (
+        "import json; from dsnd.config.load import load; from dsnd.config.resolve import resolve;"
+        "from tests.reference import reference_rows;"
+        f"res = resolve(load(None, ['train.steps={STEPS}', 'parallel.pp=1']), 1);"
+        "print(json.dumps([r['loss'] for r in reference_rows(res)]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_multihost import (  # noqa: F401 (reference_losses: a fixture)
-    launch_zero3_dp4,
-    reference_losses,
-)
+from tests.integration.test_multihost import launch_zero3_dp4
 from tests.procs import last_log_text
 
 
 @pytest.mark.launch
-def test_hpz_secondary_partition_stays_on_each_host(cluster, tmp_path, reference_losses):  # noqa: F811
+def test_hpz_secondary_partition_stays_on_each_host(cluster, tmp_path, reference_losses):
     log_dir = launch_zero3_dp4(
         cluster, tmp_path, reference_losses, "ds.zero_optimization.zero_hpz_partition_size=2"
     )

@@ -16,10 +16,7 @@ import pytest
 from dsnd.config.load import load
 from dsnd.config.resolve import resolve
 from dsnd.plan.memory import model_state_bytes
-from tests.integration.test_multihost import (  # noqa: F401 (reference_losses: a fixture)
-    launch_zero3_dp4,
-    reference_losses,
-)
+from tests.integration.test_multihost import launch_zero3_dp4
 from tests.procs import ROOT, last_log_text
 
 HSDP = (
@@ -31,7 +28,7 @@ HSDP = (
 
 
 @pytest.mark.launch
-def test_hsdp_shards_stay_on_each_host(cluster, tmp_path, reference_losses):  # noqa: F811
+def test_hsdp_shards_stay_on_each_host(cluster, tmp_path, reference_losses):
     log_dir = launch_zero3_dp4(cluster, tmp_path, reference_losses, "parallel.dp_shard=2")
     # ranks 0, 1 ran on 127.0.0.1 and ranks 2, 3 on 127.0.0.2 (checked), so each shard group
     # below is one host's ranks and each replica group one rank of each host

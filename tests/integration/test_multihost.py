@@ -198,27 +198,6 @@ def launch_zero3_dp4(cluster: Cluster, tmp_path, reference: list[float], *sets: 
     return log_dir
 
 
-@pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory) -> list[float]:
-    """The plain single-process PyTorch run's losses for the same run config."""
-    code = (
-        "import json; from dsnd.config.load import load; from dsnd.config.resolve import resolve;"
-        "from tests.reference import reference_rows;"
-        f"res = resolve(load(None, ['train.steps={STEPS}', 'parallel.pp=1']), 1);"
-        "print(json.dumps([r['loss'] for r in reference_rows(res)]))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.launch
 def test_deepspeed_pdsh_across_two_hosts(cluster, tmp_path, reference_losses):
     """`deepspeed --hostfile --launcher pdsh --force_multi`: pdsh sshes to both hosts (this one
