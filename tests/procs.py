@@ -89,6 +89,21 @@ def assert_nccl_rules(records: list[dict], what: str) -> None:
             )
 
 
+def python_json(code: str, *args: str, timeout: float = 400):
+    """`python -c <code> <args>` run from the checkout in a rank's environment; the JSON value
+    its last line of output prints (a reference run's rows, say)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_cli(
     args: list[str], timeout: float = 600, cwd: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:

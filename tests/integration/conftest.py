@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from tests.cluster import start_cluster
 from tests.integration.test_multihost import STEPS, TIMEOUT
-from tests.procs import ROOT, rank_env
+from tests.procs import python_json
 
 
 @pytest.fixture(scope="session")
@@ -32,13 +28,4 @@ def reference_losses(tmp_path_factory) -> list[float]:
         f"res = resolve(load(None, ['train.steps={STEPS}', 'parallel.pp=1']), 1);"
         "print(json.dumps([r['loss'] for r in reference_rows(res)]))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return python_json(code, timeout=TIMEOUT)

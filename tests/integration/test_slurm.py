@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -30,7 +29,7 @@ import uuid
 import pytest
 
 from tests.cluster import environ_of, processes_with_env
-from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, rank_env
+from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, python_json, rank_env
 from tests.slurm import start_slurm
 
 STEPS = 12
@@ -68,16 +67,7 @@ def reference_losses() -> list[float]:
         "res = resolve(load(None, sys.argv[1:]), 1);"
         "print(json.dumps([r['loss'] for r in reference_rows(res)]))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *sets],
-        cwd=ROOT,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return python_json(code, *sets, timeout=TIMEOUT)
 
 
 def _launch(slurm, tmp_path, name: str) -> tuple[subprocess.Popen, str]:

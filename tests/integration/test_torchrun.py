@@ -19,19 +19,17 @@ one same step and commit it.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
 import pytest
 
 from tests.cluster import Cluster, environ_of, processes_with_env
-from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, rank_env
+from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, python_json, rank_env
 
 STEPS = 8
 EVERY = 2
@@ -74,16 +72,7 @@ def reference() -> list[dict]:
         "assert [res.ds.get(k) for k in keys] == [ds3.get(k) for k in keys], (res.ds, ds3);"
         "print(json.dumps(reference_rows(res)))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return python_json(code, timeout=TIMEOUT)
 
 
 def torchrun_argv(addr: str, endpoint: str, run_id: str, log_dir: str) -> list[str]:
