@@ -36,7 +36,17 @@ import sys
 import tempfile
 import time
 
-PRELOAD = ("torch", "torch.distributed", "deepspeed", "transformers", "dsnd.trainer")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "deepspeed",
+    "transformers",
+    "dsnd.trainer",
+    # imported by every DeepSpeed engine's start (its optimizer check), with torch.compile's
+    # machinery: a tenth of a rank's time in test_checkpoint_resume (py-spy, not in the suite)
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "torch.utils.cpp_extension",
+)
 
 
 class Zygote:
@@ -103,6 +113,9 @@ def _child(request: dict) -> None:
 def _serve(path: str) -> None:
     for name in PRELOAD:
         __import__(name)
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:  # a fork copies only the thread that forks
+        raise RuntimeError(f"the zygote must fork with one thread, it has {len(threads)}")
     logs: dict[int, str] = {}
 
     def reap(*_) -> None:

@@ -101,6 +101,16 @@ def _verify(path) -> subprocess.CompletedProcess:
     return run_cli(["ckpt", "verify", str(path)], timeout=120)
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A finished 2-step `dsnd train` run (log dir with its checkpoints), shared by the cases
+    that need a committed checkpoint to start from: each copies it, or only reads it."""
+    log_dir = tmp_path_factory.mktemp("two_steps") / "run"
+    done = _train("train.steps=2", f"log.dir={log_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return log_dir
+
+
 def test_divergence_stops_without_a_nan_checkpoint_and_is_not_restarted(tmp_path):
     log_dir = tmp_path / "run"
     run = Launch(
@@ -137,12 +147,9 @@ def test_divergence_stops_without_a_nan_checkpoint_and_is_not_restarted(tmp_path
     assert run.leftovers() == []
 
 
-def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path):
+def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path, two_steps):
     # another job's checkpoint at step 2, to fine-tune from (PATH) or to ignore (never)
-    other = tmp_path / "other"
-    done = _train("train.steps=2", f"log.dir={other}", "train.seed=7")
-    assert done.returncode == 0, done.stderr[-3000:]
-    given = other / "checkpoints" / "step_00000002"
+    given = two_steps / "checkpoints" / "step_00000002"
 
     # PATH: the launch runs from a directory that is deleted before its rank is killed
     work = tmp_path / "work"
@@ -152,7 +159,6 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
         "train.steps=24",
         "checkpoint.every=0",
         f"log.dir={log_dir}",
-        "train.seed=7",
         f"checkpoint.resume={given}",
         cwd=str(work),
         extra=("--max-restarts", "1"),
@@ -173,7 +179,7 @@ def test_restart_before_the_first_commit_keeps_to_resume_path_and_never(tmp_path
 
     # never: the foreign checkpoint stays unused by the restart too
     fresh = tmp_path / "fresh"
-    shutil.copytree(other / "checkpoints", fresh / "checkpoints")
+    shutil.copytree(two_steps / "checkpoints", fresh / "checkpoints")
     run = Launch(
         "train.steps=24",
         "checkpoint.every=0",
@@ -236,10 +242,9 @@ def _read_only(path) -> list[str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="read-only bind mounts need root")
-def test_read_only_checkpoint_dir_is_one_line_before_anything_runs(tmp_path):
+def test_read_only_checkpoint_dir_is_one_line_before_anything_runs(tmp_path, two_steps):
     log_dir = tmp_path / "run"
-    done = _train("train.steps=2", f"log.dir={log_dir}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(two_steps, log_dir)
     root = log_dir / "checkpoints"
     before = sorted(os.listdir(root))
     ro = _train("train.steps=4", f"log.dir={log_dir}", prefix=_read_only(root))

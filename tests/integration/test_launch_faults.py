@@ -1,14 +1,16 @@
 """Faults through real `dsnd launch` runs across the loopback cluster (tests/cluster.py): two
 "hosts" (127.0.0.1, 127.0.0.2) reached over a real sshd, one rank each (pp=2), llama-tiny.
 
-- reference: 12 uninterrupted steps, checkpoints every 3; a secret passed through `launch.env`
+- reference: 20 uninterrupted steps, checkpoints every 3; a secret passed through `launch.env`
   is masked in the launcher's output and appears in no file of the run;
-- SIGKILL of rank 1 at step 7 with --max-restarts 1 and checkpoint.resume=never: the job
-  restarts from its own step-6 checkpoint and finishes;
-  steps 7..12 equal the reference bit for bit; the failure line names rank 1 and its host;
-- SIGTERM to the launcher: every rank stops at the same step, a checkpoint is saved there, exit
-  0; a relaunch resumes and steps after it equal the reference bit for bit;
-- SIGSTOP of rank 1: the job ends within dist.timeout_s + 10 s naming rank 1; no process left;
+- three faults in one job and its relaunch (each launch across two hosts costs seconds, so the
+  faults share them), every step any attempt ran equal to the reference bit for bit:
+  - SIGKILL of rank 1 after step 6 with --max-restarts 1 and checkpoint.resume=never: the
+    failure line names rank 1 and its host; the job restarts from its own step-6 checkpoint;
+  - SIGTERM to the launcher two steps later: every rank stops at the same step, a checkpoint
+    is saved there, exit 0;
+  - the relaunch resumes there; SIGSTOP of its rank 1 ends it within dist.timeout_s + 10 s,
+    naming rank 1; no process left;
 - preflight: an unreachable host and a busy rendezvous port are refused before any rank starts.
 """
 
@@ -27,7 +29,8 @@ import pytest
 from tests.cluster import environ_of, processes_with_env
 from tests.procs import ROOT, assert_same_steps, free_port, metrics_rows, rank_env
 
-STEPS = 12
+STEPS = 20
+STOP_TIMEOUT_S = 12
 TIMEOUT = 400
 SECRET = "hf_do_not_leak_0123456789"
 PASSED = '["OMP_NUM_THREADS","MKL_NUM_THREADS","DS_ACCELERATOR","HF_TOKEN"]'
@@ -97,14 +100,16 @@ class Launch:
             assert time.monotonic() < deadline, f"no {what} after {timeout} s"
             time.sleep(0.2)
 
-    def rank_pid(self, rank: int) -> int:
-        """The pid of the `dsnd train` process of `rank` (wherever its agent started it)."""
+    def rank_pid(self, rank: int, running: bool = True) -> int | None:
+        """The pid of the `dsnd train` process of `rank` (wherever its agent started it); None
+        when there is none and not `running`, which asks for one."""
         for pid in processes_with_env("DSND_TEST_RUN", self.tag):
             if environ_of(pid).get("RANK") == str(rank):
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"dsnd\0train" in f.read():
                         return pid
-        raise AssertionError(f"rank {rank} is not running")
+        assert not running, f"rank {rank} is not running"
+        return None
 
     def leftovers(self) -> list[int]:
         return processes_with_env("DSND_TEST_RUN", self.tag)
@@ -126,7 +131,7 @@ def test_reference_run_across_two_hosts_masks_its_secret(reference):
     assert sorted(os.listdir(run.root)) == [
         ".dsnd.lock",
         "latest",
-        *(f"step_{s:08d}" for s in (3, 6, 9, 12)),
+        *(f"step_{s:08d}" for s in (*range(3, STEPS, 3), STEPS)),  # and the last
     ]
     for folder, _, files in os.walk(run.log_dir):  # logs, configs, checkpoints
         for name in files:
@@ -135,16 +140,36 @@ def test_reference_run_across_two_hosts_masks_its_secret(reference):
     assert run.leftovers() == []
 
 
-def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster, tmp_path):
-    # never: no checkpoint from before this job; the restart resumes the job's own step 6
+def test_sigkill_restart_then_sigterm_save_then_sigstop_of_the_resumed_job(
+    reference, cluster, tmp_path
+):
+    """Three faults in one job and its relaunch (one launch each, not one per fault), every
+    step any attempt ran equal to the reference's bit for bit."""
+    want = reference[0].rows()
+    timeout = ("--set", f"dist.timeout_s={STOP_TIMEOUT_S}")
+    # 1. SIGKILL of rank 1 once step 6 is committed. `never`: no checkpoint from before this
+    # job, and the restart still resumes the job's own step 6
     run = Launch(
-        cluster, tmp_path, "killed", "--max-restarts", "1", "--set", "checkpoint.resume=never"
+        cluster,
+        tmp_path,
+        "faults",
+        "--max-restarts",
+        "1",
+        "--set",
+        "checkpoint.resume=never",
+        *timeout,
     ).start()
     latest = run.root / "latest"
     run.wait_for(
         lambda: latest.exists() and latest.read_text() == "step_00000006\n", "the step-6 checkpoint"
     )
-    os.kill(run.rank_pid(1), signal.SIGKILL)
+    killed = run.rank_pid(1)
+    os.kill(killed, signal.SIGKILL)
+    # 2. SIGTERM to the launcher two steps into the restart: the step it is on is saved, exit 0
+    run.wait_for(lambda: run.rank_pid(1, running=False) not in (None, killed), "the restart")
+    restarted_at = len(run.rows())  # the killed attempt's rows: its ranks are gone
+    run.wait_for(lambda: len(run.rows()) >= restarted_at + 2, "two steps of the restart")
+    run.proc.send_signal(signal.SIGTERM)
     rc, out, err = run.finish()
     assert rc == 0, out[-3000:] + err[-3000:]
     assert (
@@ -152,47 +177,32 @@ def test_sigkill_at_step_7_restarts_and_matches_the_reference(reference, cluster
         "restarting from this job's last committed checkpoint"
     ) in err
     assert f"resumed from {run.root}/step_00000006 at step 6" in out + err
-    rows, want = run.rows(), reference[0].rows()
-    # the relaunch's rows are the last six (the killed attempt may have finished step 7 first)
-    assert_same_steps(rows[-(STEPS - 6) :], want[6:])
-    assert_same_steps(rows[: len(rows) - (STEPS - 6)], want[: len(rows) - (STEPS - 6)])
-    assert run.leftovers() == []
-
-
-def test_sigterm_saves_the_current_step_and_resume_continues_exactly(reference, cluster, tmp_path):
-    run = Launch(cluster, tmp_path, "preempted").start()
-    run.wait_for(lambda: len(run.rows()) >= 4, "step 4")
-    run.proc.send_signal(signal.SIGTERM)
-    rc, out, err = run.finish()
-    assert rc == 0, out[-3000:] + err[-3000:]
-    stopped = run.rows()[-1]["step"]
-    assert 4 <= stopped < STEPS
+    rows = run.rows()
+    stopped = rows[-1]["step"]
+    assert 8 <= stopped < STEPS - 3, rows
     assert f"stopped at step {stopped} on request (SIGTERM)" in out + err
-    assert (run.root / "latest").read_text() == f"step_{stopped:08d}\n"
+    assert latest.read_text() == f"step_{stopped:08d}\n"
+    assert_same_steps(rows[:restarted_at], want[:restarted_at])  # 1..6 (or 7)
+    assert_same_steps(rows[restarted_at:], want[6:stopped])  # the restart's 7..stopped
     assert run.leftovers() == []
-    rc, out, err = run.run()
-    assert rc == 0, out[-3000:] + err[-3000:]
-    assert f"resumed from {run.root}/step_{stopped:08d} at step {stopped}" in out + err
-    assert_same_steps(run.rows()[stopped:], reference[0].rows()[stopped:])
-
-
-def test_sigstop_ends_the_job_within_the_timeout_naming_the_rank(cluster, tmp_path):
-    timeout_s = 12
-    run = Launch(cluster, tmp_path, "stopped", "--set", f"dist.timeout_s={timeout_s}").start()
-    run.wait_for(lambda: len(run.rows()) >= 2, "step 2")
-    os.kill(run.rank_pid(1), signal.SIGSTOP)
+    # 3. the relaunch resumes there; SIGSTOP of its rank 1 ends it within dist.timeout_s + 10 s
+    again = Launch(cluster, tmp_path, "faults", *timeout).start()
+    again.wait_for(lambda: len(again.rows()) > len(rows), "a step of the relaunch")
+    os.kill(again.rank_pid(1), signal.SIGSTOP)
     t0 = time.monotonic()
-    rc, out, err = run.finish()
+    rc, out, err = again.finish()
     took = time.monotonic() - t0
     assert rc == 1, out[-3000:] + err[-3000:]
-    assert timeout_s <= took < timeout_s + 10, took
-    last = err.strip().splitlines()[-1]
+    assert STOP_TIMEOUT_S <= took < STOP_TIMEOUT_S + 10, took
     assert re.fullmatch(
         r"dsnd: job failed: rank 1 on host 127\.0\.0\.2 was stopped \(SIGSTOP "
-        rf"or a debugger\) for 1\d s \(dist\.timeout_s={timeout_s}\)",
-        last,
+        rf"or a debugger\) for 1\d s \(dist\.timeout_s={STOP_TIMEOUT_S}\)",
+        err.strip().splitlines()[-1],
     ), err
-    assert run.leftovers() == []
+    assert f"resumed from {run.root}/step_{stopped:08d} at step {stopped}" in out + err
+    resumed = again.rows()[len(rows) :]
+    assert_same_steps(resumed, want[stopped : stopped + len(resumed)])
+    assert again.leftovers() == []
 
 
 def test_preflight_refuses_an_unreachable_host_and_a_busy_port(cluster, tmp_path):
