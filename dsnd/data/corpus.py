@@ -24,6 +24,7 @@ written once by ``dsnd data prepare``, not computed again).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -308,8 +309,11 @@ def _stdlib_name() -> str:
     return f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib"
 
 
-def _stdlib_files(root: Path) -> list[Path]:
-    """Stdlib ``.py`` files in sorted relative-path order (``/``-separated, so stable per OS)."""
+@functools.cache
+def _stdlib_files(root: Path) -> tuple[Path, ...]:
+    """Stdlib ``.py`` files in sorted relative-path order (``/``-separated, so stable per OS),
+    listed once per process (a walk of the whole stdlib, repeated by every run a process
+    trains otherwise)."""
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
@@ -318,7 +322,7 @@ def _stdlib_files(root: Path) -> list[Path]:
                 full = Path(dirpath, name)
                 found.append((full.relative_to(root).as_posix(), full))
     found.sort()
-    return [full for _, full in found]
+    return tuple(full for _, full in found)
 
 
 def _stdlib_bytes(max_bytes: int | None) -> bytes:
