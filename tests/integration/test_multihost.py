@@ -1,8 +1,11 @@
 """Multi-host launches across the loopback cluster (127.0.0.1 and 127.0.0.2, one real sshd):
 `dsnd launch --hostfile` through DeepSpeed's pdsh runner and through Open MPI's mpirun.
 
-llama-tiny, pp=2 x dp=2: 4 ranks, 2 per host, 3 steps. Both launches must match the
-single-process plain-PyTorch reference (so each other) to rel 1e-4.
+llama-tiny, pp=1 x dp=4 at ZeRO-3: 4 ranks, 2 per host, 3 steps; each launch also carries one
+of the sharding degrees that must keep to a host (a launch across hosts costs seconds, so they
+share): pdsh hybrid sharding (`parallel.dp_shard=2`), mpirun ZeRO++ hpZ. Both launches must
+match the single-process plain-PyTorch reference (so each other) to rel 1e-4. (pp=2 across
+hosts: tests/integration/test_launch_faults.py and test_slurm.py.)
 
 The ranks' environment comes only through the launchers' own mechanisms: a `.deepspeed_env` in
 the launch's working directory (OMP_NUM_THREADS, DS_ACCELERATOR, PYTHONPATH, and a tag unique to
@@ -26,8 +29,11 @@ import uuid
 
 import pytest
 
+from dsnd.config.load import load
+from dsnd.config.resolve import resolve
+from dsnd.plan.memory import model_state_bytes
 from tests.cluster import Cluster, environ_of, processes_with_env
-from tests.procs import ROOT, free_port, rank_env
+from tests.procs import ROOT, free_port, last_log_text, rank_env
 
 TIMEOUT = 240
 STEPS = 3
@@ -189,26 +195,52 @@ def check_run(
     assert hosts == want, "ssh session each rank ran in (None: none of the cluster's)"
 
 
-def launch_zero3_dp4(cluster: Cluster, tmp_path, reference: list[float], *sets: str) -> str:
-    """A pdsh launch of pp=1 x dp=4 at ZeRO-3 (then `sets`) over both hosts, checked by
-    `check_run` with ranks 0 and 1 on 127.0.0.1 and 2 and 3 on 127.0.0.2; its log.dir."""
-    zero3 = ("parallel.pp=1", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}")
-    watcher, log_dir = launch_on_cluster(cluster, tmp_path, "pdsh", sets=(*zero3, *sets))
-    check_run(cluster, watcher, log_dir, reference, first_host_ranks="127.0.0.1")
-    return log_dir
+ZERO3_DP4 = ("parallel.pp=1", f"deepspeed={os.path.join(ROOT, 'ds_configs', 'zero3.json')}")
+"""pp=1 x dp=4 at ZeRO-3 (what both launches run, with their sharding degree)."""
 
 
 @pytest.mark.launch
-def test_deepspeed_pdsh_across_two_hosts(cluster, tmp_path, reference_losses):
+def test_deepspeed_pdsh_across_two_hosts_hsdp_shards_on_each_host(
+    cluster, tmp_path, reference_losses
+):
     """`deepspeed --hostfile --launcher pdsh --force_multi`: pdsh sshes to both hosts (this one
-    too) and starts DeepSpeed's launch.py there, which starts that host's 2 ranks."""
-    watcher, log_dir = launch_on_cluster(cluster, tmp_path, "pdsh")
+    too) and starts DeepSpeed's launch.py there, which starts that host's 2 ranks. The run
+    shards ZeRO-3 over each host's two ranks (`parallel.dp_shard=2`): parameter all-gathers stay
+    inside a host, only gradient partitions cross hosts, and each rank holds ZeRO-3's model
+    states over 2 ranks: bytes / ((4 + 4 + 4 + 8) * Psi / 2) near 1."""
+    hsdp = (*ZERO3_DP4, "parallel.dp_shard=2")
+    watcher, log_dir = launch_on_cluster(cluster, tmp_path, "pdsh", sets=hsdp)
     check_run(cluster, watcher, log_dir, reference_losses, first_host_ranks="127.0.0.1")
+    # ranks 0, 1 ran on 127.0.0.1 and ranks 2, 3 on 127.0.0.2 (checked), so each shard group
+    # below is one host's ranks and each replica group one rank of each host
+    assert [last_log_text(log_dir, rank, "HSDP: ") for rank in range(4)] == [
+        "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [0, 2]",
+        "ZeRO-3 shards over ranks [0, 1], gradients averaged with ranks [1, 3]",
+        "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [0, 2]",
+        "ZeRO-3 shards over ranks [2, 3], gradients averaged with ranks [1, 3]",
+    ]
+    res = resolve(load(None, list(hsdp)), 4)
+    psi = res.plan.stage_parameters(res.model)[0]
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        live = max(json.loads(line)["memory_live_bytes"] for line in f)
+    ratio = live / sum(model_state_bytes(3, psi, 2, bf16=False)["device"].values())
+    print(f"HSDP on 2 hosts: model-state bytes per rank / (20 * {psi} / 2) = {ratio:.3f}")
+    assert 0.95 < ratio < 1.10, ratio
 
 
 @pytest.mark.launch
-def test_openmpi_mpirun_across_two_hosts(cluster, tmp_path, reference_losses):
+def test_openmpi_mpirun_across_two_hosts_hpz_partition_on_each_host(
+    cluster, tmp_path, reference_losses
+):
     """`mpirun --host 127.0.0.1:2,127.0.0.2:2`: ranks 0 and 1 start under mpirun here, Open MPI
-    sshes to 127.0.0.2 to start its daemon (prted), which starts ranks 2 and 3."""
-    watcher, log_dir = launch_on_cluster(cluster, tmp_path, "openmpi")
+    sshes to 127.0.0.2 to start its daemon (prted), which starts ranks 2 and 3. The run uses
+    ZeRO++ hpZ (`zero_hpz_partition_size: 2`): each host's two ranks hold the parameters'
+    secondary partition between them (its all-gathers stay inside a node)."""
+    hpz = (*ZERO3_DP4, "ds.zero_optimization.zero_hpz_partition_size=2")
+    watcher, log_dir = launch_on_cluster(cluster, tmp_path, "openmpi", sets=hpz)
     check_run(cluster, watcher, log_dir, reference_losses, first_host_ranks=None)
+    # ranks 0, 1 ran on this host and ranks 2, 3 on 127.0.0.2 (checked), so each hpZ group
+    # below is one host's ranks
+    texts = [last_log_text(log_dir, rank, "ZeRO++ hpZ: ") for rank in range(4)]
+    groups = [text.rsplit("over ranks ", 1)[1] for text in texts]
+    assert groups == ["[0, 1]", "[0, 1]", "[2, 3]", "[2, 3]"]
