@@ -20,7 +20,14 @@ def case(
     sets: tuple[str, ...] = (),
 ) -> dict:
     """A training case: `stage` picks ds_configs/zero<stage>.json; `sets` adds --set items."""
-    all_sets = [f"train.steps={STEPS}", f"model.preset={preset}", f"log.dir=runs/test/{name}"]
+    # one held-out batch (not 2) in the end-of-run evaluation: the cases compare the training
+    # losses; tests/distributed/test_eval.py compares evaluations across layouts (with its own)
+    all_sets = [
+        f"train.steps={STEPS}",
+        f"model.preset={preset}",
+        f"log.dir=runs/test/{name}",
+        "eval.batches=1",
+    ]
     if stage is not None:
         all_sets.append(f"deepspeed=ds_configs/zero{stage}.json")
     return {"name": name, "sets": [*all_sets, *sets], "reference": reference}
