@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from dsnd.launcher.local_ranks import RanksFailed, base_env, free_port
+from dsnd.launcher.local_ranks import base_env, checked_outputs, free_port
 from dsnd.launcher.local_ranks import rank_env as _rank_env
 from dsnd.launcher.local_ranks import run_ranks as _run_ranks
 from tests import zygote
@@ -66,14 +66,7 @@ def _forked_ranks(world: int, argv: list[str], timeout: float) -> list[str]:
     # torch's libuv TCPStore server does not serve in a process forked after torch's import
     # (its clients time out connecting); the classic server does
     envs = [{**_rank_env(rank, world, port), "USE_LIBUV": "0"} for rank in range(world)]
-    outputs, codes, problem = zygote.run(world, argv, timeout, envs, ROOT)
-    if problem is None and all(c == 0 for c in codes):
-        return outputs
-    report = [
-        f"--- rank {rank} (exit code {c}) ---\n{out[-4000:]}"
-        for rank, (c, out) in enumerate(zip(codes, outputs, strict=True))
-    ]
-    raise RanksFailed(f"{problem or 'a rank failed'}:\n" + "\n".join(report))
+    return checked_outputs(*zygote.run(world, argv, timeout, envs, ROOT))
 
 
 def assert_nccl_rules(records: list[dict], what: str) -> None:

@@ -112,10 +112,18 @@ def run_ranks(
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    if problem is None and all(p.returncode == 0 for p in procs):
+    return checked_outputs(outputs, [p.returncode for p in procs], problem)
+
+
+def checked_outputs(
+    outputs: list[str], codes: Sequence[int | None], problem: str | None
+) -> list[str]:
+    """The ranks' `outputs` when there is no `problem` and every exit code is 0; else
+    RanksFailed with the problem and every rank's exit code and output's end."""
+    if problem is None and all(c == 0 for c in codes):
         return outputs
     report = [
-        f"--- rank {rank} (exit code {p.returncode}) ---\n{out[-4000:]}"
-        for rank, (p, out) in enumerate(zip(procs, outputs, strict=True))
+        f"--- rank {rank} (exit code {c}) ---\n{out[-4000:]}"
+        for rank, (c, out) in enumerate(zip(codes, outputs, strict=True))
     ]
     raise RanksFailed(f"{problem or 'a rank failed'}:\n" + "\n".join(report))
