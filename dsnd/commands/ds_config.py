@@ -17,9 +17,13 @@ from dsnd.config.deepspeed_json import load_json
 from dsnd.config.ds_effect import notes as deepspeed_notes
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
+from dsnd.config.state_memory import (
+    offload_targets,
+    optimizer_state,
+    stage_state_bytes,
+    zero_shards,
+)
 from dsnd.config.summary import batch_line, precision_line
-from dsnd.engine.optimizers import state_bytes
-from dsnd.plan.memory import model_state_bytes
 
 NOTE_SECTIONS = ("optimizer", "scheduler")  # notes about a section missing from the file
 
@@ -85,19 +89,12 @@ def run_check(args: argparse.Namespace) -> int:
 
 def explain_lines(res: Resolved) -> list[str]:
     ds, t, b = res.ds, res.topology, res.batch
-    zero = ds.get("zero_optimization") or {}
     stage = res.plan.zero_stage
-    bf16 = bool((ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled"))
-    offload = {
-        key: (zero.get(key) or {}).get("device", "none")
-        for key in ("offload_optimizer", "offload_param")
-    }
-    offloaded = stage > 0 and offload["offload_optimizer"] in ("cpu", "nvme")
-    optimizer, per_param = state_bytes(ds["optimizer"], offloaded)
-    ranks, shards = "data-parallel ranks", t.dp * t.cp
+    offload = offload_targets(ds)
+    optimizer, per_param = optimizer_state(res)
+    ranks, shards = "data-parallel ranks", zero_shards(res)
     if t.dp_shard:  # HSDP: ZeRO-3 within groups of dp_shard (0: no hybrid sharding)
         ranks = f"data-parallel ranks in groups of {t.dp_shard} (parallel.dp_shard)"
-        shards = t.dp_shard
     elif t.cp > 1:
         ranks = f"data x context-parallel ranks ({t.dp} x {t.cp})"
     lines = [
@@ -117,20 +114,9 @@ def explain_lines(res: Resolved) -> list[str]:
             f"experts, sharded over the {shards // ep} ranks holding the same ones)"
         )
     counts = res.plan.stage_parameters(res.model)
-    for s, (psi, experts) in enumerate(zip(counts, res.plan.stage_experts(res.model), strict=True)):
-        # tensor parallelism splits the dense parameters; MoE blocks' experts stay whole
-        local = (psi - experts) // t.tp + experts
-        where = model_state_bytes(
-            stage,
-            local,
-            shards,
-            bf16,
-            offload["offload_optimizer"] == "cpu",
-            offload["offload_param"] == "cpu",
-            per_param,
-            experts=experts,
-            ep=ep,
-        )
+    experts_of = res.plan.stage_experts(res.model)
+    for s, where in enumerate(stage_state_bytes(res)):
+        psi, experts = counts[s], experts_of[s]
         device = sum(where["device"].values()) / 2**20
         cpu = sum(where["cpu"].values()) / 2**20
         of_which = f" ({experts:,} in routed experts)" if experts else ""

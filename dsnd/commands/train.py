@@ -29,7 +29,7 @@ from dsnd.checkpoint.root import RootLock, run_dirs
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.commands.prestart import check_before_start
 from dsnd.config.load import load
-from dsnd.config.resolve import resolve
+from dsnd.config.elastic import resolve_world
 from dsnd.distributed.discover import job_id as job_id_from_env
 from dsnd.distributed.init import init_world, shutdown, world_info
 from dsnd.distributed.launcher_watch import LauncherWatch
@@ -45,6 +45,8 @@ from dsnd.errors import (
 )
 from dsnd.report.progress import rank_log_path, rank_prefix, use_console_prefix
 from dsnd.stop_request import StopRequest
+
+log = logging.getLogger(__name__)
 
 # how torch.distributed reports a peer that died or stopped answering (gloo raises a plain
 # RuntimeError: "Connection closed by peer ...", "Timed out waiting ... for recv ...")
@@ -84,12 +86,14 @@ def _run_train(
     env = dict(os.environ)
     info = world_info(env)
     setup_logging(info.rank)
-    res = resolve(load(config, sets), info.world_size)
+    res, elastic = resolve_world(load(config, sets), info.world_size)
     coord = res.topology.coord(info.rank)
     use_console_prefix(
         rank_prefix(info.rank, coord, res.topology.cp),
         logging.INFO if info.rank == 0 else logging.WARNING,
     )
+    if elastic:
+        log.info("%s", elastic)
     job_id = job_id or job_id_from_env(env)
     resume = check_before_start(res, job_id)  # a checksum failure of a given path ends here
     if resume is not None:
