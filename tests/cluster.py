@@ -58,6 +58,24 @@ class Cluster:
     sshd_log: str = ""
     netns: str | None = None  # the network namespace the cluster lives in (None: this one)
     _proc: subprocess.Popen | None = field(default=None, repr=False)
+    # one sshd per host (start_cluster(per_host=True)): {host: its sshd}, so a host can go down
+    host_procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
+
+    def stop_host(self, host: str) -> None:
+        """Kill `host`'s own sshd (a per-host cluster): every later `ssh HOST` is refused, as
+        for a host that went down. Sessions already open are the caller's to end."""
+        proc = self.host_procs.pop(host)
+        proc.kill()
+        proc.wait()
+
+    def start_host(self, host: str) -> None:
+        """Start `host`'s own sshd again and return once `ssh HOST true` works."""
+        self.host_procs[host] = _host_sshd(self, host)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while self.ssh(host, "true", timeout=READY_TIMEOUT_S).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd for {host} did not come back:\n{self.log_text()}")
+            time.sleep(0.1)
 
     @property
     def prefix(self) -> list[str]:
@@ -94,6 +112,8 @@ class Cluster:
     def stop(self) -> None:
         """Stop sshd and wait for it (sessions still open end with their clients); remove the
         network namespace and the cluster's files (`remove_files`)."""
+        for host in list(self.host_procs):
+            self.stop_host(host)
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -110,7 +130,8 @@ class Cluster:
 def remove_files(workdir: str) -> None:
     """Remove what a cluster wrote under `workdir` (`CREATED_FILES`: keys, configs, logs), then
     the directory itself if nothing else is left in it; anything else there is kept."""
-    for name in CREATED_FILES:
+    per_host = [n for n in _listdir(workdir) if n.startswith(("sshd_config-", "sshd-"))]
+    for name in [*CREATED_FILES, *per_host]:
         try:
             os.remove(os.path.join(workdir, name))
         except FileNotFoundError:
@@ -120,6 +141,13 @@ def remove_files(workdir: str) -> None:
             os.rmdir(folder)
         except OSError:  # not empty (someone else's files) or already gone
             pass
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def _require_tools() -> None:
@@ -263,7 +291,11 @@ def make_netns() -> str:
 
 
 def start_cluster(
-    workdir: str, nhosts: int = 2, port: int | None = None, netns: bool = True
+    workdir: str,
+    nhosts: int = 2,
+    port: int | None = None,
+    netns: bool = True,
+    per_host: bool = False,
 ) -> Cluster:
     """Start one sshd serving `nhosts` loopback "hosts" (127.0.0.1 ..), files under `workdir`.
 
@@ -275,6 +307,9 @@ def start_cluster(
     Returns once `ssh HOST true` works for every host (bounded, ~10 s); raises RuntimeError with
     sshd's log otherwise. Without `port`, a free one is picked (again if another process takes
     it before sshd binds it).
+
+    With `per_host`, each host has an sshd of its own (`Cluster.stop_host` takes one down,
+    `Cluster.start_host` brings it back); otherwise one sshd listens on every host address.
     """
     _require_tools()
     if not 1 <= nhosts <= 254:
@@ -287,6 +322,11 @@ def start_cluster(
     ns = make_netns() if netns else None
     for attempt in range(3):
         cluster = _start_sshd(workdir, hosts, port or _free_port(hosts), ns)
+        if per_host:  # the shared sshd made the files; each host's own replaces it
+            cluster._proc.terminate()
+            cluster._proc.wait()
+            cluster.host_procs = {h: _host_sshd(cluster, h) for h in hosts}
+            cluster._proc = cluster.host_procs[hosts[0]]
         error = _wait_ready(cluster)
         if error is None:
             return cluster
@@ -319,6 +359,33 @@ def _start_sshd(workdir: str, hosts: list[str], port: int, netns: str | None) ->
         "PDSH_RCMD_TYPE": "ssh",
     }
     return Cluster(hosts, env, workdir, port=port, sshd_log=log, netns=netns, _proc=proc)
+
+
+def _host_sshd(cluster: Cluster, host: str) -> subprocess.Popen:
+    """Start an sshd for `host` alone: the cluster's config, listening on that address only."""
+    with open(os.path.join(cluster.workdir, "sshd_config")) as f:
+        lines = f.read().splitlines()
+    config = os.path.join(cluster.workdir, f"sshd_config-{host}")
+    keep = [line for line in lines if not line.startswith(("ListenAddress ", "PidFile "))]
+    pid = os.path.join(cluster.workdir, f"sshd-{host}.pid")
+    _write(config, "\n".join([f"ListenAddress {host}", f"PidFile {pid}", *keep]) + "\n")
+    with open(os.path.join(cluster.workdir, f"sshd-{host}.out"), "a") as out:
+        prefix = ["ip", "netns", "exec", cluster.netns] if cluster.netns else []
+        return subprocess.Popen(
+            [
+                *prefix,
+                SSHD,
+                "-D",
+                "-f",
+                config,
+                "-E",
+                os.path.join(cluster.workdir, f"sshd-{host}.log"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
 
 
 def _wait_ready(cluster: Cluster) -> str | None:

@@ -16,7 +16,6 @@ hostfile's (Slurm node names) or, without one, the allocation's.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import shlex
@@ -27,22 +26,20 @@ import time
 import uuid
 from collections.abc import Callable
 
-from dsnd.checkpoint.resume import checkpoint_root
-from dsnd.checkpoint.root import probe_lock, run_dirs
 from dsnd.commands.launch_argv import (
     agent_launches,
     external_argv,
-    module_argv,
-    only_this_machine,
     step_name,
 )
+from dsnd.commands.launch_elastic import pinned_sets, run_elastic
+from dsnd.commands.launch_preflight import run_preflight
 from dsnd.commands.prestart import check_before_start, check_inputs
+from dsnd.config.elastic import resolve_world
 from dsnd.config.load import load
-from dsnd.config.resolve import Resolved, resolve
 from dsnd.config.schema import RunConfig
 from dsnd.distributed.slurm import derived_port
 from dsnd.errors import EXIT_DIVERGED, UserError
-from dsnd.launcher import command_lines, preflight
+from dsnd.launcher import command_lines
 from dsnd.launcher.devices import ignored_note
 from dsnd.launcher.environment import describe, passed_env
 from dsnd.launcher.hostfile import (
@@ -55,11 +52,10 @@ from dsnd.launcher.hostfile import (
 from dsnd.launcher.local_ranks import free_port
 from dsnd.launcher.protocol import aborted, describe_exit
 from dsnd.launcher.rank_table import format_rank_table, rank_rows
-from dsnd.launcher.supervisor import AgentLaunch, supervise
+from dsnd.launcher.supervisor import supervise
 from dsnd.plan.plan import Plan, plan_json
 
 DEFAULT_PORT = 29500
-PREFLIGHT_TIMEOUT_S = 60
 
 
 PATH_KEYS = ("data.path", "model.init_from", "checkpoint.dir", "checkpoint.export_hf", "log.dir")
@@ -136,71 +132,6 @@ def _slots(args: argparse.Namespace) -> dict[str, list[int]]:
         return select_slots(allocation_hosts(dict(os.environ)), args.include, args.exclude)
     hostfile = os.path.abspath(args.hostfile)
     return select_slots(parse_hostfile(hostfile), args.include, args.exclude)
-
-
-def _ask(argv: list[str], request: dict) -> dict | str:
-    """A preflight report from one host, or the reason there is none."""
-    try:
-        proc = subprocess.run(
-            argv,
-            input=json.dumps(request) + "\n",
-            capture_output=True,
-            text=True,
-            timeout=PREFLIGHT_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return f"no answer within {PREFLIGHT_TIMEOUT_S} s"
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        said = (proc.stderr.strip().splitlines() or [""])[-1]
-        return f"{shlex.join(argv[:4])} ... exited with code {proc.returncode}: {said}".rstrip()
-
-
-def run_preflight(
-    args: argparse.Namespace,
-    launches: list[AgentLaunch],
-    slots: dict[str, list[int]],
-    res: Resolved,
-) -> list[str]:
-    """Every host's report, checked; the marker file in the checkpoint directory is removed.
-    Problems of this machine's own (a checkpoint directory it cannot write, one another run
-    holds) are lines too, never a traceback."""
-    root = os.path.abspath(checkpoint_root(res.run))
-    marker, nonce = preflight.MARKER_PREFIX + uuid.uuid4().hex[:12], uuid.uuid4().hex
-    path = os.path.join(root, marker)
-    try:
-        os.makedirs(root, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(nonce)
-    except OSError as e:
-        return [f"checkpoint directory {root} is not writable here ({e.strerror or e})"]
-    held = [
-        line
-        for path, what in run_dirs(root, os.path.abspath(res.run.log.dir))
-        if (line := probe_lock(path, what))
-    ]
-    base = {"port": launches[0].spec.master_port, "dir": root, "marker": marker, "nonce": nonce}
-    requests = {
-        a.host: {**base, "addr": a.spec.master_addr if i == 0 else None}
-        for i, a in enumerate(launches)
-    }
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(launches))) as pool:
-            futures = {}
-            for a in launches:
-                if only_this_machine(slots):
-                    futures[a.host] = pool.submit(preflight.probe, requests[a.host])
-                else:
-                    argv = module_argv(args, slots, a.host, "dsnd.launcher.preflight")
-                    futures[a.host] = pool.submit(_ask, argv, requests[a.host])
-            reports = {host: f.result() for host, f in futures.items()}
-    finally:
-        os.remove(path)
-    lines = preflight.problems(
-        reports, preflight.versions(), {**base, "addr": launches[0].spec.master_addr}
-    )
-    return lines + held
 
 
 def _stop_slurm_step(name: str) -> bool:
@@ -294,6 +225,28 @@ def _print_plan(
     return 0
 
 
+def _check_elastic(args: argparse.Namespace, slots: dict[str, list[int]]) -> bool:
+    """Whether the launch is elastic (--min-hosts); UserError for flags that cannot go with it.
+    (Under Slurm or torchrun the run config's elastic.enabled makes every start choose its
+    layout; the hosts are theirs to choose.)"""
+    if args.rejoin and args.min_hosts is None:
+        raise UserError("--rejoin needs --min-hosts (an elastic job)")
+    if args.min_hosts is None:
+        return False
+    if args.launcher != "dsnd" or args.hostfile is None:
+        raise UserError(
+            "--min-hosts needs --hostfile and the dsnd launcher (under Slurm set "
+            "elastic.enabled and submit with sbatch --nodes=MIN-MAX; under torchrun, "
+            "elastic.enabled and --nnodes=MIN:MAX)"
+        )
+    if not 1 <= args.min_hosts <= len(slots):
+        raise UserError(
+            f"--min-hosts must be in 1..{len(slots)} (the hostfile's selected hosts), "
+            f"got {args.min_hosts}"
+        )
+    return True
+
+
 def run_launch(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
@@ -305,7 +258,11 @@ def run_launch(args: argparse.Namespace) -> int:
     )
     slots = _slots(args)
     world = sum(len(s) for s in slots.values())
-    res = resolve(load(args.config, args.sets), world)
+    if _check_elastic(args, slots):
+        args.sets = pinned_sets(args.config, args.sets, world)
+    res, elastic = resolve_world(load(args.config, args.sets), world)
+    if elastic:
+        print(f"dsnd: {elastic}", flush=True)
     args.path_sets = absolute_path_sets(res.run, args.sets, args.cwd)
     rows = rank_rows(res.topology, command_lines.placement(slots))
     ignored = ignored_note(dict(os.environ), slots)
@@ -319,7 +276,7 @@ def run_launch(args: argparse.Namespace) -> int:
         check_inputs(res)
         agents = [{"host": a.host, "ranks": a.spec.ranks, "command": a.argv} for a in launches]
         return _print_plan(launches[0].spec.argv, rows, args.json, agents, res.plan)
-    problems = run_preflight(args, launches, slots, res)
+    problems = [] if args.min_hosts is not None else run_preflight(args, launches, slots, res)
     if problems:
         for line in problems:
             print(f"dsnd: error: preflight: {line}", file=sys.stderr)
@@ -330,6 +287,8 @@ def run_launch(args: argparse.Namespace) -> int:
     if env:
         print(f"dsnd: {describe(env)}", flush=True)
     print(f"dsnd: job {args.job_id}", flush=True)
+    if args.min_hosts is not None:
+        return run_elastic(args, slots, res, env)
 
     def attempt(sets: list[str]) -> tuple[str | None, bool]:
         result = supervise(agent_launches(args, slots, res, env, sets))

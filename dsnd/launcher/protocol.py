@@ -155,6 +155,19 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
     return f"rank {o.rank} on host {o.host} {describe_exit(o.code)}"
 
 
+def cause_among(outcomes: list[RankOutcome]) -> bool:
+    """Whether some reported rank can have caused the failure itself: it froze, or ended on its
+    own with an error or a signal from outside, not as a consequence of a peer's failure (a
+    SIGABRT, "a peer failed first") and not killed by its agent because the job was ending.
+    When none did and a host's agent vanished, the vanished host is the cause."""
+    return any(
+        o.reason
+        or (o.ended_by_agent and o.stopped_s >= STOPPED_AFTER_S)
+        or (o.code != 0 and not o.ended_by_agent and _consequence_rank(o.code) < 2)
+        for o in outcomes
+    )
+
+
 def _consequence_rank(code: int | None) -> int:
     """0 a signal from outside, 1 an error exit, 2 a SIGABRT (the NCCL watchdog), 3 "a peer
     failed first": the lower, the likelier the cause (see `diagnose`)."""

@@ -23,7 +23,14 @@ import time
 from typing import BinaryIO
 
 from dsnd.launcher.agent import die_with_parent, tick
-from dsnd.launcher.protocol import AgentSpec, RankOutcome, diagnose, diverged, parse_event
+from dsnd.launcher.protocol import (
+    AgentSpec,
+    RankOutcome,
+    cause_among,
+    diagnose,
+    diverged,
+    parse_event,
+)
 
 KILL_GRACE_S = 15.0
 
@@ -41,6 +48,7 @@ class JobResult:
     failure: str | None  # one line naming the cause; None when every rank exited 0
     stop_signal: str | None  # the signal that asked the job to stop, if any
     diverged: bool = False  # training diverged: a restart would only diverge again
+    regrow: bool = False  # ended (saved, exit 0) because `regrow` was set: start again, larger
 
 
 class _Agent:
@@ -77,9 +85,15 @@ class _Agent:
         self.inbox.put(("ended", self, self.proc.wait()))
 
 
-def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobResult:
+def supervise(
+    launches: list[AgentLaunch],
+    out: BinaryIO | None = None,
+    regrow: threading.Event | None = None,
+) -> JobResult:
     """Run a job to its end; returns how every rank ended. Installs SIGINT/SIGTERM handlers for
-    the duration (main thread only)."""
+    the duration (main thread only). Once `regrow` is set (an elastic job's missing host answers
+    again), every agent is told `term`: the ranks save at the next step and exit 0, and the
+    result says `regrow` (unless a stop request or a failure came first)."""
     out = out or sys.stdout.buffer
     inbox: queue.Queue = queue.Queue()
     agents = [_Agent(launch, inbox, out) for launch in launches]
@@ -97,6 +111,7 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
     lost: list[str] = []
     alive = set(agents)
     kill_deadline: float | None = None
+    regrowing = False
 
     def broadcast(word: str) -> None:
         nonlocal kill_deadline
@@ -125,6 +140,9 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
                         f"(exit code {item}; unreachable or killed?)"
                     )
                     broadcast("kill")
+            if regrow is not None and regrow.is_set() and not (regrowing or stop_signal):
+                regrowing = True
+                broadcast("term")
             if kill_deadline is not None and time.monotonic() > kill_deadline:
                 for a in alive:
                     a.proc.kill()
@@ -133,5 +151,14 @@ def supervise(launches: list[AgentLaunch], out: BinaryIO | None = None) -> JobRe
         for s, handler in previous.items():
             signal.signal(s, handler)
     outcomes.sort(key=lambda o: o.rank)
-    failure = diagnose(outcomes) or (lost[0] if lost else None)
-    return JobResult(outcomes, failure, stop_signal[0] if stop_signal else None, diverged(outcomes))
+    # ranks that only saw a vanished host's ranks go (killed by their agents, or failing their
+    # collectives) do not hide it: the host is named
+    failure = lost[0] if lost and not cause_among(outcomes) else diagnose(outcomes)
+    failure = failure or (lost[0] if lost else None)
+    return JobResult(
+        outcomes,
+        failure,
+        stop_signal[0] if stop_signal else None,
+        diverged(outcomes),
+        regrow=regrowing and not stop_signal and failure is None,
+    )

@@ -226,3 +226,17 @@ def test_test_cluster_stop_removes_its_files_and_keeps_others(tmp_path):
     (tmp_path / "cluster" / "notes.txt").write_text("not the cluster's")
     Cluster(["127.0.0.1"], {}, workdir).stop()
     assert os.listdir(workdir) == ["notes.txt"]
+
+
+def test_a_vanished_host_is_named_when_the_ranks_left_only_followed_it():
+    """Ranks killed by their agents as the job ended, or failing because a peer went, are not
+    the cause of a failure a vanished host's agent explains (dsnd.launcher.supervisor)."""
+    from dsnd.launcher.protocol import RankOutcome, cause_among
+
+    ended = [RankOutcome(r, "h1", -9, 0.0, True) for r in range(2)]
+    assert not cause_among(ended)
+    assert not cause_among([*ended, RankOutcome(2, "h2", 4, 0.0, False)])  # a peer failed first
+    assert not cause_among([*ended, RankOutcome(2, "h2", -6, 0.0, False)])  # NCCL watchdog
+    assert cause_among([*ended, RankOutcome(2, "h2", -9, 0.0, False)])  # killed from outside
+    assert cause_among([*ended, RankOutcome(2, "h2", 1, 0.0, False)])  # its own error
+    assert cause_among([RankOutcome(0, "h1", -9, 30.0, True)])  # frozen, then killed

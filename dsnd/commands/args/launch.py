@@ -26,6 +26,20 @@ def add_arguments(launch: argparse.ArgumentParser) -> None:
         default=0,
         help="relaunch a failed job up to N times from its last committed checkpoint",
     )
+    launch.add_argument(
+        "--min-hosts",
+        type=int,
+        help="elastic (the dsnd launcher, with --hostfile): each start runs on the hosts that "
+        "answer, at least K of them, on a layout chosen for their ranks with the same global "
+        "batch (elastic.enabled); a lost host is dropped at the next restart, one that answers "
+        "again taken back",
+    )
+    launch.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="with --min-hosts: while hosts are missing, ask them every few seconds; when one "
+        "answers, save at the next step and restart on the larger world (not a counted restart)",
+    )
     launch.add_argument("--include", help="DeepSpeed resource filter, e.g. host1@host2:0,1")
     launch.add_argument("--exclude", help="DeepSpeed resource filter")
     launch.add_argument("--master-addr", help="rendezvous address (default: the first host)")
