@@ -261,8 +261,8 @@ def run_launch(args: argparse.Namespace) -> int:
     if _check_elastic(args, slots):
         args.sets = pinned_sets(args.config, args.sets, world)
     res, elastic = resolve_world(load(args.config, args.sets), world)
-    if elastic:
-        print(f"dsnd: {elastic}", flush=True)
+    if elastic:  # (stderr: --dry-run --json prints the plan on stdout)
+        print(f"dsnd: {elastic}", file=sys.stderr, flush=True)
     args.path_sets = absolute_path_sets(res.run, args.sets, args.cwd)
     rows = rank_rows(res.topology, command_lines.placement(slots))
     ignored = ignored_note(dict(os.environ), slots)

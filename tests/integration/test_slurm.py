@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -211,3 +212,41 @@ def test_sigterm_to_dsnd_launch_reaches_the_tasks_which_save_and_exit_0(
     assert f"stopped at step {stopped} on request (SIGTERM)" in out
     assert open(os.path.join(log_dir, "checkpoints", "latest")).read() == f"step_{stopped:08d}\n"
     assert_same_steps(rows, uninterrupted[0][:stopped])
+
+
+def test_an_allocation_of_fewer_nodes_gets_its_own_layout(slurm, tmp_path):
+    """`sbatch`/`salloc --nodes=1-2` with elastic.enabled: the layout is chosen from the
+    allocation Slurm gives, each time (here one node drained, then back): pp=2 x dp=2 on two
+    nodes, pp=2 x dp=1 on one, the global batch 12 on both."""
+    script = (
+        f"{sys.executable} -m dsnd launch --launcher slurm --dry-run --json "
+        "--set elastic.enabled=true --set parallel.pp=2 --set ds.train_batch_size=12 "
+        f"--set log.dir={tmp_path / 'log'}"
+    )
+
+    def layout() -> tuple[int, str]:
+        done = slurm.run(
+            "salloc",
+            "--nodes=1-2",
+            "--ntasks-per-node=2",
+            "--immediate=20",
+            "sh",
+            "-c",
+            script,
+            timeout=120,
+            env=rank_env({}),
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads(done.stdout)["world_size"], done.stderr
+
+    slurm.run("scontrol", "update", "nodename=127.0.0.2", "state=drain", "reason=test")
+    try:
+        world, said = layout()
+        assert world == 2 and "2 ranks run pp=2 dp=1" in said, said
+        assert "x 6 accumulation x dp 1 = global batch 12" in said, said
+    finally:
+        slurm.run("scontrol", "update", "nodename=127.0.0.2", "state=resume")
+        slurm.wait_idle()
+    world, said = layout()
+    assert world == 4 and "4 ranks run pp=2 dp=2" in said, said

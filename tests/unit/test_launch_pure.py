@@ -240,3 +240,26 @@ def test_a_vanished_host_is_named_when_the_ranks_left_only_followed_it():
     assert cause_among([*ended, RankOutcome(2, "h2", -9, 0.0, False)])  # killed from outside
     assert cause_among([*ended, RankOutcome(2, "h2", 1, 0.0, False)])  # its own error
     assert cause_among([RankOutcome(0, "h1", -9, 30.0, True)])  # frozen, then killed
+
+
+def test_elastic_flags_are_checked_before_anything_starts():
+    import argparse
+
+    from dsnd.commands.launch import _check_elastic
+
+    def args(**kw):
+        base = dict(min_hosts=None, rejoin=False, launcher="dsnd", hostfile="hosts")
+        return argparse.Namespace(**{**base, **kw})
+
+    slots = {"a": [0], "b": [0], "c": [0]}
+    assert _check_elastic(args(), slots) is False
+    assert _check_elastic(args(min_hosts=2), slots) is True
+    for bad, said in (
+        (args(rejoin=True), "--rejoin needs --min-hosts"),
+        (args(min_hosts=4), "--min-hosts must be in 1..3"),
+        (args(min_hosts=0), "--min-hosts must be in 1..3"),
+        (args(min_hosts=2, launcher="pdsh"), "--min-hosts needs --hostfile and the dsnd launcher"),
+        (args(min_hosts=1, hostfile=None), "--min-hosts needs --hostfile"),
+    ):
+        with pytest.raises(UserError, match=said):
+            _check_elastic(bad, slots)
