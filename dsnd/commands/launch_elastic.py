@@ -17,6 +17,7 @@ Every start says what it runs and why (the launcher's output; the ranks' metrics
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 
@@ -25,7 +26,8 @@ from dsnd.commands.launch_preflight import host_problems
 from dsnd.config.elastic import resolve_world
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.errors import UserError
+from dsnd.errors import EXIT_PEER_FAILED, UserError
+from dsnd.launcher.protocol import aborted
 from dsnd.launcher.supervisor import JobResult, supervise
 from dsnd.report.reporter import LAYOUT_WHY_ENV
 
@@ -98,17 +100,46 @@ def _watch_missing(
             return
 
 
+def _metrics_rows(res: Resolved) -> int:
+    """Rows in the run's metrics.jsonl as this machine sees it (-1: it cannot read it)."""
+    try:
+        with open(os.path.join(res.run.log.dir, "metrics.jsonl"), "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return -1
+
+
+def suspects(result: JobResult, progressed: bool) -> dict[str, str]:
+    """{host: why} of the hosts a failed attempt blames, left out of the next start: those whose
+    agent ended without a report, and, when the attempt trained no step, the host of the first
+    rank that failed on its own (not killed by its agent, not a peer's consequence)."""
+    out = {h: "its agent ended without a report in the last attempt" for h in result.lost_hosts}
+    own = [o for o in result.outcomes if o.code != 0 and not o.ended_by_agent]
+    own = [o for o in own if not aborted(o.code) and o.code != EXIT_PEER_FAILED]
+    if not progressed and own:
+        host = min(own, key=lambda o: o.ended_at).host
+        out.setdefault(host, "its ranks failed before the last attempt trained a step")
+    return out
+
+
 def _attempt(
     args: argparse.Namespace,
     slots: dict[str, list[int]],
     first: Resolved,
     env: dict[str, str],
     why: str,
+    blamed: dict[str, str],
 ) -> tuple[JobResult | None, int]:
     """One start on the hosts that answer: (its result, or None when it could not start, with
     the exit code to end with). `first` is the run resolved for the whole hostfile (its
-    checkpoint directory and timeouts serve the preflight)."""
+    checkpoint directory and timeouts serve the preflight); the `blamed` hosts are left out
+    unless that would leave fewer than --min-hosts."""
     live, gone = live_hosts(args, slots, first, env)
+    if len([h for h in live if h not in blamed]) >= args.min_hosts:
+        gone.update({h: blamed[h] for h in live if h in blamed})
+        live = {h: s for h, s in live.items() if h not in blamed}
     for host, reason in gone.items():
         print(f"dsnd: elastic: leaving out host {host}: {reason}", file=sys.stderr, flush=True)
     if len(live) < args.min_hosts:
@@ -143,17 +174,18 @@ def run_elastic(
 ) -> int:
     """Attempts until one ends the job: succeeds, stops on request, diverges, cannot start, or
     fails after --max-restarts restarts. A restart for --rejoin is not counted."""
-    why, failures = "the first start", 0
+    why, failures, blamed = "the first start", 0, {}
     while True:
+        rows = _metrics_rows(first)
         try:
-            result, code = _attempt(args, slots, first, env, why)
+            result, code = _attempt(args, slots, first, env, why, blamed)
         except UserError as e:
             print(f"dsnd: error: {e}", file=sys.stderr, flush=True)
             return 2
         if result is None:
             return code
         if result.regrow:
-            why = "a missing host answers again (--rejoin)"
+            why, blamed = "a missing host answers again (--rejoin)", {}
             continue
         if result.failure is None:
             return 0
@@ -161,6 +193,7 @@ def run_elastic(
             print(f"dsnd: job failed: {result.failure}", file=sys.stderr, flush=True)
             return 1
         failures += 1
+        blamed = suspects(result, progressed=rows < 0 or _metrics_rows(first) > rows)
         why = f"restart {failures} of {args.max_restarts} after: {result.failure}"
         print(
             f"dsnd: elastic: {why}; choosing the hosts and layout again",

@@ -49,6 +49,7 @@ class JobResult:
     stop_signal: str | None  # the signal that asked the job to stop, if any
     diverged: bool = False  # training diverged: a restart would only diverge again
     regrow: bool = False  # ended (saved, exit 0) because `regrow` was set: start again, larger
+    lost_hosts: list[str] = dataclasses.field(default_factory=list)  # agents without a report
 
 
 class _Agent:
@@ -109,6 +110,7 @@ def supervise(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     outcomes: list[RankOutcome] = []
     lost: list[str] = []
+    lost_hosts: list[str] = []
     alive = set(agents)
     kill_deadline: float | None = None
     regrowing = False
@@ -135,6 +137,7 @@ def supervise(
             elif kind == "ended":
                 alive.discard(agent)
                 if not agent.reported:
+                    lost_hosts.append(agent.host)
                     lost.append(
                         f"the agent on host {agent.host} ended without a report "
                         f"(exit code {item}; unreachable or killed?)"
@@ -161,4 +164,5 @@ def supervise(
         stop_signal[0] if stop_signal else None,
         diverged(outcomes),
         regrow=regrowing and not stop_signal and failure is None,
+        lost_hosts=lost_hosts,
     )

@@ -263,3 +263,17 @@ def test_elastic_flags_are_checked_before_anything_starts():
     ):
         with pytest.raises(UserError, match=said):
             _check_elastic(bad, slots)
+
+
+def test_a_failed_attempt_blames_a_vanished_host_or_one_failing_at_start():
+    from dsnd.commands.launch_elastic import suspects
+    from dsnd.launcher.protocol import RankOutcome
+    from dsnd.launcher.supervisor import JobResult
+
+    ended = [RankOutcome(0, "a", -9, 0.0, True, 5.0), RankOutcome(1, "b", 4, 0.0, False, 4.0)]
+    gone = JobResult(ended, "the agent on host c ...", None, lost_hosts=["c"])
+    assert list(suspects(gone, progressed=True)) == ["c"]
+    own = RankOutcome(2, "c", 1, 0.0, False, 6.0)  # its own error, after the peer's code 4
+    failed = JobResult([*ended, own], "rank 2 on host c exited with code 1", None)
+    assert suspects(failed, progressed=True) == {}  # it trained: a restart may mend it
+    assert list(suspects(failed, progressed=False)) == ["c"]  # not past the start: left out
