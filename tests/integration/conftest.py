@@ -29,3 +29,27 @@ def reference_losses(tmp_path_factory) -> list[float]:
         "print(json.dumps([r['loss'] for r in reference_rows(res)]))"
     )
     return python_json(code, timeout=TIMEOUT)
+
+
+ELASTIC_SETS = (
+    "train.steps=16",
+    "checkpoint.every=2",
+    "ds.train_batch_size=12",
+    "model.seq_len=1024",  # steps long enough (about a second) for a host to rejoin mid-job
+    "model.max_position_embeddings=1024",
+    "log.tensorboard=false",
+)
+"""The run of the elastic tests (test_elastic.py, test_torchrun_elastic.py): global batch 12 on
+every layout, micro-batch 2."""
+
+
+@pytest.fixture(scope="session")
+def elastic_reference() -> list[dict]:
+    """The plain single-process PyTorch run's rows for ELASTIC_SETS, computed once."""
+    code = (
+        "import json; from dsnd.config.load import load; from dsnd.config.resolve import resolve;"
+        "from tests.reference import reference_rows;"
+        f"res = resolve(load(None, [*{list(ELASTIC_SETS)!r}, 'parallel.pp=1']), 1);"
+        "print(json.dumps(reference_rows(res)))"
+    )
+    return python_json(code, timeout=TIMEOUT)

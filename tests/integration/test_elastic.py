@@ -28,21 +28,15 @@ import uuid
 import pytest
 
 from tests.cluster import environ_of, processes_with_env, start_cluster
-from tests.procs import ROOT, free_port, metrics_rows, python_json, rank_env
+from tests.integration.conftest import ELASTIC_SETS
+from tests.procs import ROOT, free_port, metrics_rows, rank_env
 
-STEPS = 16
+STEPS = 16  # ELASTIC_SETS' train.steps
 LOST_AT = 7
 TIMEOUT = 600
 TAG = "DSND_TEST_RUN"
 PASSED = '["OMP_NUM_THREADS","MKL_NUM_THREADS","DS_ACCELERATOR","PYTHONPATH","DSND_TEST_RUN"]'
-SETS = (
-    f"train.steps={STEPS}",
-    "checkpoint.every=2",
-    "ds.train_batch_size=12",
-    "model.seq_len=1024",  # steps long enough (about a second) for --rejoin to act mid-job
-    "model.max_position_embeddings=1024",
-    "log.tensorboard=false",
-)
+SETS = ELASTIC_SETS
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +44,6 @@ def three_hosts(tmp_path_factory):
     c = start_cluster(str(tmp_path_factory.mktemp("elastic_cluster")), nhosts=3, per_host=True)
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[dict]:
-    code = (
-        "import json; from dsnd.config.load import load; from dsnd.config.resolve import resolve;"
-        "from tests.reference import reference_rows;"
-        f"res = resolve(load(None, [*{list(SETS)!r}, 'parallel.pp=1']), 1);"
-        "print(json.dumps(reference_rows(res)))"
-    )
-    return python_json(code, timeout=TIMEOUT)
 
 
 def _launch(cluster, tmp_path, hostfile: str, *extra: str) -> list[str]:
@@ -122,7 +105,7 @@ def _close(a: float, b: float) -> bool:
 
 @pytest.mark.launch
 def test_a_lost_host_is_left_out_and_taken_back_with_the_same_losses(
-    three_hosts, tmp_path, reference
+    three_hosts, tmp_path, elastic_reference
 ):
     cluster, tag = three_hosts, uuid.uuid4().hex
     hostfile = cluster.hostfile(str(tmp_path / "hosts"), slots=2)
@@ -168,7 +151,7 @@ def test_a_lost_host_is_left_out_and_taken_back_with_the_same_losses(
     assert "micro-batch 2 x 3 accumulation x dp 2 = global batch 12" in out, out[-3000:]
     final = _last_of_each_step(rows)
     assert [r["step"] for r in final] == list(range(1, STEPS + 1))
-    for got, want in zip(final, reference, strict=True):
+    for got, want in zip(final, elastic_reference, strict=True):
         for key in ("loss", "grad_norm"):
             assert _close(got[key], want[key]), (got["step"], key, got[key], want[key])
     latest = log_dir / "checkpoints" / "latest"

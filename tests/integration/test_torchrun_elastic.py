@@ -1,6 +1,6 @@
 """torchrun's elastic membership, `--nnodes 1:2`, with `elastic.enabled`: two agents on the
 loopback cluster (127.0.0.1 here, 127.0.0.2 over ssh), one worker each, pp=2 x dp=1, llama-tiny,
-global batch 12 (micro-batch 2), 14 steps, a checkpoint every 2.
+global batch 12 (micro-batch 2), 16 steps, a checkpoint every 2.
 
 After step 5 (step 4 committed) the second node is lost: its agent and worker are SIGKILLed.
 torchrun's agent on the first node restarts its worker (a counted restart) in a rendezvous of one
@@ -26,42 +26,25 @@ import uuid
 import pytest
 
 from tests.cluster import processes_with_env
+from tests.integration.conftest import ELASTIC_SETS
 from tests.integration.test_elastic import _close, _last_of_each_step
 from tests.integration.test_torchrun import REMOTE_ENV, TAG, logged, start
-from tests.procs import ROOT, free_port, metrics_rows, python_json, rank_env
+from tests.procs import ROOT, free_port, metrics_rows, rank_env
 
 SHARE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torch 2.13's c10d rendezvous shares the first round's store server and never publishes its
 address again, so a node joining a later round waits for it forever (`MASTER_ADDR` of round N):
 every agent of an elastic job needs this set (docs/launching.md, "Elastic jobs")."""
-STEPS = 14
+STEPS = 16  # ELASTIC_SETS' train.steps
 LOST_AFTER = 5
 TIMEOUT = 400
-SETS = (
-    f"train.steps={STEPS}",
-    "checkpoint.every=2",
-    "checkpoint.resume=never",
-    "ds.train_batch_size=12",
-    "model.seq_len=1024",  # steps long enough (a second or so) for the node to rejoin mid-job
-    "model.max_position_embeddings=1024",
-    "log.tensorboard=false",
-    "dist.timeout_s=20",
-)
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[dict]:
-    code = (
-        "import json; from dsnd.config.load import load; from dsnd.config.resolve import resolve;"
-        "from tests.reference import reference_rows;"
-        f"res = resolve(load(None, [*{list(SETS)!r}, 'parallel.pp=1']), 1);"
-        "print(json.dumps(reference_rows(res)))"
-    )
-    return python_json(code, timeout=TIMEOUT)
+SETS = (*ELASTIC_SETS, "checkpoint.resume=never", "dist.timeout_s=20")
 
 
 def _argv(addr: str, endpoint: str, run_id: str, log_dir: str) -> list[str]:
-    conf = f"is_host={int(addr == '127.0.0.1')},last_call_timeout=5"
+    # (torch's keep-alive defaults, 3 missed heartbeats of 5 s: with shorter ones a busy
+    # agent was taken for dead, and the joining node formed a job of its own)
+    conf = f"is_host={int(addr == '127.0.0.1')},last_call_timeout=3"
     return [
         "torchrun",
         "--nnodes",
@@ -122,7 +105,7 @@ def _wait(ready, agents, what: str, deadline: float, output) -> None:
 
 
 @pytest.mark.launch
-def test_torchrun_elastic_node_lost_and_back_keeps_the_losses(cluster, tmp_path, reference):
+def test_torchrun_elastic_node_lost_and_back_keeps_the_losses(cluster, tmp_path, elastic_reference):
     tag, run_id = uuid.uuid4().hex, f"dsnd-elastic-{uuid.uuid4().hex[:8]}"
     log_dir = str(tmp_path / "log")
     endpoint = f"127.0.0.1:{free_port()}"
@@ -160,7 +143,7 @@ def test_torchrun_elastic_node_lost_and_back_keeps_the_losses(cluster, tmp_path,
     assert "changed of the run config: pp 2->1" in logs[0].read_text(), output()
     final = _last_of_each_step(rows)
     assert [r["step"] for r in final] == list(range(1, STEPS + 1))
-    for got, want in zip(final, reference, strict=True):
+    for got, want in zip(final, elastic_reference, strict=True):
         for key in ("loss", "grad_norm"):
             assert _close(got[key], want[key]), (got["step"], key, got[key], want[key])
     with open(os.path.join(log_dir, "checkpoints", "latest")) as f:
