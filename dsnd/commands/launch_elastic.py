@@ -33,6 +33,7 @@ from dsnd.report.reporter import LAYOUT_WHY_ENV
 
 REJOIN_PROBE_S = 2.0
 PROBE_TIMEOUT_S = 20.0  # a host that does not answer the preflight within this is left out
+_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")  # what every start keeps
 
 
 def pinned_sets(config: str | None, sets: list[str], world: int) -> list[str]:
@@ -49,9 +50,6 @@ def pinned_sets(config: str | None, sets: list[str], world: int) -> list[str]:
             f"ds.train_micro_batch_size_per_gpu={batch.micro}",
         ]
     return out
-
-
-_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 
 
 def live_hosts(
