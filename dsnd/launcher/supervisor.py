@@ -86,6 +86,72 @@ class _Agent:
         self.inbox.put(("ended", self, self.proc.wait()))
 
 
+class _Job:
+    """The supervisor's view of a running job: which agents are alive, what they reported, and
+    whether it was asked to stop, end (`kill`) or regrow."""
+
+    def __init__(self, agents: list[_Agent]) -> None:
+        self.alive = set(agents)
+        self.stop_signal: list[str] = []
+        self.outcomes: list[RankOutcome] = []
+        self.lost_hosts: list[str] = []  # hosts whose agent ended without a report
+        self.lost: list[str] = []  # and what that looked like, one line each
+        self.kill_deadline: float | None = None
+        self.regrowing = False
+
+    def broadcast(self, word: str) -> None:
+        if word == "kill" and self.kill_deadline is None:
+            self.kill_deadline = time.monotonic() + KILL_GRACE_S
+        for agent in self.alive:
+            agent.send(word.encode() + b"\n")
+
+    def handle(self, kind: str, agent: _Agent | None, item) -> None:
+        if kind == "signal":
+            again = bool(self.stop_signal)
+            self.stop_signal.append(item)
+            self.broadcast("kill" if again and item == "SIGINT" else "term")
+        elif kind == "event" and item["event"] == "failed":
+            self.broadcast("kill")
+        elif kind == "event" and item["event"] == "exit":
+            agent.reported = True
+            self.outcomes += [RankOutcome(**o) for o in item["outcomes"]]
+        elif kind == "ended":
+            self.alive.discard(agent)
+            if not agent.reported:
+                self.lost_hosts.append(agent.host)
+                self.lost.append(
+                    f"the agent on host {agent.host} ended without a report "
+                    f"(exit code {item}; unreachable or killed?)"
+                )
+                self.broadcast("kill")
+
+    def look_around(self, regrow: threading.Event | None) -> None:
+        """At every inbox item: a regrow asked for, agents past their kill grace."""
+        if regrow is not None and regrow.is_set() and not (self.regrowing or self.stop_signal):
+            self.regrowing = True
+            self.broadcast("term")
+        if self.kill_deadline is not None and time.monotonic() > self.kill_deadline:
+            for a in self.alive:
+                a.proc.kill()
+
+    def result(self) -> JobResult:
+        outcomes = sorted(self.outcomes, key=lambda o: o.rank)
+        lost = self.lost
+        # ranks that only saw a vanished host's ranks go (killed by their agents, or failing
+        # their collectives) do not hide it: the host is named
+        failure = lost[0] if lost and not cause_among(outcomes) else diagnose(outcomes)
+        failure = failure or (lost[0] if lost else None)
+        stopped = self.stop_signal[0] if self.stop_signal else None
+        return JobResult(
+            outcomes,
+            failure,
+            stopped,
+            diverged(outcomes),
+            regrow=self.regrowing and stopped is None and failure is None,
+            lost_hosts=self.lost_hosts,
+        )
+
+
 def supervise(
     launches: list[AgentLaunch],
     out: BinaryIO | None = None,
@@ -102,67 +168,18 @@ def supervise(
         threading.Thread(target=agent.relay, daemon=True).start()
     done = threading.Event()
     threading.Thread(target=tick, args=(inbox, ("tick", None, None), done), daemon=True).start()
-    stop_signal: list[str] = []
 
     def on_signal(signum, _frame) -> None:
         inbox.put(("signal", None, signal.Signals(signum).name))
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    outcomes: list[RankOutcome] = []
-    lost: list[str] = []
-    lost_hosts: list[str] = []
-    alive = set(agents)
-    kill_deadline: float | None = None
-    regrowing = False
-
-    def broadcast(word: str) -> None:
-        nonlocal kill_deadline
-        if word == "kill" and kill_deadline is None:
-            kill_deadline = time.monotonic() + KILL_GRACE_S
-        for agent in alive:
-            agent.send(word.encode() + b"\n")
-
+    job = _Job(agents)
     try:
-        while alive:
-            kind, agent, item = inbox.get()  # a "tick" arrives every POLL_S
-            if kind == "signal":
-                again = bool(stop_signal)
-                stop_signal.append(item)
-                broadcast("kill" if again and item == "SIGINT" else "term")
-            elif kind == "event" and item["event"] == "failed":
-                broadcast("kill")
-            elif kind == "event" and item["event"] == "exit":
-                agent.reported = True
-                outcomes += [RankOutcome(**o) for o in item["outcomes"]]
-            elif kind == "ended":
-                alive.discard(agent)
-                if not agent.reported:
-                    lost_hosts.append(agent.host)
-                    lost.append(
-                        f"the agent on host {agent.host} ended without a report "
-                        f"(exit code {item}; unreachable or killed?)"
-                    )
-                    broadcast("kill")
-            if regrow is not None and regrow.is_set() and not (regrowing or stop_signal):
-                regrowing = True
-                broadcast("term")
-            if kill_deadline is not None and time.monotonic() > kill_deadline:
-                for a in alive:
-                    a.proc.kill()
+        while job.alive:
+            job.handle(*inbox.get())  # a "tick" arrives every POLL_S
+            job.look_around(regrow)
     finally:
         done.set()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    outcomes.sort(key=lambda o: o.rank)
-    # ranks that only saw a vanished host's ranks go (killed by their agents, or failing their
-    # collectives) do not hide it: the host is named
-    failure = lost[0] if lost and not cause_among(outcomes) else diagnose(outcomes)
-    failure = failure or (lost[0] if lost else None)
-    return JobResult(
-        outcomes,
-        failure,
-        stop_signal[0] if stop_signal else None,
-        diverged(outcomes),
-        regrow=regrowing and not stop_signal and failure is None,
-        lost_hosts=lost_hosts,
-    )
+    return job.result()
