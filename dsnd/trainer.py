@@ -28,7 +28,7 @@ import torch.distributed as dist
 from dsnd.checkpoint.commit import remove_temporaries
 from dsnd.checkpoint.load import load_checkpoint
 from dsnd.checkpoint.resume import checkpoint_root
-from dsnd.checkpoint.save import save_checkpoint
+from dsnd.checkpoint.save import Saver
 from dsnd.config.ds_effect import notes as deepspeed_notes
 from dsnd.config.resolve import Resolved
 from dsnd.config.summary import batch_line, precision, precision_line
@@ -47,7 +47,14 @@ from dsnd.model.hf_export import export_hf
 from dsnd.pipeline.runner import StageRunner
 from dsnd.report.flops import flops_per_token, mfu_peak
 from dsnd.report.progress import RankLogFile
-from dsnd.report.reporter import Reporter, layout_of, saved_layout, start_mark, step_row
+from dsnd.report.reporter import (
+    LAYOUT_WHY_ENV,
+    Reporter,
+    layout_of,
+    saved_layout,
+    start_mark,
+    step_row,
+)
 from dsnd.report.telemetry import (
     check_skips_agree,
     gather_stats,
@@ -186,7 +193,7 @@ def _setup(res: Resolved, groups: ProcessGroups, resume: str | None) -> _Stage:
         res.topology.ep,
     )
     start, saved = (0, None) if resume is None else _resume(engine, res, resume, corpus)
-    mark = start_mark(start, layout_of(res.topology), resume, saved)
+    mark = start_mark(start, layout_of(res.topology), resume, saved, os.environ.get(LAYOUT_WHY_ENV))
     return _Stage(runner, corpus, split.train, split.held_out, root, start, mark)
 
 
@@ -319,6 +326,7 @@ def _train(
     last_saved = None
     stop = stop or StopRequest()  # (not entered: no signal handlers, but `ask` works)
     outputs = _LogDir(reporter, stop, run.log.dir)
+    saver = Saver(res, groups, st.root, st.corpus, job_id)  # checkpoint.async: in the background
     try:
         for step in range(st.start, run.train.steps):
             row, numbers, stopping = _step(res, groups, st, step, flops, stop)
@@ -326,12 +334,7 @@ def _train(
             outputs.write(step + 1, row, numbers)
             if _should_save(run, step + 1) or stopping:
                 with stop.saving():  # a second Ctrl-C waits for the commit
-                    saved = save_checkpoint(
-                        engine, res, groups, step + 1, st.root, st.corpus, job_id
-                    )
-                if saved:
-                    log.info("checkpoint %s committed", saved)
-                    last_saved = saved
+                    last_saved = saver.save(engine, step + 1) or last_saved
             if stopping:
                 row["stopped"] = True
                 if reporter:
@@ -340,6 +343,8 @@ def _train(
                         "stopped at step %d on request (%s); relaunch to resume", step + 1, why
                     )
                 break
+        with stop.saving():  # every rank's asynchronous save in flight committed, or failed
+            last_saved = saver.finish(engine) or last_saved
         if (res.ds.get("comms_logger") or {}).get("enabled"):
             _comms_summary(st.runner, run.log.dir)
         exported = _export(res, groups, st, stopped=bool(rows and rows[-1].get("stopped")))
@@ -348,6 +353,7 @@ def _train(
             log.info("%s", reporter.closing_line(last_saved, st.root, exported))
     finally:
         outputs.close()
+        saver.close()  # (after an exception too: the write in flight finishes first)
         engine.destroy()
     return rows
 

@@ -29,7 +29,6 @@ dict with it under "param"), and DeepSpeed's own reader of them loads into a liv
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
@@ -55,6 +54,7 @@ from dsnd.checkpoint.save import software_versions
 from dsnd.checkpoint.schema import BETAS, LR, POSITION
 from dsnd.checkpoint.verify import check_intact
 from dsnd.config.schema import RunConfig
+from dsnd.config.strict import as_data
 from dsnd.engine import ds_checkpoint
 from dsnd.errors import UserError
 from dsnd.model.source import ModelSpec
@@ -205,7 +205,7 @@ def _manifest(
         "parts": parts,
         "model": model.manifest(),
         "versions": software_versions() | {"deepspeed_checkpoint": str(state.get("ds_version"))},
-        "config": mask_config({"run": dataclasses.asdict(run), "deepspeed": ds_config}),
+        "config": mask_config({"run": as_data(run), "deepspeed": ds_config}),
         "corpus": {
             "name": "not recorded (imported from a DeepSpeed checkpoint)",
             "tokens": 0,

@@ -49,6 +49,7 @@ DEFAULT_REPS = {
     "tp-comm": (1, 0),
     "gpu": (8, 2),
     "moe": (10, 2),
+    "checkpoint": (3, 1),
 }
 """(timed, warm-up) repetitions of each bench unless --steps / --warmup say otherwise: a context
 step at 8192 tokens takes seconds, a pipeline step of the tiny model milliseconds."""
@@ -243,6 +244,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "overhead": (
         "dsnd.commands.bench_memory:overhead",
         "dsnd's throughput at world 1 against a plain PyTorch loop on the same model",
+    ),
+    "checkpoint": (
+        "dsnd.commands.bench_memory:checkpoint",
+        "the step time during a checkpoint save ÷ without one, synchronous and checkpoint.async",
     ),
 }
 """Each bench: its measuring function as ``module:function`` (taking the parsed arguments and a

@@ -7,7 +7,9 @@ JSON into rows.
 - activation-checkpointing: `dsnd.bench.checkpointing_rank` on 1 rank, rows by
   `dsnd.bench.memory_results.checkpointing_rows`;
 - overhead: `dsnd.bench.overhead_rank` on 1 rank, rows by
-  `dsnd.bench.overhead_results.overhead_rows`.
+  `dsnd.bench.overhead_results.overhead_rows`;
+- checkpoint: `dsnd.bench.checkpoint_rank` on 1 rank, rows by
+  `dsnd.bench.checkpoint_results.checkpoint_rows`.
 """
 
 from __future__ import annotations
@@ -54,18 +56,22 @@ def activation_checkpointing(args: argparse.Namespace, tmp: str) -> list:
     return checkpointing_rows(raw)
 
 
+def _with_log_dir(args: argparse.Namespace, tmp: str, module: str, world: int) -> dict:
+    """The raw results of a bench whose ranks train a run that writes under `--log-dir`."""
+    extra = ["--log-dir", os.path.join(tmp, "run"), *_sets(args)]
+    raw_path = os.path.join(tmp, "raw.json")
+    return _ranks(module, world, raw_path, args.steps, args.warmup, args.micro_batches, extra)
+
+
 def overhead(args: argparse.Namespace, tmp: str) -> list:
     from dsnd.bench.overhead_rank import OVERHEAD_WORLD
     from dsnd.bench.overhead_results import overhead_rows
 
-    extra = ["--log-dir", os.path.join(tmp, "run"), *_sets(args)]
-    raw = _ranks(
-        "dsnd.bench.overhead_rank",
-        OVERHEAD_WORLD,
-        os.path.join(tmp, "raw.json"),
-        args.steps,
-        args.warmup,
-        args.micro_batches,
-        extra,
-    )
-    return overhead_rows(raw)
+    return overhead_rows(_with_log_dir(args, tmp, "dsnd.bench.overhead_rank", OVERHEAD_WORLD))
+
+
+def checkpoint(args: argparse.Namespace, tmp: str) -> list:
+    from dsnd.bench.checkpoint_rank import CHECKPOINT_WORLD
+    from dsnd.bench.checkpoint_results import checkpoint_rows
+
+    return checkpoint_rows(_with_log_dir(args, tmp, "dsnd.bench.checkpoint_rank", CHECKPOINT_WORLD))

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 import uuid
@@ -28,8 +29,8 @@ from dsnd.checkpoint.resume import checkpoint_root
 from dsnd.checkpoint.root import RootLock, run_dirs
 from dsnd.checkpoint.verify import read_manifest
 from dsnd.commands.prestart import check_before_start
-from dsnd.config.load import load
 from dsnd.config.elastic import resolve_world
+from dsnd.config.load import load
 from dsnd.distributed.discover import job_id as job_id_from_env
 from dsnd.distributed.init import init_world, shutdown, world_info
 from dsnd.distributed.launcher_watch import LauncherWatch
@@ -73,7 +74,11 @@ def run_train(
     # from here on SIGTERM / Ctrl-C, or the exit of the launcher that started this rank, mean
     # "save at the next step boundary and exit 0"
     with StopRequest(LauncherWatch.start(os.environ)) as stop:
-        return _run_train(config, sets, setup_logging, stop, job_id)
+        code = _run_train(config, sets, setup_logging, stop, job_id)
+        # the run is over (trained and saved, or refused): a stop request arriving while the
+        # process exits has nothing left to stop, and must not make its exit a signal's
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code
 
 
 def _run_train(

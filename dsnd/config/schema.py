@@ -274,6 +274,19 @@ class CheckpointConfig:
         True,
     )
     keep: int = doc("Keep the newest N committed checkpoints; 0 = keep all.", 0)
+    async_: bool = field(  # the YAML key `async` is a Python keyword (strict.key_of)
+        default=False,
+        metadata={
+            "key": "async",
+            "doc": (
+                "Write checkpoints in the background: the save's step only gathers the state "
+                "and copies it to host memory; a writer thread writes the files while training "
+                "goes on, and the checkpoint is committed (latest moves) once every rank's "
+                "files are on disk. One save in flight at a time; a failed write fails the run "
+                "at the next save or at the end, as a synchronous save would. Same files."
+            ),
+        },
+    )
     resume: str = doc(
         "auto: resume from the newest valid checkpoint under checkpoint.dir (corrupt ones are "
         "skipped with a warning), or start fresh if there is none; never; or a path (a "
@@ -361,6 +374,25 @@ class LaunchConfig:
 
 
 @dataclass
+class ElasticConfig:
+    enabled: bool = doc(
+        "Choose the layout for the world each start is given (dsnd launch --min-hosts sets "
+        "it; under torchrun --nnodes=MIN:MAX or sbatch --nodes=MIN-MAX set it here): the "
+        "DeepSpeed JSON's train_batch_size kept on every layout (accumulation follows), the "
+        "parallel degrees and micro-batch kept where they divide the world, else the layout "
+        "changing fewest of them with the least model state per device; the newest checkpoint "
+        'resumes on it. docs/launching.md, "Elastic jobs".',
+        False,
+    )
+    memory_gb: float | None = doc(
+        "With elastic.enabled: the model-state GiB per device (parameters, gradients, master "
+        "weights, optimizer state, as dsnd ds-config explain counts them) a chosen layout may "
+        "need; a world no layout fits is refused. null = not checked.",
+        None,
+    )
+
+
+@dataclass
 class RunConfig:
     deepspeed: str = doc(
         "DeepSpeed JSON, relative to this YAML file (--set: to the current "
@@ -381,6 +413,10 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig, metadata={"doc": "Process groups."})
     launch: LaunchConfig = field(
         default_factory=LaunchConfig, metadata={"doc": "What `dsnd launch` passes to the ranks."}
+    )
+    elastic: ElasticConfig = field(
+        default_factory=ElasticConfig,
+        metadata={"doc": "A layout chosen for the world each start is given."},
     )
 
 

@@ -6,6 +6,7 @@ predictable coercion. Errors name where the value came from: ``file.yaml:12`` or
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -16,9 +17,26 @@ from dsnd.config.schema import CHOICES
 from dsnd.errors import UserError, did_you_mean, shown
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """The key users write for field `f`: its name, or its metadata's "key" where the key is a
+    Python keyword that cannot name a field (`checkpoint.async` is the field `async_`)."""
+    return f.metadata.get("key", f.name)
+
+
 def field_types(cls: type) -> dict[str, Any]:
-    """Resolved type hints of a dataclass (the schema uses postponed annotations)."""
-    return typing.get_type_hints(cls)
+    """Resolved type hints of a dataclass (the schema uses postponed annotations), by key."""
+    hints = typing.get_type_hints(cls)
+    return {key_of(f): hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def as_data(config: Any) -> dict[str, Any]:
+    """A schema dataclass as plain data under the keys users write (`dataclasses.asdict` under
+    the fields' names): what `build` reads back, as config.yaml and manifests record it."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out[key_of(f)] = as_data(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
 
 
 def schema_keys(cls: type, prefix: str = "") -> dict[str, Any]:
@@ -111,6 +129,7 @@ def build(cls: type, data: Any, where: dict[str, str], default_where: str, prefi
             f"got {type(data).__name__}"
         )
     hints = field_types(cls)
+    names = {key_of(f): f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
@@ -122,7 +141,7 @@ def build(cls: type, data: Any, where: dict[str, str], default_where: str, prefi
             raise UserError(f"{at}: unknown key '{dotted}'{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = build(tp, value, where, default_where, dotted + ".")
+            kwargs[names[key]] = build(tp, value, where, default_where, dotted + ".")
         else:
-            kwargs[key] = coerce(value, tp, dotted, at)
+            kwargs[names[key]] = coerce(value, tp, dotted, at)
     return cls(**kwargs)

@@ -31,7 +31,7 @@ with NAdam, which changes beta1 every step).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import deepspeed
 import torch
@@ -52,6 +52,8 @@ COUNTS_IN_INT = (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)
 
 OWN_NAMES: dict[type, dict[str, str]] = {DeepSpeedCPUAdagrad: {"sum": "exp_avg_sq"}}
 """Per optimizer class: a checkpoint's state name -> the name this class keeps it under."""
+
+ToHost = Callable[[torch.Tensor], torch.Tensor]  # a full tensor -> its copy in host memory
 
 
 def basic_optimizer(engine) -> torch.optim.Optimizer:
@@ -108,27 +110,39 @@ def optimizer_step(engine) -> int:
 
 
 def _join_tp(
-    value: torch.Tensor, param: nn.Parameter, group: dist.ProcessGroup, device: torch.device
+    value: torch.Tensor,
+    param: nn.Parameter,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    to_host: ToHost | None = None,
 ) -> torch.Tensor:
     """The full tensor of `param` from every rank's `value`, on the CPU: joined over the
     tensor-parallel `group`, or for an expert parameter (this rank's experts) over its
     expert-parallel group. The gather runs on `device`, the engine's: an NCCL group takes device
-    tensors only, and an offloaded master or optimizer state lives on the CPU."""
+    tensors only, and an offloaded master or optimizer state lives on the CPU. `to_host` moves
+    the full tensor instead of `.cpu()` (an asynchronous save's copy: never the live tensor)."""
     shard = getattr(param, "tp_shard", None)
     if shard is None:
-        return value.cpu()
+        return value.cpu() if to_host is None else to_host(value)
     experts = getattr(param, "expert_parallel", None)
     group = experts.group if experts is not None else group
     value = value.to(device).contiguous()
     parts = [torch.empty_like(value) for _ in range(shard.size)]
     dist.all_gather(parts, value, group=group)
+    if to_host is not None:
+        return to_host(shard.combine(parts))
     return shard.combine([part.cpu() for part in parts])
 
 
 def full_state(
-    engine, module: nn.Module, keys: list[str], tp_group: dist.ProcessGroup
+    engine,
+    module: nn.Module,
+    keys: list[str],
+    tp_group: dist.ProcessGroup,
+    to_host: ToHost | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
-    """(name, full fp32 value, {key: full optimizer state}) for every parameter of `module`.
+    """(name, full fp32 value, {key: full optimizer state}) for every parameter of `module`, on
+    the CPU (`.cpu()`, which is the live tensor where it already lives there, or `to_host`).
 
     Collective: every rank of the stage (data- and tensor-parallel peers) must iterate it to the
     end, in step.
@@ -144,8 +158,11 @@ def full_state(
             master = masters.get(id(param), param)
             value = master.detach()
             states = {k: opt.state[master][_own(opt, k)] for k in keys}
-        value = _join_tp(value.float(), param, tp_group, engine.device)
-        states = {k: _join_tp(v.float(), param, tp_group, engine.device) for k, v in states.items()}
+        value = _join_tp(value.float(), param, tp_group, engine.device, to_host)
+        states = {
+            k: _join_tp(v.float(), param, tp_group, engine.device, to_host)
+            for k, v in states.items()
+        }
         yield name, value, states
 
 

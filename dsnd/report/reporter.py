@@ -14,6 +14,7 @@ import yaml
 
 from dsnd.config.ds_monitors import monitor_dir
 from dsnd.config.resolve import Resolved
+from dsnd.config.strict import as_data
 from dsnd.model.moe_config import active_share
 from dsnd.report.metrics import CsvWriter, MetricsWriter, TensorBoardWriter, WandbWriter
 from dsnd.report.progress import Progress
@@ -33,7 +34,7 @@ def save_resolved_configs(res: Resolved, log_dir: str) -> None:
     os.makedirs(log_dir, exist_ok=True)
     run = dataclasses.replace(res.run, deepspeed="deepspeed.json")  # beside config.yaml
     with open(os.path.join(log_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(mask_config(dataclasses.asdict(run)), f, sort_keys=False)
+        yaml.safe_dump(mask_config(as_data(run)), f, sort_keys=False)
     for name, ds in (("deepspeed.json", res.ds_user), ("deepspeed.resolved.json", res.ds)):
         with open(os.path.join(log_dir, name), "w", encoding="utf-8") as f:
             json.dump(mask_config(ds), f, indent=2)
@@ -99,15 +100,23 @@ def layout_text(layout: dict[str, int]) -> str:
     return " ".join(f"{k}={layout[k]}" for k in ("pp", "dp", "tp", "cp", "ep") if k in layout)
 
 
+LAYOUT_WHY_ENV = "DSND_LAYOUT_WHY"
+"""Why this start runs on the world and layout it does, as its launcher says it (an elastic
+`dsnd launch`: a host lost or back); recorded in "run_start"."""
+
+
 def start_mark(
     step: int,
     layout: dict[str, int],
     resumed_from: str | None = None,
     saved: dict[str, int] | None = None,
+    why: str | None = None,
 ) -> dict[str, Any]:
     """metrics.jsonl's "run_start", on the first row a process writes: the step it started at,
-    its layout, and for a resume the checkpoint and the layout it was saved on."""
-    return {"step": step, "layout": layout, "resumed_from": resumed_from, "saved_layout": saved}
+    its layout, for a resume the checkpoint and the layout it was saved on, and why, where the
+    launcher said (`LAYOUT_WHY_ENV`)."""
+    mark = {"step": step, "layout": layout, "resumed_from": resumed_from, "saved_layout": saved}
+    return {**mark, "why": why} if why else mark
 
 
 def mark_label(mark: dict[str, Any]) -> str | None:
@@ -131,7 +140,10 @@ def mark_text(mark: dict[str, Any]) -> str:
         return f"started at step {mark['step']} {where}"
     saved = mark.get("saved_layout")
     was = f", saved on {layout_text(saved)}" if saved else ""
-    return f"{mark_label(mark)}: at step {mark['step']} from {mark['resumed_from']} {where}{was}"
+    why = f" ({mark['why']})" if mark.get("why") else ""
+    return (
+        f"{mark_label(mark)}: at step {mark['step']} from {mark['resumed_from']} {where}{was}{why}"
+    )
 
 
 class ExpertLoadWatch:
@@ -191,7 +203,7 @@ class Reporter:
         run = res.run
         save_resolved_configs(res, run.log.dir)
         self.metrics = MetricsWriter(run.log.dir)
-        text = yaml.safe_dump(mask_config(dataclasses.asdict(run)), sort_keys=False)
+        text = yaml.safe_dump(mask_config(as_data(run)), sort_keys=False)
         self.boards: list = []  # TensorBoard (log.dir; DeepSpeed's section) and CSV writers
         self.places: list[str] = []  # where they write, for the closing line
         if run.log.tensorboard:
@@ -205,7 +217,7 @@ class Reporter:
             self.boards.append(CsvWriter(monitor_dir(monitors["csv_monitor"])))
             self.places.append(f"csv {monitor_dir(monitors['csv_monitor'])}")
         if "wandb" in monitors:
-            config = mask_config({"run": dataclasses.asdict(run), "deepspeed": res.ds})
+            config = mask_config({"run": as_data(run), "deepspeed": res.ds})
             self.boards.append(WandbWriter(monitors["wandb"], run.log.dir, config))
             self.places.append(f"wandb {os.path.join(run.log.dir, 'wandb')}")
         self.progress = Progress(run.train.steps, run.log.every)

@@ -908,3 +908,70 @@ def test_gpu_kernel_rows_compare_the_kernels_with_the_math_path_here_on_the_cpu(
     rows = {r.metric: r for r in packing_rows(cpu, torch.float32, 1, tokens=64)}
     assert rows["packing_kernel_error"].value <= 1e-5
     assert rows["packing_kernel_speedup"].value > 0
+
+
+def _checkpoint_raw() -> dict:
+    def rep(i: int, mode: str, during: list[float]) -> dict:
+        return {
+            "rep": i,
+            "timed": i > 0,
+            "mode": mode,
+            "baseline_s": [0.2, 0.2, 0.4, 0.2],  # median 0.2
+            "during_s": during,
+            "join_s": 0.0,
+        }
+
+    layout = {
+        "model": "llama",
+        "batch": "Batch(train=2, micro=2, gas=1)",
+        "seq_len": 32,
+        "zero_stage": 0,
+        "optimizer": "AdamW",
+        "device": "cpu",
+        "checkpoint_bytes": 230_000_000,
+    }
+    reps = [
+        rep(0, "sync", [9.0]),  # warm-up: left out
+        rep(0, "async", [9.0, 9.0]),
+        rep(1, "async", [0.3, 0.2, 0.22, 0.18]),  # mean 0.225: 1.125, 4 steps in flight
+        rep(1, "sync", [1.2]),  # 6x a step; the save took 5 steps' time
+        rep(2, "sync", [1.0]),  # 5x; 4 steps
+        rep(2, "async", [0.4, 0.2]),  # mean 0.3: 1.5, 2 steps
+    ]
+    return {"layout": layout, "reps": reps}
+
+
+def test_checkpoint_rows_are_step_ratios_against_steps_without_a_save():
+    from dsnd.bench.checkpoint_results import checkpoint_rows
+
+    rows = {row.metric: row for row in checkpoint_rows(_checkpoint_raw())}
+    assert list(rows) == [
+        "sync_step_ratio",
+        "sync_save_steps",
+        "async_step_ratio",
+        "async_save_steps",
+    ]
+    assert rows["sync_step_ratio"].value == pytest.approx(5.5)  # median of 6 and 5
+    assert rows["sync_save_steps"].value == pytest.approx(4.5)
+    assert rows["sync_save_steps"].met
+    assert rows["async_step_ratio"].value == pytest.approx((1.125 + 1.5) / 2)
+    assert rows["async_step_ratio"].target.text == "<= 1.2" and not rows["async_step_ratio"].met
+    assert rows["async_save_steps"].value == 3.0
+    assert all(row.bench == "checkpoint" for row in rows.values())
+    assert "230 MB per checkpoint" in rows["sync_step_ratio"].note
+
+
+def test_checkpoint_rows_need_a_timed_save_of_each_mode():
+    from dsnd.bench.checkpoint_results import checkpoint_rows
+
+    raw = _checkpoint_raw()
+    raw["reps"] = [r for r in raw["reps"] if r["mode"] == "sync"]
+    with pytest.raises(ValueError, match="no timed save of each mode"):
+        checkpoint_rows(raw)
+
+
+def test_bench_cli_knows_the_checkpoint_bench():
+    from dsnd.commands.bench import BENCHES, DEFAULT_REPS
+
+    assert BENCHES["checkpoint"][0] == "dsnd.commands.bench_memory:checkpoint"
+    assert DEFAULT_REPS["checkpoint"] == (3, 1)

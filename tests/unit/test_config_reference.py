@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from dsnd.config import reference, schema
+from dsnd.config.strict import key_of
 from tests.procs import ROOT
 
 
@@ -28,7 +29,9 @@ def test_reference_lists_every_field_with_its_doc():
             continue
         for f in dataclasses.fields(section):
             row = next(
-                line for line in table.splitlines() if line.startswith(f"| `{top.name}.{f.name}` |")
+                line
+                for line in table.splitlines()
+                if line.startswith(f"| `{top.name}.{key_of(f)}` |")
             )
             assert f.metadata["doc"] in row and row.count(" | ") == 3, row
             count += 1
