@@ -44,7 +44,8 @@ def test_a_resume_on_another_layout_is_marked_in_tensorboard(tmp_path):
     reporter = _reporter(tmp_path)
     reporter.write({**_row(1), "run_start": start_mark(0, DP2)}, {})
     reporter.write(_row(2), {})
-    reporter.write({**_row(6), "run_start": start_mark(5, PP2, "ck/step_00000005", DP2)}, {})
+    why = "restart 1 of 1 after: the agent on host h3 ended without a report"  # dsnd launch's
+    reporter.write({**_row(6), "run_start": start_mark(5, PP2, "ck/step_00000005", DP2, why)}, {})
     reporter.close()
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
@@ -59,7 +60,7 @@ def test_a_resume_on_another_layout_is_marked_in_tensorboard(tmp_path):
         (
             5,
             "resumed, layout pp 1->2 dp 2->1: at step 5 from ck/step_00000005 on pp=2 dp=1 tp=1 "
-            "cp=1 ep=1 (world 2), saved on pp=1 dp=2 tp=1 cp=1 ep=1",
+            f"cp=1 ep=1 (world 2), saved on pp=1 dp=2 tp=1 cp=1 ep=1 ({why})",
         ),
     ]
 
