@@ -26,8 +26,8 @@ from dsnd.commands.launch_preflight import host_problems
 from dsnd.config.elastic import resolve_world
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
-from dsnd.errors import EXIT_PEER_FAILED, UserError
-from dsnd.launcher.protocol import aborted
+from dsnd.errors import UserError
+from dsnd.launcher.protocol import failed_on_their_own
 from dsnd.launcher.supervisor import JobResult, supervise
 from dsnd.report.reporter import LAYOUT_WHY_ENV
 
@@ -114,8 +114,7 @@ def suspects(result: JobResult, progressed: bool) -> dict[str, str]:
     agent ended without a report, and, when the attempt trained no step, the host of the first
     rank that failed on its own (not killed by its agent, not a peer's consequence)."""
     out = {h: "its agent ended without a report in the last attempt" for h in result.lost_hosts}
-    own = [o for o in result.outcomes if o.code != 0 and not o.ended_by_agent]
-    own = [o for o in own if not aborted(o.code) and o.code != EXIT_PEER_FAILED]
+    own = failed_on_their_own(result.outcomes)
     if not progressed and own:
         host = min(own, key=lambda o: o.ended_at).host
         out.setdefault(host, "its ranks failed before the last attempt trained a step")

@@ -155,17 +155,25 @@ def diagnose(outcomes: list[RankOutcome]) -> str | None:
     return f"rank {o.rank} on host {o.host} {describe_exit(o.code)}"
 
 
-def cause_among(outcomes: list[RankOutcome]) -> bool:
-    """Whether some reported rank can have caused the failure itself: it froze, or ended on its
-    own with an error or a signal from outside, not as a consequence of a peer's failure (a
-    SIGABRT, "a peer failed first") and not killed by its agent because the job was ending.
-    When none did and a host's agent vanished, the vanished host is the cause."""
-    return any(
-        o.reason
-        or (o.ended_by_agent and o.stopped_s >= STOPPED_AFTER_S)
-        or (o.code != 0 and not o.ended_by_agent and _consequence_rank(o.code) < 2)
+def failed_on_their_own(outcomes: list[RankOutcome]) -> list[RankOutcome]:
+    """The ranks that ended with an error or a signal from outside, not as a consequence of a
+    peer's failure (a SIGABRT, "a peer failed first") and not killed by their agent because the
+    job was ending."""
+    return [
+        o
         for o in outcomes
+        if o.code != 0 and not o.ended_by_agent and _consequence_rank(o.code) < 2
+    ]
+
+
+def cause_among(outcomes: list[RankOutcome]) -> bool:
+    """Whether some reported rank can have caused the failure itself: it froze, or it failed on
+    its own (`failed_on_their_own`). When none did and a host's agent vanished, the vanished
+    host is the cause."""
+    frozen = any(
+        o.reason or (o.ended_by_agent and o.stopped_s >= STOPPED_AFTER_S) for o in outcomes
     )
+    return frozen or bool(failed_on_their_own(outcomes))
 
 
 def _consequence_rank(code: int | None) -> int:
