@@ -23,7 +23,7 @@ import threading
 
 from dsnd.commands.launch_argv import agent_launches
 from dsnd.commands.launch_preflight import host_problems
-from dsnd.config.elastic import resolve_world
+from dsnd.config.elastic import batch_fixed, resolve_world
 from dsnd.config.load import load
 from dsnd.config.resolve import Resolved, resolve
 from dsnd.errors import UserError
@@ -33,17 +33,14 @@ from dsnd.report.reporter import LAYOUT_WHY_ENV
 
 REJOIN_PROBE_S = 2.0
 PROBE_TIMEOUT_S = 20.0  # a host that does not answer the preflight within this is left out
-_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")  # what every start keeps
 
 
 def pinned_sets(config: str | None, sets: list[str], world: int) -> list[str]:
     """`sets` plus elastic.enabled and, where the DeepSpeed JSON leaves them to the world, the
     global batch and micro-batch of the whole hostfile's layout, pinned for every start."""
     loaded = load(config, sets)
-    ds = loaded.ds
     out = [*sets, "elastic.enabled=true"]
-    fixed = all(isinstance(ds.get(k), int) and not isinstance(ds.get(k), bool) for k in _KEYS)
-    if not fixed:
+    if not batch_fixed(loaded.ds):
         batch = resolve(loaded, world).batch
         out += [
             f"ds.train_batch_size={batch.train}",

@@ -83,12 +83,22 @@ def changes(want: Degrees, got: Degrees) -> list[str]:
     ]
 
 
+def _a_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def batch_fixed(ds: dict) -> bool:
+    """Whether the DeepSpeed dict fixes the global batch and the micro-batch (numbers, not
+    "auto" or absent): what every elastic layout keeps."""
+    return _a_count(ds.get(TRAIN)) and _a_count(ds.get(MICRO))
+
+
 def fixed_batch(loaded: LoadedConfig) -> tuple[int, int]:
     """(global batch, micro-batch) the DeepSpeed JSON fixes; UserError when it fixes neither."""
     ds = loaded.ds
     train, micro = ds.get(TRAIN), ds.get(MICRO)
     for key, value in ((TRAIN, train), (MICRO, micro)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _a_count(value):
             raise UserError(
                 f"{loaded.ds_path}: elastic.enabled needs {key} as a number (got {value!r}): "
                 "every layout keeps the global batch and starts from the micro-batch "
