@@ -75,16 +75,26 @@ def reference() -> list[dict]:
     return python_json(code, timeout=TIMEOUT)
 
 
-def torchrun_argv(addr: str, endpoint: str, run_id: str, log_dir: str) -> list[str]:
-    """One agent's command. `is_host` says which agent serves the rendezvous store: torch would
-    guess that every agent does (the endpoint is a loopback address) and let the later ones fall
-    back to clients."""
+def torchrun_argv(
+    addr: str,
+    endpoint: str,
+    run_id: str,
+    log_dir: str,
+    nnodes: str = "2",
+    nproc: int = 2,
+    conf: str = "",
+    sets: tuple[str, ...] = (f"deepspeed={ZERO3}", *SETS),
+) -> list[str]:
+    """One agent's command (`conf`: more --rdzv-conf, `sets`: the run's --set items after
+    parallel.pp=2 and log.dir). `is_host` says which agent serves the rendezvous store: torch
+    would guess that every agent does (the endpoint is a loopback address) and let the later
+    ones fall back to clients."""
     return [
         "torchrun",
         "--nnodes",
-        "2",
+        nnodes,
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -96,17 +106,15 @@ def torchrun_argv(addr: str, endpoint: str, run_id: str, log_dir: str) -> list[s
         "--local-addr",
         addr,
         "--rdzv-conf",
-        f"is_host={int(addr == '127.0.0.1')}",
+        f"is_host={int(addr == '127.0.0.1')}{conf}",
         "-m",
         "dsnd",
         "train",
         "--set",
         "parallel.pp=2",
         "--set",
-        f"deepspeed={ZERO3}",
-        "--set",
         f"log.dir={log_dir}",
-        *[a for s in SETS for a in ("--set", s)],
+        *[a for s in sets for a in ("--set", s)],
     ]
 
 

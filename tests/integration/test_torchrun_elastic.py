@@ -28,7 +28,7 @@ import pytest
 from tests.cluster import processes_with_env
 from tests.integration.conftest import ELASTIC_SETS
 from tests.integration.test_elastic import _close, _last_of_each_step
-from tests.integration.test_torchrun import REMOTE_ENV, TAG, logged, start
+from tests.integration.test_torchrun import REMOTE_ENV, TAG, logged, start, torchrun_argv
 from tests.procs import ROOT, free_port, metrics_rows, rank_env
 
 SHARE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -44,36 +44,16 @@ SETS = (*ELASTIC_SETS, "checkpoint.resume=never", "dist.timeout_s=20")
 def _argv(addr: str, endpoint: str, run_id: str, log_dir: str) -> list[str]:
     # (torch's keep-alive defaults, 3 missed heartbeats of 5 s: with shorter ones a busy
     # agent was taken for dead, and the joining node formed a job of its own)
-    conf = f"is_host={int(addr == '127.0.0.1')},last_call_timeout=3"
-    return [
-        "torchrun",
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        run_id,
-        "--max-restarts",
-        "1",
-        "--local-addr",
+    return torchrun_argv(
         addr,
-        "--rdzv-conf",
-        conf,
-        "-m",
-        "dsnd",
-        "train",
-        "--set",
-        "parallel.pp=2",
-        "--set",
-        "elastic.enabled=true",
-        "--set",
-        f"log.dir={log_dir}",
-        *[a for s in SETS for a in ("--set", s)],
-    ]
+        endpoint,
+        run_id,
+        log_dir,
+        nnodes="1:2",
+        nproc=1,
+        conf=",last_call_timeout=3",
+        sets=("elastic.enabled=true", *SETS),
+    )
 
 
 def _remote(cluster, env, endpoint, run_id, log_dir, log_path):
