@@ -2,7 +2,8 @@
 
 Same layout: 10 steps straight equal 5 steps, a save, a new `train` that resumes (auto) and 5
 more — float equality of every loss, gradient norm and learning rate, pp=2 x dp=2 at ZeRO-1
-and ZeRO-3. Reshape: a checkpoint saved at pp=2 x dp=2 ZeRO-3 step 5 resumed at pp=1 x dp=4
+and ZeRO-3, and at ZeRO-3 with checkpoint.async (against the synchronous straight run).
+Reshape: a checkpoint saved at pp=2 x dp=2 ZeRO-3 step 5 resumed at pp=1 x dp=4
 (ZeRO-1), pp=4 x dp=1 (ZeRO-0), tp=2 x pp=2 (ZeRO-3), interleaved 1F1B (two chunks per
 stage, ZeRO-1) and ZB-H1 (ZeRO-2) continues the uninterrupted run within
 1e-4 (the optimizer state moves too: without it the losses would differ from step 6 on).
@@ -32,8 +33,9 @@ def _exact_cases(tag: str, zero: int, *sets: str) -> list[dict]:
     return [straight, first, rest]
 
 
-def _assert_exact(got: dict, tag: str) -> None:
-    full = got[f"straight-{tag}"]
+def _assert_exact(got: dict, tag: str, straight: str | None = None) -> None:
+    """The halves of `tag` equal the straight run of `straight` (default: `tag`'s own)."""
+    full = got[f"straight-{straight or tag}"]
     assert [r["step"] for r in full] == list(range(1, 11)), tag
     first, second = got[f"halves-{tag}"], got[f"halves-{tag}-rest"]
     assert [r["step"] for r in second] == list(range(6, 11)), tag
@@ -111,6 +113,8 @@ def test_resume_is_exact_and_reshapes(tmp_path):
                 ),
             ),
             *_exact_cases("z3", 3, *PP2),
+            # the same halves with checkpoint.async (its collectives under the NCCL replay)
+            *_exact_cases("z3-async", 3, *PP2, "checkpoint.async=true")[1:],
             *reshaped,
             # bf16: the fp32 masters are saved, the bf16 weights restored from them
             *_exact_cases("bf16-z0", 0, *bf16),  # FP16_UnfusedOptimizer (fp16/fp32 group lists)
@@ -119,6 +123,7 @@ def test_resume_is_exact_and_reshapes(tmp_path):
     )
     for tag in ("z1", "z3", "bf16-z0", "bf16-z2"):
         _assert_exact(got, tag)
+    _assert_exact(got, "z3-async", straight="z3")  # asynchronous saves resume bit for bit
     _assert_new_betas_apply(got)
     want = got["straight-z3"][5:]
     for c in reshaped:
