@@ -172,6 +172,9 @@ def choose(loaded: LoadedConfig, world: int) -> Choice:
         if ok:
             d, best = min(ok, key=lambda x: x[1].state_bytes)
             best.changed = changes(want, d)
+            written = loaded.ds.get(GAS)  # the JSON's accumulation steps, derived here: said
+            if written is not None and written != best.res.batch.gas:
+                best.changed.append(f"{GAS} {written}->{best.res.batch.gas}")
             return best
     nearest = f": nearest {label(refused[0][0])}: {refused[0][1]}" if refused else ""
     raise UserError(

@@ -62,3 +62,9 @@ def test_not_elastic_is_plain_resolve():
     assert line is None and res.batch == (16, 2, 4)
     with pytest.raises(UserError, match="divide"):
         resolve_world(load(None, ["parallel.pp=2", "ds.train_batch_size=12"]), 8)
+
+
+def test_the_json_accumulation_steps_that_change_are_named():
+    sets = [*BASE, "parallel.pp=2", "ds.gradient_accumulation_steps=2"]
+    assert choose(load(None, sets), 6).changed == []  # 12 = 2 x 2 x dp 3: as written
+    assert choose(load(None, sets), 4).changed == ["gradient_accumulation_steps 2->3"]
